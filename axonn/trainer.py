@@ -1,0 +1,363 @@
+"""The training loop: one story from batch to optimizer step, serial or on a 4D grid.
+
+The trainer knows nothing about memorization research: it sees batches of token rows, an optional
+label transform (goldfish plugs in there), and honours ignore_index=-100 in the loss. With a
+`ProcessGrid` it gives each rank its shard of every global batch and lets the engine reduce
+gradients, so the optimizer sees exactly the serial gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from axonn.config import fail
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and loop settings (global batch = rows per optimizer step over all ranks)."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int = 0  # > 0 overrides epochs
+    eval_every: int = 0  # optimizer steps; 0 = only at the end
+    eval_batch_size: int = 32
+    seed: int = 0
+    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+    device: str = "auto"
+    progress: bool = True
+
+    def validate(self, prefix: str = "trainer") -> None:
+        """Raise ConfigError on out-of-range values."""
+        positive = {"lr": self.lr, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
+                    "eval_batch_size": self.eval_batch_size}
+        for name, value in positive.items():
+            if value <= 0:
+                raise fail(f"{prefix}.{name}", value, "must be > 0")
+        for name in ("warmup_steps", "max_steps", "eval_every", "epochs", "seed"):
+            if getattr(self, name) < 0:
+                raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise fail(f"{prefix}.epochs", 0, "set epochs >= 1 or max_steps >= 1")
+        if self.batch_size % self.grad_accum:
+            raise fail(f"{prefix}.grad_accum", self.grad_accum,
+                       f"must divide batch_size={self.batch_size} (micro-batch = batch_size/grad_accum)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise fail(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "must be within [0, 1]")
+        if self.grad_clip < 0:
+            raise fail(f"{prefix}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
+
+
+class RowDataset(Protocol):
+    """Anything with __len__ and __getitem__(index tensor) -> dict of [n, T] tensors."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]: ...
+
+
+class MetricSink(Protocol):
+    """Receives one metrics dict per optimizer step (and eval results)."""
+
+    def log(self, metrics: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The deterministic row order of one epoch (same on every rank)."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=gen)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to min_ratio at `total`."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step measured (summed over the grid)."""
+
+    loss_sum: float = 0.0
+    supervised: int = 0
+    dropped_loss_sum: float = 0.0
+    dropped: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class TrainState:
+    """Where the loop is: enough to resume exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens: int = 0
+    history: list = field(default_factory=list)
+
+
+class Trainer:
+    """AdamW + warmup/cosine + clipping + accumulation over a RowDataset, serial or on a grid."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainerConfig,
+        train_data: RowDataset,
+        *,
+        eval_data: RowDataset | None = None,
+        label_transform: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None,
+        grid: Any = None,
+        sinks: list[MetricSink] | None = None,
+    ):
+        cfg.validate()
+        if len(train_data) == 0:
+            raise fail("train_data", 0, "no training rows; check the corpus and block length")
+        self.cfg, self.model, self.train_data, self.eval_data = cfg, model, train_data, eval_data
+        self.label_transform, self.grid, self.sinks = label_transform, grid, sinks or []
+        self.device = grid.device if grid is not None else resolve_device(cfg.device)
+        shards = grid.batch_shards if grid is not None else 1
+        micro = cfg.batch_size // cfg.grad_accum
+        if micro % shards:
+            raise fail("trainer.batch_size", cfg.batch_size,
+                       f"batch_size/grad_accum={micro} must be divisible by the {shards} batch shards of "
+                       "the grid (z*data in the engine); raise batch_size")
+        self.model.to(self.device)
+        self.optimizer = self._make_optimizer()
+        self.steps_per_epoch = max(1, len(train_data) // cfg.batch_size)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_lambda(s, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
+        self.state = TrainState()
+        use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 \
+            else contextlib.nullcontext
+
+    # -- setup -------------------------------------------------------------------------------
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2),
+                                 foreach=False)
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that writes files and logs."""
+        return self.grid is None or self.grid.is_main
+
+    # -- batches -----------------------------------------------------------------------------
+    def _global_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Global batches from the current position on (every rank builds the same ones)."""
+        n, bs = len(self.train_data), self.cfg.batch_size
+        while True:
+            order = epoch_order(n, self.cfg.seed, self.state.epoch)
+            while self.state.batch_in_epoch < self.steps_per_epoch:
+                start = self.state.batch_in_epoch * bs
+                yield self.train_data[order[start:start + bs]]
+                self.state.batch_in_epoch += 1
+            self.state.epoch += 1
+            self.state.batch_in_epoch = 0
+
+    def _shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of a (micro-)batch along rows."""
+        if self.grid is None or self.grid.batch_shards == 1:
+            return t
+        rows = t.shape[0] // self.grid.batch_shards
+        i = self.grid.batch_shard_index
+        return t[i * rows:(i + 1) * rows]
+
+    # -- loss --------------------------------------------------------------------------------
+    def _ce_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of CE over non-ignored targets, their count) for this rank's rows."""
+        if self.grid is not None:
+            import axonn
+            return axonn.cross_entropy(logits, targets, self.grid, ignore_index=IGNORE_INDEX)
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, (targets != IGNORE_INDEX).sum()
+
+    def _reduce(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a small metrics vector over batch shards."""
+        if self.grid is None or self.grid.batch_shards == 1:
+            return values
+        import axonn
+        return axonn.all_reduce_sum(values, self.grid, group="batch")
+
+    # -- one optimizer step ------------------------------------------------------------------
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepStats:
+        """Forward/backward over the micro-batches of one global batch, then one optimizer step."""
+        cfg, model = self.cfg, self.model
+        model.train()
+        base = batch["labels"] if "labels" in batch else batch["input_ids"]
+        labels = self.label_transform(batch) if self.label_transform is not None else base
+        # Normalise by supervised tokens of the whole global batch (known on every rank).
+        supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        dropped_mask = (base != IGNORE_INDEX) & (labels == IGNORE_INDEX)
+        denom = max(supervised, 1)
+        sums = torch.zeros(3, dtype=torch.float64)
+        micro = cfg.batch_size // cfg.grad_accum
+        for m in range(cfg.grad_accum):
+            rows = slice(m * micro, (m + 1) * micro)
+            ids = self._shard(batch["input_ids"][rows]).to(self.device)
+            tgt = self._shard(labels[rows])[:, 1:].to(self.device)
+            dropped_tgt = self._shard(torch.where(dropped_mask[rows], base[rows], IGNORE_INDEX))
+            with self._autocast():
+                logits = model(input_ids=ids).logits[:, :-1]
+            loss_sum, _ = self._ce_sum(logits, tgt)
+            (loss_sum / denom).backward()
+            with torch.no_grad():
+                d_sum, d_cnt = self._ce_sum(logits.detach(), dropped_tgt[:, 1:].to(self.device))
+            sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)
+        if self.grid is not None:
+            import axonn
+            axonn.sync_gradients(model, self.grid)
+        if cfg.grad_clip > 0:
+            if self.grid is not None:
+                import axonn
+                axonn.clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        loss_sum, d_sum, d_cnt = self._reduce(sums).tolist()
+        tokens = int((base != IGNORE_INDEX).sum())  # real (non-pad) tokens of the global batch
+        return StepStats(loss_sum, supervised, d_sum, int(d_cnt), tokens)
+
+    # -- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, data: RowDataset | None = None) -> float:
+        """Token-weighted mean cross-entropy on held-out rows (standard labels, no transform)."""
+        data = data if data is not None else self.eval_data
+        if data is None:
+            return float("nan")
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        bs = self.cfg.eval_batch_size
+        shards = self.grid.batch_shards if self.grid is not None else 1
+        bs = max(shards, bs - bs % shards)
+        for start in range(0, len(data), bs):
+            batch = data[torch.arange(start, min(start + bs, len(data)))]
+            ids, lab = batch["input_ids"], batch.get("labels", batch["input_ids"])
+            pad = (-ids.shape[0]) % shards  # ragged tail: pad with ignored rows so shards stay equal
+            if pad:
+                ids = torch.cat([ids, ids[:1].expand(pad, -1)])
+                lab = torch.cat([lab, torch.full_like(lab[:1], IGNORE_INDEX).expand(pad, -1)])
+            with self._autocast():
+                logits = self.model(input_ids=self._shard(ids).to(self.device)).logits[:, :-1]
+            s, c = self._ce_sum(logits, self._shard(lab)[:, 1:].to(self.device))
+            total += torch.tensor([s.item(), c.item()], dtype=torch.float64)
+        s, c = self._reduce(total).tolist()
+        self.model.train()
+        return s / max(c, 1.0)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _emit(self, metrics: dict[str, Any]) -> None:
+        self.state.history.append(metrics)
+        if self.is_main:
+            for sink in self.sinks:
+                sink.log(metrics)
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Train to total_steps; return the per-step metrics history."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step",
+                   disable=not (cfg.progress and self.is_main), dynamic_ncols=True)
+        batches = self._global_batches()
+        t0, tokens0 = time.perf_counter(), self.state.tokens
+        while self.state.step < self.total_steps:
+            batch = next(batches)
+            lr = self.optimizer.param_groups[0]["lr"]
+            stats = self.train_step(batch)
+            self.state.step += 1
+            self.state.tokens += stats.tokens
+            elapsed = time.perf_counter() - t0
+            tps = (self.state.tokens - tokens0) / max(elapsed, 1e-9)
+            metrics = {
+                "step": self.state.step, "epoch": self.state.epoch, "loss": stats.loss_sum / max(stats.supervised, 1),
+                "lr": lr, "tokens": self.state.tokens, "supervised_tokens": stats.supervised,
+                "tokens_per_s": tps,
+            }
+            if stats.dropped:
+                metrics["dropped_loss"] = stats.dropped_loss_sum / stats.dropped
+                metrics["dropped_tokens"] = stats.dropped
+            if cfg.eval_every and self.state.step % cfg.eval_every == 0 and self.eval_data is not None:
+                metrics["val_loss"] = self.evaluate()
+            self._emit(metrics)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
+            bar.update(1)
+        bar.close()
+        return self.state.history
+
+    def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
+        """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""
+        out = Path(out_dir)
+        model = self.model
+        if self.grid is not None:
+            import axonn
+            state = axonn.full_state_dict(model)
+            if not self.is_main:
+                return out
+            model = axonn.serial_copy(model, state)
+        if self.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+        return out
+
+
+class JsonlSink:
+    """Append one JSON object per metrics dict to a file (flushed every line)."""
+
+    def __init__(self, path: str | Path):
+        import json
+
+        self._json = json
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Write one line."""
+        self._fh.write(self._json.dumps(metrics) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._fh.close()

@@ -1,0 +1,150 @@
+"""The `memorize` command line: demo, train, eval (bad input -> one line on stderr, exit 2)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from axonn.config import ConfigError, fail
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as a one-line ConfigError."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{self.prog}: {message}; see --help")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    p.add_argument("--grid", default=None, help="X,Y,Z,DATA parallel grid (launch with torchrun), or auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = _Parser(prog="memorize", description="Memorization research on a 4D hybrid-parallel trainer.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="standard vs goldfish loss on Wikipedia leads (the main job)")
+    d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    d.add_argument("--epochs", type=int, default=None, help="epochs per run (default from the config: 60)")
+    d.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. trainer.lr=5e-4")
+    _add_common(d)
+
+    t = sub.add_parser("train", help="train one run from a YAML config")
+    t.add_argument("config", help="YAML run config, e.g. configs/train/tiny-wiki.yaml")
+    t.add_argument("--out", default=None, help="output folder (default runs/<name>)")
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides epochs)")
+    t.add_argument("overrides", nargs="*", help="config overrides key=value")
+    _add_common(t)
+
+    e = sub.add_parser("eval", help="extraction eval of a saved model on a corpus")
+    e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
+    e.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")
+    e.add_argument("--prefix", type=int, default=32, help="prefix tokens P (default 32)")
+    e.add_argument("--suffix", type=int, default=32, help="suffix tokens S to decode (default 32)")
+    e.add_argument("--max-tokens", type=int, default=0, help="cut documents to this many tokens first")
+    e.add_argument("--limit", type=int, default=0, help="first N documents only")
+    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--beams", type=int, default=1, help="beam search width (1 = greedy)")
+    e.add_argument("--out", default=None, help="output folder (default: print the summary only)")
+    e.add_argument("--overwrite", action="store_true")
+    return parser
+
+
+def _positive(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise fail(name, value, f"must be >= {minimum}")
+
+
+def _grid(spec: str | None, cfg=None):
+    """Initialise the process grid for --grid (None for a serial run)."""
+    if spec is None and (cfg is None or cfg.grid in ("", "1,1,1,1")):
+        return None
+    import axonn
+
+    spec = spec or cfg.grid
+    return axonn.init_from_spec(spec, model_config=None)
+
+
+def cmd_demo(args) -> int:
+    """Run the demo."""
+    from memorization.demo import run_demo
+
+    _positive("--epochs", args.epochs)
+    run_demo(args.out, epochs=args.epochs, overwrite=args.overwrite, overrides=args.overrides,
+             grid=_grid(args.grid))
+    return 0
+
+
+def cmd_train(args) -> int:
+    """Train one run."""
+    from dataclasses import replace
+
+    from memorization.config import load_run_config
+    from memorization.pipeline import run_training
+
+    cfg = load_run_config(args.config, args.overrides)
+    _positive("--steps", args.steps)
+    if args.steps:
+        cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=args.steps))
+    out = args.out or f"runs/{cfg.name}"
+    summary = run_training(cfg, out, overwrite=args.overwrite, grid=_grid(args.grid, cfg))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """Extraction eval of a saved model; writes OUT/extraction.jsonl and OUT/summary.json."""
+    for name in ("--prefix", "--suffix", "--batch-size", "--beams"):
+        _positive(name, getattr(args, name[2:].replace("-", "_")))
+    from data_pipelines import load_corpus, tokenize_documents
+    from memorization.pipeline import prepare_out_dir
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise fail("--model", args.model, "not a Hugging Face model folder (no config.json); "
+                   "pass OUT/model of a training run")
+    docs = load_corpus(args.corpus, limit=args.limit or None)
+    out = prepare_out_dir(args.out, args.overwrite) if args.out else None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evals import extract, summarize
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokens, kept = tokenize_documents(docs, tok, max_tokens=args.max_tokens or None)
+    results = extract(model, tokens, prefix_len=args.prefix, suffix_len=args.suffix, tokenizer=tok,
+                      batch_size=args.batch_size, num_beams=args.beams, doc_ids=[docs[i].id for i in kept],
+                      progress=True)
+    summary = {"model": str(model_dir), "corpus": args.corpus, "prefix": args.prefix,
+               "suffix": args.suffix, **summarize(results)}
+    if out is not None:
+        with open(out / "extraction.jsonl", "w", encoding="utf-8") as fh:
+            for r in results:
+                fh.write(json.dumps(r.to_dict()) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: returns the exit code (2 on bad input, with one line on stderr)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The run config: one typed dataclass tree loaded from YAML with `a.b=c` overrides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from axonn.config import ConfigError, apply_overrides, build, fail, load_yaml
+from axonn.trainer import TrainerConfig
+from memorization.goldfish import GoldfishConfig
+
+PACKING = ("per-document", "packed")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class DataConfig:
+    """Which text, which tokenizer, and how it becomes rows."""
+
+    corpus: str = "wiki-leads"
+    text_field: str = "text"
+    limit: int = 0  # 0 = every document
+    tokenizer: str = "bpe"  # bpe (trained on the corpus), gpt2, or a local tokenizer/model dir
+    vocab_size: int = 4096  # for bpe
+    block_len: int = 128
+    packing: str = "per-document"  # one document per row (cut to block_len) or packed blocks
+    min_tokens: int = 64  # drop documents shorter than this (extraction needs prefix + suffix)
+    held_out: str = "lee-news"  # corpus for validation loss; "" = split held_out_fraction off corpus
+    held_out_fraction: float = 0.0
+    held_out_limit: int = 100
+
+    def validate(self, prefix: str = "data") -> None:
+        """Range checks."""
+        if self.packing not in PACKING:
+            raise fail(f"{prefix}.packing", self.packing, f"choose one of {', '.join(PACKING)}")
+        for name in ("block_len", "vocab_size"):
+            if getattr(self, name) < 2:
+                raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 2")
+        for name in ("limit", "min_tokens", "held_out_limit"):
+            if getattr(self, name) < 0:
+                raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        if not 0.0 <= self.held_out_fraction < 1.0:
+            raise fail(f"{prefix}.held_out_fraction", self.held_out_fraction, "must be within [0, 1)")
+
+
+@dataclass
+class ModelConfig:
+    """A zoo name (configs/models), smollm2-135m, or a local HF model directory."""
+
+    name: str = "tiny"
+    overrides: dict = field(default_factory=dict)  # HF config fields, e.g. {num_hidden_layers: 2}
+
+
+@dataclass
+class EvalConfig:
+    """Extraction protocol run after training on every training document."""
+
+    extraction: bool = True
+    prefix: int = 32
+    suffix: int = 32
+    batch_size: int = 32
+    num_beams: int = 1
+
+    def validate(self, prefix: str = "eval") -> None:
+        """Range checks."""
+        for name in ("prefix", "suffix", "batch_size", "num_beams"):
+            if getattr(self, name) < 1:
+                raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: offline by default (no network needed; `wandb sync` uploads later)."""
+
+    mode: str = "offline"
+    project: str = "memorize"
+    entity: str = ""
+    group: str = ""
+    tags: list[str] = field(default_factory=list)
+
+    def validate(self, prefix: str = "wandb") -> None:
+        """Mode check."""
+        if self.mode not in WANDB_MODES:
+            raise fail(f"{prefix}.mode", self.mode, f"choose one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs."""
+
+    name: str = "run"
+    seed: int = 0
+    grid: str = "1,1,1,1"  # X,Y,Z,DATA tensor/data parallel grid, or "auto"
+    parallel_mode: str = "easy"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    goldfish: GoldfishConfig = field(default_factory=GoldfishConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "") -> None:
+        """Cross-section checks."""
+        if self.parallel_mode not in ("easy", "paired"):
+            raise fail("parallel_mode", self.parallel_mode, "choose easy or paired")
+        if self.eval.extraction and self.eval.prefix + self.eval.suffix > self.data.block_len:
+            raise fail("eval.prefix+eval.suffix", self.eval.prefix + self.eval.suffix,
+                       f"must fit in data.block_len={self.data.block_len}; shorten them or raise block_len")
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a RunConfig from YAML (or defaults when path is None) and apply overrides."""
+    data = load_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides or [])
+    return build(RunConfig, data)
+
+
+__all__ = ["RunConfig", "DataConfig", "ModelConfig", "EvalConfig", "WandbConfig", "ConfigError",
+           "load_run_config"]

@@ -1,0 +1,196 @@
+"""Goldfish loss (Hans et al., NeurIPS 2024) as a label transform.
+
+A goldfish model is never supervised on a pseudo-random subset of tokens, so it cannot reproduce a
+training document verbatim. We express that as a transform on HF-convention labels (label at t is
+the token at t, predicted from positions < t): dropped positions become -100, so every
+cross-entropy in the project -- serial or vocab-parallel -- honours goldfish unchanged.
+
+Strategies
+- ``hash`` (default): drop position t iff a keyed hash of the h token ids *before* t falls in the
+  lowest 1/k of its range. It depends on token ids only, so the same context always gets the same
+  decision whatever its position, packing, batch, rank, device or epoch -- repeated documents never
+  leak their dropped tokens. Positions with fewer than h preceding tokens of their own document are
+  never dropped, so the context never crosses a document boundary when ``doc_ids`` is given.
+- ``static``: drop every k-th position of a document (offsets k-1, 2k-1, ... within the document).
+- ``hash-table``: the reference implementation's formula, for comparison with published runs:
+  table = torch.rand(1_000_003) from a CPU generator seeded 2971215073; key = wrapping int64 product
+  of the h ids in the window *ending at* t, mod 1_000_003; drop iff table[key] < 1/k; the first h-1
+  positions of a row are never dropped. Its known flaws are kept on purpose (the key includes the
+  dropped token, products are order-invariant and collapse on id 0, windows cross documents).
+- ``random``: drop each position with probability 1/k from a seeded generator. Leaky: a document
+  seen in several epochs or copies gets different tokens dropped each time, so the union of what is
+  supervised covers the whole document. Provided only as the paper's negative control.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from axonn.config import fail
+
+IGNORE_INDEX = -100
+STRATEGIES = ("hash", "static", "hash-table", "random")
+
+# Keyed multipliers for the context hash: fixed constants (not an RNG draw) so the mask is the same
+# on every torch version, device and machine. Values are < 2**31 so id * a stays inside int64.
+_PRIME = 2_147_483_647  # 2**31 - 1
+_MIX = 0x45D9F3B
+_TABLE_SIZE = 1_000_003
+_TABLE_SEED = 2971215073
+
+
+@dataclass
+class GoldfishConfig:
+    """Goldfish settings: `enabled` off means standard loss."""
+
+    enabled: bool = False
+    strategy: str = "hash"
+    k: int = 4
+    h: int = 13
+    seed: int = 0  # only the `random` strategy uses it
+    token_budget: bool = False  # train k/(k-1) longer so supervised tokens match standard loss
+
+    def validate(self, prefix: str = "goldfish") -> None:
+        """Raise ConfigError on out-of-range settings."""
+        check_params(self.strategy, self.k, self.h, prefix)
+
+
+def check_params(strategy: str, k: int, h: int, prefix: str = "goldfish") -> None:
+    """Validate goldfish parameters with house-style errors."""
+    if strategy not in STRATEGIES:
+        raise fail(f"{prefix}.strategy", strategy, f"choose one of {', '.join(STRATEGIES)}")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 2:
+        raise fail(f"{prefix}.k", k, "k must be an integer >= 2 (drop 1 token in k; the paper uses 4)")
+    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+        raise fail(f"{prefix}.h", h, "h must be an integer >= 1 (hash context width; the paper uses 13)")
+
+
+def _multipliers(h: int) -> list[int]:
+    """Deterministic per-offset multipliers in [1, 2**31 - 1) (an LCG, not torch's RNG)."""
+    out, state = [], 0x9E3779B9
+    for _ in range(h):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(1 + (state >> 33) % (_PRIME - 1))
+    return out
+
+
+def _offsets_in_document(shape: tuple[int, int], doc_ids: torch.Tensor | None, device) -> torch.Tensor:
+    """Number of preceding tokens of the same document for every position (row start resets)."""
+    b, t = shape
+    pos = torch.arange(t, device=device).expand(b, t)
+    if doc_ids is None:
+        return pos
+    starts = torch.ones((b, t), dtype=torch.bool, device=device)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    # index of the most recent document start at or before each position
+    last_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return pos - last_start
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche finaliser in int64 arithmetic (identical on every device)."""
+    m = 0xFFFFFFFF
+    x = x & m
+    x = ((x ^ (x >> 16)) * _MIX) & m
+    x = ((x ^ (x >> 16)) * _MIX) & m
+    return x ^ (x >> 16)
+
+
+def _hash_drop(ids: torch.Tensor, k: int, h: int) -> torch.Tensor:
+    """Drop decision from the h ids strictly before each position (garbage where t < h)."""
+    b, t = ids.shape
+    key = torch.zeros((b, t), dtype=torch.int64, device=ids.device)
+    for j, a in enumerate(_multipliers(h), start=1):
+        if j > t:
+            break
+        shifted = torch.zeros_like(key)
+        shifted[:, j:] = ids[:, :-j] % _PRIME
+        key = (key + shifted * a) % _PRIME
+    digest = _mix32(key * 0x2545F491 % _PRIME + h)
+    return digest < (1 << 32) // k
+
+
+def _hash_table(device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(_TABLE_SEED)
+    return torch.rand(_TABLE_SIZE, generator=gen).to(device)
+
+
+def _hash_table_drop(ids: torch.Tensor, k: int, h: int) -> torch.Tensor:
+    """The reference formula: table[prod(window ending at t) % 1_000_003] < 1/k."""
+    b, t = ids.shape
+    drop = torch.zeros((b, t), dtype=torch.bool, device=ids.device)
+    if t < h:
+        return drop
+    windows = ids.unfold(1, h, 1)  # [b, t-h+1, h]; window i ends at position i + h - 1
+    keys = torch.prod(windows, dim=-1) % _TABLE_SIZE  # wraps in int64 like the reference
+    drop[:, h - 1:] = _hash_table(ids.device)[keys] < 1.0 / k
+    return drop
+
+
+def goldfish_mask(
+    input_ids: torch.Tensor,
+    *,
+    strategy: str = "hash",
+    k: int = 4,
+    h: int = 13,
+    doc_ids: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Boolean [B, T] mask, True where the goldfish strategy drops the label."""
+    check_params(strategy, k, h)
+    ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
+    ids = ids.long()
+    docs = None if doc_ids is None else (doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0))
+    if strategy == "hash-table":
+        drop = _hash_table_drop(ids, k, h)
+    else:
+        offset = _offsets_in_document(tuple(ids.shape), docs, ids.device)
+        if strategy == "static":
+            drop = (offset + 1) % k == 0
+        elif strategy == "hash":
+            drop = _hash_drop(ids, k, h) & (offset >= h)
+        else:  # random
+            noise = torch.rand(ids.shape, generator=generator, device="cpu").to(ids.device)
+            drop = noise < 1.0 / k
+    return drop if input_ids.dim() == 2 else drop.squeeze(0)
+
+
+def goldfish_labels(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    strategy: str = "hash",
+    k: int = 4,
+    h: int = 13,
+    doc_ids: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Labels (default: input_ids) with the goldfish-dropped positions set to -100."""
+    base = input_ids if labels is None else labels
+    drop = goldfish_mask(input_ids, strategy=strategy, k=k, h=h, doc_ids=doc_ids, generator=generator)
+    return base.masked_fill(drop, IGNORE_INDEX)
+
+
+class GoldfishTransform:
+    """A batch -> labels callable for the trainer (the trainer never learns the word goldfish)."""
+
+    def __init__(self, cfg: GoldfishConfig, seed: int = 0):
+        cfg.validate()
+        self.cfg = cfg
+        self._gen = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + seed)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Return the goldfish-masked labels for a batch dict (input_ids, labels, doc_ids)."""
+        return goldfish_labels(
+            batch["input_ids"], batch.get("labels"), strategy=self.cfg.strategy, k=self.cfg.k,
+            h=self.cfg.h, doc_ids=batch.get("doc_ids"), generator=self._gen,
+        )
+
+    def state_dict(self) -> dict:
+        """RNG state (only `random` consumes it) for exact resume."""
+        return {"generator": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the RNG state saved by state_dict."""
+        self._gen.set_state(state["generator"])

@@ -1,0 +1,183 @@
+"""One training run end to end: corpus -> tokenizer -> rows -> model -> trainer -> evals -> files."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axonn.config import fail, to_dict
+from axonn.trainer import JsonlSink, Trainer
+from memorization.config import RunConfig
+from memorization.goldfish import GoldfishTransform
+from memorization.models import build_model, count_params
+
+RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json")
+
+
+def check_out_dir(out: str | Path, overwrite: bool) -> list[str]:
+    """Raise unless `out` can take new results; return the result entries overwrite would replace."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise fail("--out", str(out), "exists and is not a directory; choose another path")
+    taken = [name for name in RESULT_FILES if (path / name).exists()]
+    if taken and not overwrite:
+        raise fail("--out", str(out), f"already holds results ({', '.join(taken)}); choose a new "
+                   "folder or pass --overwrite")
+    return taken
+
+
+def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
+    """Create `out` for new results (after check_out_dir), clearing old ones when overwrite is set."""
+    path = Path(out)
+    taken = check_out_dir(out, overwrite)
+    if taken:
+        import shutil
+
+        for name in taken:
+            target = path / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class PreparedData:
+    """Token rows ready for the trainer, with what evals need to find the documents again."""
+
+    tokenizer: Any
+    train: Any  # data_pipelines.Blocks
+    train_docs: list[list[int]]  # the token lists the model was trained on (as cut to block_len)
+    train_doc_ids: list[str]
+    held_out: Any | None
+
+
+def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
+    """Load the corpus, build the tokenizer, and cut documents into rows."""
+    from data_pipelines import load_corpus, load_tokenizer, pack, per_document, split_documents, tokenize_documents
+
+    d = cfg.data
+    docs = load_corpus(d.corpus, text_field=d.text_field, limit=d.limit or None)
+    held_docs = None
+    if not d.held_out and d.held_out_fraction > 0:
+        docs, held_docs = split_documents(docs, d.held_out_fraction, cfg.seed)
+    tok = load_tokenizer(d.tokenizer, texts=[doc.text for doc in docs], vocab_size=d.vocab_size)
+    cut = d.block_len if d.packing == "per-document" else None
+    tokens, kept = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
+    if not tokens:
+        raise fail("data.min_tokens", d.min_tokens, f"no document of '{d.corpus}' is that long; lower it")
+    if check_lengths and cfg.eval.extraction:
+        need = cfg.eval.prefix + cfg.eval.suffix
+        longest = max(len(t) for t in tokens)
+        if longest < need:
+            raise fail("eval.prefix+eval.suffix", need,
+                       f"longer than every training document (longest {longest} tokens); shorten them")
+    eos = tok.eos_token_id
+    rows = per_document(tokens, d.block_len, eos) if d.packing == "per-document" else pack(tokens, d.block_len, eos)
+    held = None
+    if d.held_out:
+        held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
+    if held_docs:
+        held_tokens, _ = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
+        held = per_document(held_tokens, d.block_len, eos)
+    return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held)
+
+
+def effective_trainer(cfg: RunConfig):
+    """The trainer config, stretched by k/(k-1) when goldfish trains on a supervised-token budget."""
+    from dataclasses import replace
+
+    t = cfg.trainer
+    g = cfg.goldfish
+    if g.enabled and g.token_budget:
+        factor = g.k / (g.k - 1)
+        if t.max_steps:
+            return replace(t, max_steps=math.ceil(t.max_steps * factor))
+        return replace(t, epochs=math.ceil(t.epochs * factor))
+    return t
+
+
+def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: Any = None,
+                 data: PreparedData | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json."""
+    is_main = grid is None or grid.is_main
+    check_out_dir(out, overwrite)  # bad input fails before anything is written
+    data = data or prepare_data(cfg)
+    model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
+                        overrides=cfg.model.overrides)
+    out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
+    if grid is not None:
+        import axonn
+
+        model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
+    tcfg = effective_trainer(cfg)
+    tcfg.progress = tcfg.progress and progress
+    transform = GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled else None
+    sinks: list[Any] = []
+    wb = None
+    if is_main:
+        sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
+        from memorization.tracking import WandbSink
+
+        wb = WandbSink(cfg.wandb, name=cfg.name, out_dir=out_dir, config=to_dict(cfg))
+        sinks.append(wb)
+    trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out, label_transform=transform,
+                      grid=grid, sinks=sinks)
+    t0 = time.perf_counter()
+    history = trainer.fit()
+    train_s = time.perf_counter() - t0
+    val_loss = trainer.evaluate() if data.held_out is not None else float("nan")
+    trainer.export(out_dir / "model", data.tokenizer)
+    summary: dict[str, Any] = {
+        "name": cfg.name, "loss": "goldfish" if cfg.goldfish.enabled else "standard",
+        "goldfish_strategy": cfg.goldfish.strategy if cfg.goldfish.enabled else None,
+        "goldfish_k": cfg.goldfish.k if cfg.goldfish.enabled else None,
+        "goldfish_h": cfg.goldfish.h if cfg.goldfish.enabled else None,
+        "model": cfg.model.name, "params": count_params(trainer.model) if grid is None else None,
+        "steps": trainer.state.step, "epochs": tcfg.epochs, "tokens": trainer.state.tokens,
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "val_loss": val_loss, "train_seconds": round(train_s, 2),
+    }
+    if cfg.eval.extraction and is_main:
+        summary.update(_extraction(cfg, data, trainer, out_dir, wb))
+    if is_main:
+        (out_dir / "run.json").write_text(json.dumps({"summary": summary, "config": to_dict(cfg)}, indent=2))
+        if wb is not None:
+            wb.summary(summary)
+    for sink in sinks:
+        sink.close()
+    return summary
+
+
+def _extraction(cfg: RunConfig, data: PreparedData, trainer: Trainer, out_dir: Path, wb) -> dict[str, Any]:
+    """Greedy extraction on every training document; write extraction.jsonl."""
+    from evals import extract, summarize
+
+    model = trainer.model
+    if trainer.grid is not None:
+        model = _serial_model(out_dir / "model")
+    results = extract(model, data.train_docs, prefix_len=cfg.eval.prefix, suffix_len=cfg.eval.suffix,
+                      tokenizer=data.tokenizer, batch_size=cfg.eval.batch_size,
+                      num_beams=cfg.eval.num_beams, doc_ids=data.train_doc_ids)
+    with open(out_dir / "extraction.jsonl", "w", encoding="utf-8") as fh:
+        for r in results:
+            fh.write(json.dumps(r.to_dict()) + "\n")
+    stats = summarize(results)
+    if wb is not None:
+        tok = data.tokenizer
+        rows = [[str(r.doc), tok.decode(r.prefix_ids), tok.decode(r.target_ids), tok.decode(r.generated_ids),
+                 bool(r.exact_match)] for r in results[:20]]
+        wb.log_table("samples", ["doc", "prefix", "target", "generated", "exact_match"], rows)
+    return {"docs": stats["docs"], "exact_match_rate": stats["exact_match_rate"],
+            "rougeL": stats["rougeL"], "token_accuracy": stats["token_accuracy"],
+            "lcp_mean": stats["lcp_mean"]}
+
+
+def _serial_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path)

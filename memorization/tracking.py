@@ -1,0 +1,81 @@
+"""Weights & Biases tracking that never kills a run: offline by default, falls back on trouble."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from memorization.config import WandbConfig
+
+
+def _say(msg: str) -> None:
+    print(f"[wandb] {msg}", file=sys.stderr)
+
+
+class WandbSink:
+    """A MetricSink writing to a W&B run (offline unless the user asked for online)."""
+
+    def __init__(self, cfg: WandbConfig, *, name: str, out_dir: str | Path, config: dict[str, Any]):
+        self.run = None
+        if cfg.mode == "disabled":
+            return
+        # An explicit WANDB_MODE from the user wins over the config (e.g. WANDB_MODE=disabled in CI).
+        mode = os.environ.get("WANDB_MODE", cfg.mode)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+        except ImportError:
+            _say("wandb is not installed; metrics stay in metrics.jsonl")
+            return
+        kwargs = dict(project=cfg.project, name=name, dir=str(out_dir), config=config,
+                      group=cfg.group or None, tags=cfg.tags or None, entity=cfg.entity or None,
+                      reinit="create_new")
+        try:
+            self.run = wandb.init(mode=mode, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any W&B failure must fall back, never abort
+            if mode == "offline":
+                _say(f"could not start an offline run ({type(e).__name__}: {e}); tracking disabled")
+                return
+            _say(f"online run failed ({type(e).__name__}: {e}); falling back to offline")
+            try:
+                self.run = wandb.init(mode="offline", **kwargs)
+            except Exception as e2:  # noqa: BLE001
+                _say(f"offline fallback failed too ({e2}); tracking disabled")
+
+    @property
+    def run_dir(self) -> str | None:
+        """The local run folder (what `wandb sync` takes)."""
+        return None if self.run is None else str(Path(self.run.dir).parent)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Log one step's metrics."""
+        if self.run is not None:
+            self.run.log(metrics, step=int(metrics.get("step", 0)))
+
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """Log a table (e.g. sample generations)."""
+        if self.run is None:
+            return
+        import wandb
+
+        self.run.log({key: wandb.Table(columns=columns, data=rows)})
+
+    def log_image(self, key: str, path: str | Path) -> None:
+        """Log a PNG plot."""
+        if self.run is None:
+            return
+        import wandb
+
+        self.run.log({key: wandb.Image(str(path))})
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Set run summary values."""
+        if self.run is not None:
+            self.run.summary.update(values)
+
+    def close(self) -> None:
+        """Finish the run."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
