@@ -309,7 +309,7 @@ class Trainer:
             elapsed = time.perf_counter() - t0
             tps = (self.state.tokens - tokens0) / max(elapsed, 1e-9)
             metrics = {
-                "step": self.state.step, "epoch": self.state.epoch, "loss": stats.loss_sum / max(stats.supervised, 1),
+                "step": self.state.step, "epoch": round(self.state.step / self.steps_per_epoch, 4), "loss": stats.loss_sum / max(stats.supervised, 1),
                 "lr": lr, "tokens": self.state.tokens, "supervised_tokens": stats.supervised,
                 "tokens_per_s": tps,
             }

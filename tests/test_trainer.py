@@ -1,0 +1,126 @@
+"""The serial trainer: loss normalisation, accumulation, determinism, schedule, metrics file."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from axonn.config import ConfigError
+from axonn.trainer import IGNORE_INDEX, JsonlSink, Trainer, TrainerConfig, lr_lambda
+from memorization.goldfish import GoldfishConfig, GoldfishTransform
+
+
+class Rows:
+    """A minimal RowDataset."""
+
+    def __init__(self, ids, labels=None):
+        self.ids, self.labels = ids, ids.clone() if labels is None else labels
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, idx):
+        return {"input_ids": self.ids[idx], "labels": self.labels[idx]}
+
+
+def tiny_model(seed=0, vocab=64):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def rows(n=16, t=24, vocab=64, seed=0):
+    ids = torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[::3, -5:] = IGNORE_INDEX  # some padding-like ignored labels
+    return Rows(ids, labels)
+
+
+def cfg(**kw):
+    base = dict(lr=1e-2, warmup_steps=2, batch_size=8, epochs=2, progress=False, seed=3)
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def test_loss_is_mean_over_supervised_tokens_of_the_global_batch():
+    data = rows()
+    model = tiny_model()
+    ref = tiny_model()
+    trainer = Trainer(model, cfg(epochs=1, lr=1e-9), data)
+    batch = data[torch.arange(8)]
+    stats = trainer.train_step(batch)
+    logits = ref(input_ids=batch["input_ids"]).logits[:, :-1]
+    expected = F.cross_entropy(logits.reshape(-1, 64), batch["labels"][:, 1:].reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+    assert stats.supervised == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert stats.loss_sum / stats.supervised == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    data = rows()
+    h1 = Trainer(tiny_model(), cfg(grad_accum=1), data).fit()
+    h2 = Trainer(tiny_model(), cfg(grad_accum=4), data).fit()
+    for a, b in zip(h1, h2):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_same_seed_same_run_and_other_seed_other_order():
+    data = rows()
+    h1 = Trainer(tiny_model(), cfg(), data).fit()
+    h2 = Trainer(tiny_model(), cfg(), data).fit()
+    h3 = Trainer(tiny_model(), cfg(seed=4), data).fit()
+    assert [m["loss"] for m in h1] == [m["loss"] for m in h2]
+    assert [m["loss"] for m in h1] != [m["loss"] for m in h3]
+    assert len(h1) == 4 and h1[-1]["step"] == 4 and h1[-1]["epoch"] == 2
+
+
+def test_goldfish_transform_logs_dropped_loss_and_trains_less_tokens():
+    data = rows(t=40)
+    gf = GoldfishTransform(GoldfishConfig(enabled=True, k=2, h=3))
+    h_gf = Trainer(tiny_model(), cfg(epochs=1), data, label_transform=gf).fit()
+    h_std = Trainer(tiny_model(), cfg(epochs=1), data).fit()
+    assert all("dropped_loss" in m and m["dropped_tokens"] > 0 for m in h_gf)
+    assert all("dropped_loss" not in m for m in h_std)
+    for g, s in zip(h_gf, h_std):
+        assert g["supervised_tokens"] < s["supervised_tokens"]
+        assert g["supervised_tokens"] + g["dropped_tokens"] == s["supervised_tokens"]
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    assert lr_lambda(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_lambda(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(55, 10, 100, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_lambda(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def test_metrics_jsonl_has_one_object_per_step(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    Trainer(tiny_model(), cfg(), rows(), sinks=[sink]).fit()
+    sink.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert all({"step", "loss", "lr", "tokens"} <= set(m) for m in lines)
+    assert lines[-1]["tokens"] > lines[0]["tokens"]
+
+
+def test_evaluate_is_token_weighted_mean_ce():
+    data = rows(n=5)
+    model = tiny_model()
+    trainer = Trainer(model, cfg(eval_batch_size=2), rows(), eval_data=data)
+    with torch.no_grad():
+        logits = model(input_ids=data.ids).logits[:, :-1]
+        expected = F.cross_entropy(logits.reshape(-1, 64), data.labels[:, 1:].reshape(-1),
+                                   ignore_index=IGNORE_INDEX)
+    assert trainer.evaluate() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"lr": 0.0}, "trainer.lr"), ({"grad_accum": 3}, "trainer.grad_accum"),
+    ({"precision": "fp8"}, "trainer.precision"), ({"epochs": 0}, "trainer.epochs"),
+])
+def test_bad_trainer_config(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        Trainer(tiny_model(), cfg(**kw), rows())
