@@ -1,0 +1,19 @@
+"""Text -> token blocks: corpora, tokenizers, packing, and canary/duplicate injection.
+
+Importing this package pulls in torch only; gensim, transformers and datasets are imported when
+a function needs them (they cost seconds to import).
+"""
+from data_pipelines.canaries import SecretSpace, canary_candidates, render
+from data_pipelines.corpora import CORPORA, Document, load_corpus
+from data_pipelines.inject import (CanarySpec, DuplicateSpec, InjectedItem, Manifest, inject,
+                                   record_token_positions)
+from data_pipelines.packing import (IGNORE_INDEX, Blocks, TokenLists, batches, pack, per_document,
+                                    shuffled_indices, split_documents, tokenize_documents, unpack)
+from data_pipelines.tokenizer import EOT, load_tokenizer
+
+__all__ = [
+    "CORPORA", "EOT", "IGNORE_INDEX", "Blocks", "CanarySpec", "Document", "DuplicateSpec", "InjectedItem",
+    "Manifest", "SecretSpace", "TokenLists", "batches", "canary_candidates", "inject", "load_corpus",
+    "load_tokenizer", "pack", "per_document", "record_token_positions", "render", "shuffled_indices",
+    "split_documents", "tokenize_documents", "unpack",
+]
