@@ -115,7 +115,8 @@ def cmd_eval(args) -> int:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokens, kept = tokenize_documents(docs, tok, max_tokens=args.max_tokens or None)
+    tokens = tokenize_documents(docs, tok, max_tokens=args.max_tokens or None)
+    kept = tokens.kept
     results = extract(model, tokens, prefix_len=args.prefix, suffix_len=args.suffix, tokenizer=tok,
                       batch_size=args.batch_size, num_beams=args.beams, doc_ids=[docs[i].id for i in kept],
                       progress=True)

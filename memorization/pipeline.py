@@ -67,7 +67,8 @@ def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
         docs, held_docs = split_documents(docs, d.held_out_fraction, cfg.seed)
     tok = load_tokenizer(d.tokenizer, texts=[doc.text for doc in docs], vocab_size=d.vocab_size)
     cut = d.block_len if d.packing == "per-document" else None
-    tokens, kept = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
+    tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
+    kept = tokens.kept
     if not tokens:
         raise fail("data.min_tokens", d.min_tokens, f"no document of '{d.corpus}' is that long; lower it")
     if check_lengths and cfg.eval.extraction:
@@ -82,7 +83,7 @@ def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
     if d.held_out:
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
     if held_docs:
-        held_tokens, _ = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
+        held_tokens = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
         held = per_document(held_tokens, d.block_len, eos)
     return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held)
 

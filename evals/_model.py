@@ -1,0 +1,56 @@
+"""Small helpers shared by the evals modules: device lookup, eval-mode context, forward calls."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a parameter-free module)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Put `model` in eval mode under inference_mode, restoring its training flag afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether model.forward takes `logits_to_keep` (skips the LM head on positions we never read)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def float_logits(model: torch.nn.Module, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Full-sequence logits [B, T, V] in float32 (bf16 log-softmax loses too much for MIA scores)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.logits.float()
+
+
+def pad_right(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ragged token lists into (ids [B, T], attention_mask [B, T]) LongTensors.
+
+    Right padding never changes earlier positions under causal attention, so any valid pad id works.
+    """
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask

@@ -1,0 +1,101 @@
+"""Fixed-length decoding with the KV cache: batched greedy and beam search, no EOS stopping.
+
+Memorization evals compare a fixed-length continuation with the true suffix, so both decoders
+always emit exactly `max_new_tokens` tokens and ignore EOS. They drive the model's forward pass
+by hand (prefill once, then one token per step through `past_key_values`) instead of calling
+`model.generate`: that skips generate's per-step bookkeeping for features these evals never use
+(logits processors, stopping criteria, mask/input re-preparation, a host sync per step to test for
+finished sequences) and lets the cache be preallocated (evals/kv_cache.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from evals._errors import fail
+from evals._model import accepts_logits_to_keep, evaluating, model_device
+from evals.kv_cache import preallocated_cache
+
+
+def _check(prefixes: torch.Tensor, max_new_tokens: int, num_beams: int = 1) -> None:
+    if not isinstance(prefixes, torch.Tensor) or prefixes.dim() != 2 or prefixes.shape[1] < 1:
+        shape = tuple(prefixes.shape) if isinstance(prefixes, torch.Tensor) else type(prefixes).__name__
+        raise fail("prefixes", shape, "pass a LongTensor of shape [batch, prefix_len] with prefix_len >= 1")
+    if prefixes.dtype != torch.long:
+        raise fail("prefixes.dtype", str(prefixes.dtype), "pass token ids as torch.long")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise fail("max_new_tokens", max_new_tokens, "pass an integer >= 0")
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise fail("num_beams", num_beams, "pass an integer >= 1")
+
+
+def _step_kwargs(model: torch.nn.Module) -> dict:
+    # Only the last position's logits are ever read; skipping the LM head elsewhere matters at
+    # prefill time for large vocabularies.
+    return {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+
+
+def greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor,
+                    max_new_tokens: int) -> torch.LongTensor:
+    """Batched greedy continuation of equal-length prefixes: returns [B, max_new_tokens] new tokens."""
+    _check(prefixes, max_new_tokens)
+    device = model_device(model)
+    prefixes = prefixes.to(device)
+    batch = prefixes.shape[0]
+    out = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+    if max_new_tokens == 0 or batch == 0:
+        return out
+    kw = _step_kwargs(model)
+    cache = preallocated_cache(model, prefixes.shape[1] + max_new_tokens)
+    with evaluating(model):
+        step = model(input_ids=prefixes, past_key_values=cache, use_cache=True, **kw)
+        cache = step.past_key_values
+        for t in range(max_new_tokens):
+            tok = step.logits[:, -1].argmax(dim=-1)
+            out[:, t] = tok
+            if t + 1 == max_new_tokens:
+                break  # the last token needs no forward pass
+            step = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True, **kw)
+            cache = step.past_key_values
+    return out
+
+
+def beam_generate(model: torch.nn.Module, prefixes: torch.LongTensor, max_new_tokens: int,
+                  num_beams: int) -> torch.LongTensor:
+    """Beam search maximizing the summed log-probability of exactly max_new_tokens tokens; [B, S]."""
+    _check(prefixes, max_new_tokens, num_beams)
+    if num_beams == 1:
+        return greedy_generate(model, prefixes, max_new_tokens)
+    device = model_device(model)
+    prefixes = prefixes.to(device)
+    batch, n = prefixes.shape[0], num_beams
+    if max_new_tokens == 0 or batch == 0:
+        return torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+    kw = _step_kwargs(model)
+    rows = torch.arange(batch, device=device)[:, None] * n
+    with evaluating(model):
+        # Prefill each prefix once, then copy its cache to the n beams.
+        cache = preallocated_cache(model, prefixes.shape[1] + max_new_tokens)
+        step = model(input_ids=prefixes, past_key_values=cache, use_cache=True, **kw)
+        cache = step.past_key_values
+        cache.batch_repeat_interleave(n)
+        logits = step.logits[:, -1].float().repeat_interleave(n, dim=0)
+        # All beams start identical; only beam 0 may expand at step 0, or the first step would
+        # pick n copies of the same token.
+        scores = torch.full((batch, n), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        seqs = torch.empty(batch, n, 0, dtype=torch.long, device=device)
+        for t in range(max_new_tokens):
+            logp = torch.log_softmax(logits, dim=-1)
+            vocab = logp.shape[-1]
+            cand = (scores[:, :, None] + logp.view(batch, n, vocab)).view(batch, n * vocab)
+            scores, idx = cand.topk(n, dim=-1)  # sorted: beam 0 is always the best so far
+            src, tok = idx // vocab, idx % vocab
+            seqs = torch.cat([seqs.gather(1, src[:, :, None].expand(-1, -1, seqs.shape[2])),
+                              tok[:, :, None]], dim=2)
+            if t + 1 == max_new_tokens:
+                break
+            cache.reorder_cache((rows + src).view(-1))
+            step = model(input_ids=tok.view(-1, 1), past_key_values=cache, use_cache=True, **kw)
+            cache = step.past_key_values
+            logits = step.logits[:, -1].float()
+    return seqs[:, 0]

@@ -1,0 +1,158 @@
+"""Extraction attack: continue a prefix of each document and score it against the true suffix.
+
+Exact match from a k-token prefix is Carlini et al. (2022) k-extractability; token accuracy,
+longest common prefix and RougeL say how close the misses came.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from evals._errors import fail
+from evals.decoding import beam_generate, greedy_generate
+from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
+
+__all__ = ["ExtractionResult", "beam_generate", "extract", "extractability", "greedy_generate",
+           "summarize"]
+
+
+@dataclasses.dataclass
+class ExtractionResult:
+    """One document's extraction attempt and its scores."""
+
+    doc: int | str
+    prefix_ids: list[int]
+    target_ids: list[int]
+    generated_ids: list[int]
+    exact_match: bool
+    token_accuracy: float
+    lcp: int
+    rougeL: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict of every field."""
+        return dataclasses.asdict(self)
+
+
+def _positive_int(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise fail(field, value, "pass an integer >= 1")
+    return value
+
+
+def _check_common(documents: Sequence[Sequence[int]], batch_size: int, num_beams: int,
+                  doc_ids: Sequence | None) -> list:
+    _positive_int("batch_size", batch_size)
+    _positive_int("num_beams", num_beams)
+    if doc_ids is None:
+        return list(range(len(documents)))
+    if len(doc_ids) != len(documents):
+        raise fail("doc_ids", f"<{len(doc_ids)} ids>",
+                   f"pass one id per document ({len(documents)} documents) or leave it None")
+    return list(doc_ids)
+
+
+def _text(ids: list[int], tokenizer: Any) -> str:
+    return tokenizer.decode(ids) if tokenizer is not None else ids_text(ids)
+
+
+def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: list, *,
+             prefix_len: int, suffix_len: int, target_start: int, tokenizer: Any, batch_size: int,
+             num_beams: int, progress: bool, desc: str, need_field: str) -> list[ExtractionResult]:
+    """Score documents with target = doc[target_start:+suffix_len], prefix = prefix_len tokens before."""
+    need = target_start + suffix_len
+    keep = [i for i, d in enumerate(documents) if len(d) >= need]
+    if not keep:
+        longest = max((len(d) for d in documents), default=0)
+        raise fail(need_field, need, f"no document is that long (longest has {longest} tokens); "
+                   "use shorter prefix/suffix lengths or longer documents")
+    results: list[ExtractionResult] = []
+    start = target_start - prefix_len
+    batches = range(0, len(keep), batch_size)
+    for b in tqdm(batches, desc=desc, disable=not progress, total=math.ceil(len(keep) / batch_size)):
+        chunk = keep[b:b + batch_size]
+        prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk], dtype=torch.long)
+        if num_beams == 1:
+            gen = greedy_generate(model, prefixes, suffix_len)
+        else:
+            gen = beam_generate(model, prefixes, suffix_len, num_beams)
+        for i, g in zip(chunk, gen.tolist()):
+            target = [int(t) for t in documents[i][target_start:need]]
+            results.append(ExtractionResult(
+                doc=ids[i],
+                prefix_ids=[int(t) for t in documents[i][start:target_start]],
+                target_ids=target,
+                generated_ids=g,
+                exact_match=exact_match(g, target),
+                token_accuracy=token_accuracy(g, target),
+                lcp=longest_common_prefix(g, target),
+                rougeL=rouge_l(_text(g, tokenizer), _text(target, tokenizer)),
+            ))
+    return results
+
+
+def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: int, suffix_len: int,
+            tokenizer: Any = None, batch_size: int = 32, num_beams: int = 1,
+            doc_ids: list | None = None, progress: bool = False) -> list[ExtractionResult]:
+    """Continue each document's first prefix_len tokens for suffix_len tokens and score the result.
+
+    Documents shorter than prefix_len+suffix_len are skipped (absent from the result; compare
+    `r.doc` with your ids to see which). `doc` is the document's index, or `doc_ids[index]`.
+    RougeL is computed on `tokenizer.decode` texts when a tokenizer is given, otherwise on the
+    space-joined token ids. num_beams > 1 runs beam search instead of greedy decoding.
+    """
+    _positive_int("prefix_len", prefix_len)
+    _positive_int("suffix_len", suffix_len)
+    ids = _check_common(documents, batch_size, num_beams, doc_ids)
+    return _windows(model, documents, ids, prefix_len=prefix_len, suffix_len=suffix_len,
+                    target_start=prefix_len, tokenizer=tokenizer, batch_size=batch_size,
+                    num_beams=num_beams, progress=progress, desc=f"extract P={prefix_len}",
+                    need_field="prefix_len+suffix_len")
+
+
+def summarize(results: Sequence[ExtractionResult]) -> dict[str, float]:
+    """Mean scores over results: docs, exact_match_rate, token_accuracy, lcp_mean, rougeL (NaN if empty)."""
+    n = len(results)
+
+    def mean(vals: list[float]) -> float:
+        return float(sum(vals) / n) if n else float("nan")
+
+    return {
+        "docs": n,
+        "exact_match_rate": mean([float(r.exact_match) for r in results]),
+        "token_accuracy": mean([r.token_accuracy for r in results]),
+        "lcp_mean": mean([float(r.lcp) for r in results]),
+        "rougeL": mean([r.rougeL for r in results]),
+    }
+
+
+def extractability(model: torch.nn.Module, documents: list[list[int]], prefix_lens: list[int],
+                   suffix_len: int, *, tokenizer: Any = None, batch_size: int = 32,
+                   num_beams: int = 1, doc_ids: list | None = None,
+                   progress: bool = False) -> dict[int, dict[str, float]]:
+    """k-extractability summaries for several prefix lengths k, on one fixed target per document.
+
+    Following Carlini et al. (2022), the suffix stays fixed while the context grows: with
+    K = max(prefix_lens), every document of at least K+suffix_len tokens has target
+    doc[K:K+suffix_len], and for each k the prefix is the k tokens right before it. So every k is
+    scored on the same documents and the same targets; at k = K this equals `extract`.
+    """
+    if not prefix_lens:
+        raise fail("prefix_lens", prefix_lens, "pass at least one prefix length, e.g. [8, 16, 32]")
+    lens = [_positive_int(f"prefix_lens[{j}]", k) for j, k in enumerate(prefix_lens)]
+    _positive_int("suffix_len", suffix_len)
+    ids = _check_common(documents, batch_size, num_beams, doc_ids)
+    top = max(lens)
+    out: dict[int, dict[str, float]] = {}
+    for k in sorted(set(lens)):
+        res = _windows(model, documents, ids, prefix_len=k, suffix_len=suffix_len, target_start=top,
+                       tokenizer=tokenizer, batch_size=batch_size, num_beams=num_beams,
+                       progress=progress, desc=f"extractability k={k}",
+                       need_field="max(prefix_lens)+suffix_len")
+        out[k] = summarize(res)
+    return out

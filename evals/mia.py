@@ -1,0 +1,145 @@
+"""Membership inference scores (MIMIR-style) and their ROC metrics.
+
+Sign convention: every score is oriented so that HIGHER means MORE LIKELY A MEMBER (a training
+sequence). Where the usual statistic is "lower = member" (a loss), the score is its negation:
+  loss             -mean token NLL                     (= mean token log-prob)
+  zlib             -NLL / len(zlib.compress(text))     (MIMIR's NLL-to-zlib-entropy ratio, negated)
+  min_k            mean of the lowest k-fraction of token log-probs
+  min_k_plus_plus  mean of the lowest k-fraction of (log p(x_t) - mu_t) / sigma_t, where mu_t and
+                   sigma_t^2 are the mean and variance of log p(z) for z ~ p(. | x_<t) (Min-K%++)
+  ref_ratio        ref-model NLL - target-model NLL   (target loss minus reference loss, negated)
+NLL is the mean over the scored tokens 1..L-1 (token 0 has no context). "Lowest k-fraction" is
+the int(k * n) smallest of n values, at least one.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.metrics import roc_auc_score, roc_curve
+
+from evals._errors import fail
+from evals._model import evaluating, float_logits, model_device, pad_right
+from evals.metrics import ids_text
+
+METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
+
+
+def min_k_mean(values: np.ndarray | Sequence[float], k: float = 0.2) -> float:
+    """Mean of the lowest int(k*n) values (at least one): the Min-K% statistic."""
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    if v.size == 0:
+        raise fail("values", "[]", "pass at least one token score")
+    count = max(1, int(v.size * k + 1e-9))  # epsilon: 0.29*100 is 28.999... in floating point
+    return float(v[:count].mean())
+
+
+def _batch_stats(model: torch.nn.Module, batch: list[list[int]],
+                 full: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Per sequence: token log-probs [L-1] and, if full, Min-K%++ z-scores [L-1]."""
+    device = model_device(model)
+    ids, mask = pad_right(batch)
+    ids, mask = ids.to(device), mask.to(device)
+    logits = float_logits(model, ids, mask)[:, :-1]
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    z = None
+    if full:
+        p = logp.exp()
+        mu = (p * logp).sum(-1)
+        # E[(log p)^2] - mu^2 can dip below 0 by rounding on a near one-hot distribution.
+        var = ((p * logp.square()).sum(-1) - mu.square()).clamp_min(1e-12)
+        z = ((tok - mu) / var.sqrt()).cpu().numpy()
+    tok = tok.cpu().numpy()
+    return [(tok[i, :len(s) - 1].astype(np.float64),
+             None if z is None else z[i, :len(s) - 1].astype(np.float64)) for i, s in enumerate(batch)]
+
+
+def _per_sequence(model: torch.nn.Module, seqs: list[list[int]], batch_size: int,
+                  full: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    # Sorting by length keeps padding (wasted compute) small; results go back in input order.
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list = [None] * len(seqs)
+    with evaluating(model):
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            for i, stats in zip(idx, _batch_stats(model, [seqs[i] for i in idx], full)):
+                out[i] = stats
+    return out
+
+
+def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, tokenizer: Any = None,
+                    ref_model: torch.nn.Module | None = None, k: float = 0.2,
+                    batch_size: int = 8) -> dict[str, np.ndarray]:
+    """Per-sequence membership scores (higher = member) for each method; ref_ratio needs ref_model.
+
+    zlib compresses `tokenizer.decode(ids)` (UTF-8) when a tokenizer is given, else the space-joined
+    ids. The reference model must share the target model's tokenizer (it scores the same ids).
+    """
+    seqs = [[int(t) for t in s] for s in seqs]
+    if not seqs:
+        raise fail("seqs", "[]", "pass at least one token sequence")
+    short = [i for i, s in enumerate(seqs) if len(s) < 2]
+    if short:
+        raise fail(f"seqs[{short[0]}]", seqs[short[0]], "every sequence needs at least 2 tokens")
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k <= 1:
+        raise fail("k", k, "pass a fraction in (0, 1], e.g. 0.2")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise fail("batch_size", batch_size, "pass an integer >= 1")
+    stats = _per_sequence(model, seqs, batch_size, full=True)
+    nll = np.array([-lp.mean() for lp, _ in stats])
+    zlen = np.array([len(zlib.compress((tokenizer.decode(s) if tokenizer is not None
+                                        else ids_text(s)).encode("utf-8"))) for s in seqs])
+    scores = {
+        "loss": -nll,
+        "zlib": -nll / zlen,
+        "min_k": np.array([min_k_mean(lp, k) for lp, _ in stats]),
+        "min_k_plus_plus": np.array([min_k_mean(z, k) for _, z in stats]),
+    }
+    if ref_model is not None:
+        ref = _per_sequence(ref_model, seqs, batch_size, full=False)
+        scores["ref_ratio"] = np.array([-lp.mean() for lp, _ in ref]) - nll
+    return scores
+
+
+def _tpr_at(fpr: np.ndarray, tpr: np.ndarray, target: float) -> float:
+    ok = fpr <= target + 1e-12
+    return float(tpr[ok].max()) if ok.any() else 0.0
+
+
+def roc_metrics(member_scores: np.ndarray | Sequence[float],
+                nonmember_scores: np.ndarray | Sequence[float]) -> dict[str, float]:
+    """ROC AUC and the largest TPR with FPR <= 1% and <= 0.1% (members are the positive class)."""
+    pos = np.asarray(member_scores, dtype=np.float64).ravel()
+    neg = np.asarray(nonmember_scores, dtype=np.float64).ravel()
+    for name, arr in (("member_scores", pos), ("nonmember_scores", neg)):
+        if arr.size == 0:
+            raise fail(name, "[]", "pass at least one score for each class")
+        if not np.isfinite(arr).all():
+            raise fail(name, "non-finite", "scores must be finite numbers; drop NaN/inf entries")
+    y = np.r_[np.ones(pos.size), np.zeros(neg.size)]
+    s = np.r_[pos, neg]
+    # drop_intermediate=False keeps every threshold so the TPR@FPR lookup sees all points.
+    fpr, tpr, _ = roc_curve(y, s, drop_intermediate=False)
+    return {
+        "auc": float(roc_auc_score(y, s)),
+        "tpr_at_1pct_fpr": _tpr_at(fpr, tpr, 0.01),
+        "tpr_at_0.1pct_fpr": _tpr_at(fpr, tpr, 0.001),
+    }
+
+
+def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]],
+                         nonmembers: Sequence[Sequence[int]], *, tokenizer: Any = None,
+                         ref_model: torch.nn.Module | None = None, k: float = 0.2,
+                         batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """Score members and non-members with every method and return {method: roc_metrics}."""
+    if not members or not nonmembers:
+        raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)} sequences",
+                   "pass at least one member and one non-member sequence")
+    kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size)
+    m = score_sequences(model, members, **kw)
+    n = score_sequences(model, nonmembers, **kw)
+    return {method: roc_metrics(m[method], n[method]) for method in m}

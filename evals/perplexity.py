@@ -1,0 +1,70 @@
+"""Token log-probabilities and held-out loss of a causal LM."""
+from __future__ import annotations
+
+import torch
+
+from evals._errors import fail
+from evals._model import evaluating, float_logits, model_device
+
+
+def _check_ids(field: str, ids: torch.Tensor) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 2:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise fail(field, shape, "pass a LongTensor [batch, length] with length >= 2")
+
+
+def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t < T-1, from logits [B, T, V]: [B, T-1]."""
+    head = logits[:, :-1].float()
+    nxt = input_ids[:, 1:].to(head.device)
+    # gather - logsumexp avoids materializing a second [B, T, V] log-softmax tensor.
+    return head.gather(-1, nxt[..., None]).squeeze(-1) - torch.logsumexp(head, dim=-1)
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.LongTensor,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-prob of each actual next token, [B, T-1] float32 on CPU.
+
+    Entry t scores token t+1. Pad on the right: positions whose target token has
+    attention_mask 0 are set to 0.0, so callers must use the mask (or lengths) to ignore them.
+    """
+    _check_ids("input_ids", input_ids)
+    device = model_device(model)
+    ids = input_ids.to(device)
+    mask = attention_mask.to(device) if attention_mask is not None else None
+    with evaluating(model):
+        lp = token_logprobs_from_logits(float_logits(model, ids, mask), ids)
+        if mask is not None:
+            lp = lp.masked_fill(mask[:, 1:] == 0, 0.0)
+    return lp.cpu()
+
+
+def mean_loss(model: torch.nn.Module, rows: torch.LongTensor, labels: torch.LongTensor,
+              batch_size: int = 8) -> float:
+    """Token-weighted mean next-token cross-entropy (nats) over labels != -100.
+
+    HF convention: labels are aligned with rows and shifted here, so labels[:, t] is the target
+    predicted from rows[:, :t]; labels[:, 0] is never scored. Equals `model(rows, labels=labels).loss`
+    pooled over all supervised tokens (not averaged per batch).
+    """
+    _check_ids("rows", rows)
+    if not isinstance(labels, torch.Tensor) or labels.shape != rows.shape:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise fail("labels", shape, f"pass a tensor with the same shape as rows {tuple(rows.shape)}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise fail("batch_size", batch_size, "pass an integer >= 1")
+    device = model_device(model)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    with evaluating(model):
+        for b in range(0, rows.shape[0], batch_size):
+            ids = rows[b:b + batch_size].to(device)
+            tgt = labels[b:b + batch_size, 1:].to(device)
+            logits = float_logits(model, ids)[:, :-1]
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum")
+            total += loss.double().cpu()
+            count += int((tgt != -100).sum())
+    if count == 0:
+        raise fail("labels", "all -100", "no supervised token; leave some labels unmasked")
+    return float(total / count)
