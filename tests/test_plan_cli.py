@@ -1,0 +1,84 @@
+"""axonn-plan CLI: JSON output, table, errors as one stderr line with exit code 2; `local`."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from axonn.plan.cli import main
+from axonn.plan.hardware import get_hardware
+
+BASE = ["--model", "llama-8b", "--gpus", "16", "--hardware", "h100", "--seq", "2048",
+        "--global-batch", "32"]
+
+
+def test_json_is_sorted_best_first(capsys):
+    assert main(BASE + ["--json", "--top", "5"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert 1 <= len(rows) <= 5
+    for key in ("x", "y", "z", "data", "time_s", "memory_gb", "tflops_per_gpu"):
+        assert all(key in r for r in rows)
+    assert [r["time_s"] for r in rows] == sorted(r["time_s"] for r in rows)
+    assert all(r["x"] * r["y"] * r["z"] * r["data"] == 16 and r["fits"] for r in rows)
+
+
+def test_table_and_flags(capsys):
+    assert main(BASE + ["--top", "3", "--no-overlap", "--checkpoint-activations"]) == 0
+    out = capsys.readouterr().out
+    assert "time_s" in out and "PF/s" in out and "overlap off" in out
+    assert len([ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]) == 3
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "nope", "--gpus", "8"], "model='nope'"),
+    (["--model", "tiny", "--gpus", "8", "--hardware", "tpu"], "hardware='tpu'"),
+    (["--model", "tiny", "--gpus", "6", "--gpus-per-node", "4"], "gpus=6"),
+    (["--model", "llama-405b", "--gpus", "8", "--seq", "4096", "--global-batch", "8"], "fits"),
+    (["--model", "tiny", "--gpus", "8", "--top", "0"], "top=0"),
+    (["--gpus", "8"], "--model"),
+    (["--model", "tiny", "--gpus", "eight"], "--gpus"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        code = main(argv)
+        raise SystemExit(code)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and err.startswith("axonn-plan: error:")
+
+
+def test_model_from_hf_config_file(tmp_path, capsys):
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+           "intermediate_size": 128, "vocab_size": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["--model", str(tmp_path), "--gpus", "4", "--seq", "16", "--global-batch", "8",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "axonn.plan", "--model", "gpt-5b", "--gpus", "8",
+                        "--json", "--top", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)) == 1
+
+
+def test_local_profile_reads_the_cache(cache_dir):
+    cal = {"version": 1, "host": "h", "cpus": 2, "matmul_flops": 4e10, "copy_bw": 2e9,
+           "allreduce_bw": 4e8, "allreduce_lat": 1e-4, "memory_bytes": 8 * 2**30,
+           "measured_at": "then"}
+    path = cache_dir / "plan" / "local.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(cal))
+    hw = get_hardware("local")
+    assert hw.peak_flops == 4e10 and hw.gpus_per_node == 2 and hw.memory_bytes == 4 * 2**30
+    assert main(["--model", "tiny", "--gpus", "2", "--hardware", "local", "--seq", "64",
+                 "--global-batch", "4"]) == 0
+
+
+@pytest.mark.slow
+def test_local_calibration_measures(cache_dir):
+    hw = get_hardware("local", recalibrate=True)
+    assert hw.peak_flops > 1e8 and hw.intra_bw > 1e6
+    assert (cache_dir / "plan" / "local.json").is_file()
