@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(t)
 
+    r = sub.add_parser("run", help="run a research experiment (configs/experiments/NAME.yaml)")
+    r.add_argument("config", help="experiment YAML, e.g. configs/experiments/goldfish-extreme.yaml")
+    r.add_argument("--out", default=None, help="output folder (default runs/<experiment name>)")
+    r.add_argument("overrides", nargs="*", help="config overrides key=value")
+    _add_common(r)
+
     e = sub.add_parser("eval", help="extraction eval of a saved model on a corpus")
     e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
     e.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")
@@ -131,7 +137,16 @@ def cmd_eval(args) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval}
+def cmd_run(args) -> int:
+    """Run one experiment config (a sweep skips runs that already finished)."""
+    from memorization.experiments import run_experiment
+
+    run_experiment(args.config, out=args.out, overrides=args.overrides, overwrite=args.overwrite,
+                   grid=_grid(args.grid))
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,15 +57,29 @@ class PreparedData:
 
 
 def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
-    """Load the corpus, build the tokenizer, and cut documents into rows."""
-    from data_pipelines import load_corpus, load_tokenizer, pack, per_document, split_documents, tokenize_documents
+    """Load the configured corpus, build the tokenizer, and cut documents into rows."""
+    from data_pipelines import load_corpus, split_documents
 
     d = cfg.data
     docs = load_corpus(d.corpus, text_field=d.text_field, limit=d.limit or None)
     held_docs = None
     if not d.held_out and d.held_out_fraction > 0:
         docs, held_docs = split_documents(docs, d.held_out_fraction, cfg.seed)
-    tok = load_tokenizer(d.tokenizer, texts=[doc.text for doc in docs], vocab_size=d.vocab_size)
+    return prepare_documents(cfg, docs, held_docs, check_lengths=check_lengths)
+
+
+def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None, *,
+                      tokenizer: Any = None, check_lengths: bool = True) -> PreparedData:
+    """Tokenize given Documents (e.g. a corpus with injected canaries) into training rows.
+
+    The tokenizer is trained on `docs` unless one is passed (pass one to share it across runs
+    whose corpora differ only by injected items). Held-out documents come from `held_docs`, or from
+    the `data.held_out` corpus when that is set.
+    """
+    from data_pipelines import load_corpus, load_tokenizer, pack, per_document, tokenize_documents
+
+    d = cfg.data
+    tok = tokenizer or load_tokenizer(d.tokenizer, texts=[doc.text for doc in docs], vocab_size=d.vocab_size)
     cut = d.block_len if d.packing == "per-document" else None
     tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
     kept = tokens.kept
