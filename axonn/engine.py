@@ -1,0 +1,135 @@
+"""What the trainer calls around the parallel model: batch sharding, gradient sync, clipping.
+
+Gradient contract: the trainer backprops `loss_sum / global_count` on every rank, where `loss_sum` is
+this rank's batch shard only.  The layers already sum the 3D weight gradients over Z (reduce-scatter
+in backward); `sync_gradients` then sums what is left -- 3D weights over `data`, every other
+parameter (norms, biases that follow full-width outputs, position embeddings) over `batch` (Z x
+data) -- so each rank ends with exactly the serial gradient of its piece of every parameter.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from axonn.config import fail
+from axonn.grid import ProcessGrid
+from axonn.layers.layout import spec_of
+
+
+def batch_shard(grid: ProcessGrid | None) -> tuple[int, int]:
+    """(number of batch slices, this rank's slice index); (1, 0) without a grid."""
+    return (1, 0) if grid is None else (grid.batch_shards, grid.batch_shard_index)
+
+
+def shard_batch(batch: torch.Tensor | Mapping[str, torch.Tensor], grid: ProcessGrid | None) -> object:
+    """This rank's contiguous slice of the rows of a global batch (a tensor or a dict of tensors)."""
+    shards, index = batch_shard(grid)
+    if isinstance(batch, Mapping):
+        return {k: shard_batch(v, grid) for k, v in batch.items()}
+    rows = batch.shape[0]
+    if rows % shards:
+        raise fail("batch_size", rows, f"must be a multiple of z*data={shards} so every batch "
+                   "shard gets the same number of rows")
+    n = rows // shards
+    return batch[index * n:(index + 1) * n]
+
+
+def all_reduce_sum(tensor: torch.Tensor, grid: ProcessGrid | None, group: str = "batch") -> torch.Tensor:
+    """Sum `tensor` in place over a named group of the grid (batch, data, world, x, ...); returns it.
+
+    A tensor on another device than the grid's (CPU metrics under NCCL) takes a round trip."""
+    if grid is None or grid.size(group) == 1:
+        return tensor
+    if tensor.device != grid.device:
+        moved = tensor.to(grid.device)
+        grid.comm.all_reduce(moved, group)
+        tensor.copy_(moved)
+    else:
+        grid.comm.all_reduce(tensor, group)
+    return tensor
+
+
+def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb: float = 64.0) -> None:
+    """Sum the gradients the layers have not reduced yet (data for 3D weights, Z x data for the rest)."""
+    grid = grid or getattr(model, "axonn_grid", None)
+    if grid is None:
+        return
+    buckets: dict[tuple[str, torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in _unique(model.parameters()):
+        if not p.requires_grad:
+            continue
+        if p.grad is None:  # keep every rank's collective sequence identical
+            p.grad = torch.zeros_like(p)
+        spec = spec_of(p)
+        group = spec.grad_group if spec is not None else "batch"
+        if grid.size(group) > 1:
+            buckets.setdefault((group, p.grad.dtype, p.grad.device), []).append(p.grad)
+    limit = int(bucket_mb * 2**20)
+    for (group, _, _), grads in buckets.items():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for g in grads + [None]:  # None flushes the last chunk
+            if g is not None:
+                chunk.append(g)
+                size += g.numel() * g.element_size()
+            if chunk and (g is None or size >= limit):
+                flat = _flatten_dense_tensors(chunk)
+                grid.comm.all_reduce(flat, group)
+                for g_old, g_new in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+                    g_old.copy_(g_new)
+                chunk, size = [], 0
+
+
+def _grid_of(params: list[torch.Tensor]) -> ProcessGrid | None:
+    for p in params:
+        spec = spec_of(p)
+        if spec is not None:
+            return spec.grid
+    return None
+
+
+@torch.no_grad()
+def grad_norm(params: Iterable[torch.Tensor], grid: ProcessGrid | None = None) -> float:
+    """Global L2 norm of the gradients over the whole grid, each distinct piece counted once."""
+    params = [p for p in _unique(params) if p.grad is not None]
+    grid = grid or _grid_of(params)
+    if grid is None:
+        total = sum((p.grad.double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64))
+        return float(total.sqrt())
+    total = torch.zeros((), dtype=torch.float64, device=grid.device)
+    for p in params:
+        spec = spec_of(p)
+        here = spec.counted_here() if spec is not None else grid.rank == 0
+        if here:
+            total += p.grad.double().pow(2).sum()
+    grid.comm.all_reduce(total, "world")
+    return float(total.sqrt())
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
+                    grid: ProcessGrid | None = None) -> float:
+    """Scale gradients so the global norm (over the grid) is at most `max_norm`; returns the norm before."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = _unique(params)
+    norm = grad_norm(params, grid)
+    coef = float(max_norm) / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,286 @@
+"""The 4D process grid (X, Y, Z tensor dimensions x data), its process groups, and `init`.
+
+Rank layout: X fastest, then Y, Z, data:  rank = x + X*(y + Y*(z + Z*d)).  X is innermost so the
+X collectives (the forward all-reduces of every layer) stay inside a node.  The grid is built once
+and passed explicitly; nothing here keeps module-level state.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from axonn.comm import Comm, CommStats
+from axonn.config import fail
+
+DIMS = ("x", "y", "z", "data")
+# Named groups -> the grid dimensions that vary inside them.  "batch" holds the ranks that see
+# different samples of the global batch (Z shards the batch inside a layer, data across replicas).
+GROUP_DIMS = {
+    "x": ("x",), "y": ("y",), "z": ("z",), "data": ("data",),
+    "batch": ("z", "data"), "tensor": ("x", "y", "z"), "world": DIMS,
+}
+
+
+def parse_grid(text: str) -> tuple[int, int, int, int]:
+    """Parse "X,Y,Z,D" (e.g. "2,2,1,2") into four positive integers."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != 4:
+        raise fail("grid", text, "write four comma-separated integers X,Y,Z,D, e.g. --grid 2,2,1,2")
+    dims = []
+    for name, p in zip(DIMS, parts):
+        try:
+            v = int(p)
+        except ValueError:
+            raise fail(f"grid.{name}", p, "must be a positive integer, e.g. --grid 2,2,1,2") from None
+        if v < 1:
+            raise fail(f"grid.{name}", v, "must be a positive integer (1 means not split)")
+        dims.append(v)
+    return tuple(dims)  # type: ignore[return-value]
+
+
+def _check_dims(dims: Sequence[Any]) -> tuple[int, ...]:
+    out = []
+    for name, v in zip(DIMS, dims):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise fail(f"grid.{name}", v, "must be a positive integer (1 means not split)")
+        out.append(v)
+    return tuple(out)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def model_dims(hf_config: Any) -> dict[str, int]:
+    """The sizes the grid must divide, read from a Hugging Face config (any family)."""
+    hidden = int(hf_config.hidden_size)
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
+    ffn = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
+    return {
+        "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "q_size": heads * head_dim, "kv_size": kv * head_dim,
+        "intermediate_size": int(ffn or 4 * hidden), "vocab_size": int(hf_config.vocab_size),
+    }
+
+
+def validate_grid_for_model(grid_dims: Any, hf_config: Any, mode: str = "easy") -> None:
+    """Raise ConfigError (naming the field) if the grid cannot split this model; runs no collective."""
+    if isinstance(grid_dims, ProcessGrid):
+        grid_dims = grid_dims.dims
+    dims = list(grid_dims)
+    if len(dims) not in (3, 4):
+        raise fail("grid", tuple(dims), "give X,Y,Z or X,Y,Z,D")
+    x, y = _check_dims(dims)[:2]
+    if mode not in ("easy", "paired"):
+        raise fail("mode", mode, "choose easy or paired")
+    m = model_dims(hf_config)
+    # (grid dim, its size, model field): every Linear splits its input over X and its output over Y
+    # (easy); paired mode flips the second layer of each pair and splits heads over Y.
+    if mode == "easy":
+        needs = [("x", x, "hidden_size"), ("y", y, "hidden_size"), ("x", x, "intermediate_size"),
+                 ("y", y, "intermediate_size"), ("x", x, "q_size"), ("y", y, "q_size"),
+                 ("y", y, "kv_size"), ("y", y, "vocab_size")]
+    else:
+        needs = [("x", x, "hidden_size"), ("y", y, "num_attention_heads"),
+                 ("y", y, "num_key_value_heads"), ("y", y, "intermediate_size"), ("y", y, "vocab_size")]
+    for dim, size, field in needs:
+        if m[field] % size:
+            raise fail(f"grid.{dim}", size, f"must divide {field}={m[field]} ({mode} mode); "
+                       f"choose one of {_divisors(m[field])}")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from torchrun, Slurm or MPI variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None
+    master_port: int
+    source: str
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise fail(name, raw, "the launcher set a non-integer; check the job environment") from None
+
+
+def _slurm_master() -> str | None:
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodes or shutil.which("scontrol") is None:
+        return None
+    out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+    first = out.stdout.split()
+    return first[0] if out.returncode == 0 and first else None
+
+
+def launch_env() -> LaunchEnv:
+    """Read rank / world size / local rank from torchrun, Slurm srun, or MPI (else: one process)."""
+    table = [  # (source, rank var, size var, local-rank var)
+        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ]
+    port = _env_int("MASTER_PORT") if "MASTER_PORT" in os.environ else 29500
+    for source, rvar, svar, lvar in table:
+        if rvar in os.environ and svar in os.environ:
+            rank, size = _env_int(rvar), _env_int(svar)
+            local = _env_int(lvar) if lvar in os.environ else 0
+            addr = os.environ.get("MASTER_ADDR") or (_slurm_master() if source == "slurm" else None)
+            if addr is None and size > 1:
+                raise fail("MASTER_ADDR", None, f"{source} launch without a rendezvous host; "
+                           "export MASTER_ADDR=<hostname of rank 0> (and MASTER_PORT)")
+            return LaunchEnv(rank, size, local, addr, port, source)
+    return LaunchEnv(0, 1, 0, None, port, "single")
+
+
+def resolve_dims(x: int, y: int, z: int, data: int | None, world_size: int) -> tuple[int, int, int, int]:
+    """Fill in `data` and check X*Y*Z*D == world size (ConfigError otherwise, no collective)."""
+    x, y, z = _check_dims((x, y, z))
+    tensor = x * y * z
+    if data is None:
+        if world_size % tensor:
+            raise fail("grid", f"{x},{y},{z}", f"x*y*z={tensor} must divide the world size "
+                       f"{world_size}; pick dimensions whose product divides {world_size}")
+        data = world_size // tensor
+    (data,) = _check_dims((1, 1, 1, data))[3:]
+    if tensor * data != world_size:
+        raise fail("grid", f"{x},{y},{z},{data}", f"x*y*z*data={tensor * data} but the world size "
+                   f"is {world_size}; make the product equal the number of processes")
+    return x, y, z, data
+
+
+def init(x: int = 1, y: int = 1, z: int = 1, data: int | None = None,
+         *, timeout_s: float = 1800.0) -> "ProcessGrid":
+    """Initialise torch.distributed from the launcher's environment if needed and build the grid."""
+    if dist.is_available() and dist.is_initialized():
+        dims = resolve_dims(x, y, z, data, dist.get_world_size())
+        return ProcessGrid(*dims)
+    env = launch_env()
+    dims = resolve_dims(x, y, z, data, env.world_size)  # before any rendezvous: fails everywhere alike
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    backend = "nccl" if cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.world_size == 1 and env.master_addr is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return ProcessGrid(*dims, local_rank=env.local_rank)
+
+
+class ProcessGrid:
+    """X x Y x Z x data ranks over the initialised default group, with one process group per axis."""
+
+    def __init__(self, x: int, y: int, z: int, data: int, *, local_rank: int | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise fail("grid", f"{x},{y},{z},{data}", "torch.distributed is not initialised; "
+                       "call axonn.init(...) instead")
+        world = dist.get_world_size()
+        self.x, self.y, self.z, self.data = resolve_dims(x, y, z, data, world)
+        self.world_size = world
+        self.rank = dist.get_rank()
+        r = self.rank
+        self.x_rank = r % self.x
+        self.y_rank = (r // self.x) % self.y
+        self.z_rank = (r // (self.x * self.y)) % self.z
+        self.data_rank = r // (self.x * self.y * self.z)
+        self.backend = str(dist.get_backend())
+        if "nccl" in self.backend and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_rank = local_rank
+        self.sizes = {name: self._size(dims) for name, dims in GROUP_DIMS.items()}
+        self.comm = Comm(self._build_groups(), self.sizes)
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError("ProcessGrid is immutable; build a new one with axonn.init")
+        super().__setattr__(name, value)
+
+    def __deepcopy__(self, memo: dict) -> "ProcessGrid":
+        return self  # a handle on process groups: copies of a model share it
+
+    def __repr__(self) -> str:
+        return (f"ProcessGrid(x={self.x}, y={self.y}, z={self.z}, data={self.data}, rank={self.rank}, "
+                f"coords=({self.x_rank},{self.y_rank},{self.z_rank},{self.data_rank}), {self.backend})")
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(x, y, z, data)."""
+        return (self.x, self.y, self.z, self.data)
+
+    @property
+    def stats(self) -> CommStats:
+        """Bytes and calls of every collective run through this grid."""
+        return self.comm.stats
+
+    def coord(self, dim: str) -> int:
+        """This rank's index along one of x, y, z, data."""
+        return {"x": self.x_rank, "y": self.y_rank, "z": self.z_rank, "data": self.data_rank}[dim]
+
+    def size(self, name: str) -> int:
+        """Number of ranks along a dimension or in a named group (x, y, z, data, batch, tensor, world)."""
+        return self.sizes[name]
+
+    @property
+    def batch_shards(self) -> int:
+        """Into how many contiguous equal slices the global batch is cut (Z x data)."""
+        return self.z * self.data
+
+    @property
+    def batch_shard_index(self) -> int:
+        """Which slice this rank takes; X and Y neighbours take the same one."""
+        return self.data_rank * self.z + self.z_rank
+
+    def _size(self, dims: Sequence[str]) -> int:
+        n = 1
+        for d in dims:
+            n *= dict(zip(DIMS, self.dims))[d]
+        return n
+
+    def _rank_of(self, c: dict[str, int]) -> int:
+        return c["x"] + self.x * (c["y"] + self.y * (c["z"] + self.z * c["data"]))
+
+    def ranks_in(self, name: str) -> list[int]:
+        """Global ranks of this rank's group `name`, in group order (ascending)."""
+        sizes = dict(zip(DIMS, self.dims))
+        mine = {d: self.coord(d) for d in DIMS}
+        vary = GROUP_DIMS[name]
+        ranks = [self._rank_of({**mine, **dict(zip(vary, vals))})
+                 for vals in itertools.product(*(range(sizes[d]) for d in vary))]
+        return sorted(ranks)
+
+    def _build_groups(self) -> dict[str, Any]:
+        # Group-local synchronisation: each rank creates only its own groups (6 calls, whatever the
+        # world size), in the same order on every member.  Size-1 groups are never used.
+        groups: dict[str, Any] = {}
+        for name in GROUP_DIMS:
+            if self.sizes[name] == 1:
+                groups[name] = None
+            elif name == "world":
+                groups[name] = dist.group.WORLD
+            else:
+                groups[name] = dist.new_group(self.ranks_in(name), use_local_synchronization=True)
+        return groups

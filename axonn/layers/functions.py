@@ -1,0 +1,149 @@
+"""Autograd Functions of the 3D engine; each backward runs the mirror collective of its forward.
+
+Convention ("replicated activations"): a full-width activation is identical on every rank of its
+X and Y groups, and so is its gradient; the batch is sharded over Z x data.  Hence:
+
+  SplitLastDim   fwd: keep my 1/p slice of the last dim     bwd: all-gather the slices
+  GatherLastDim  fwd: all-gather along the last dim         bwd: keep my slice
+  ParallelMatmul fwd: all-gather W over Z, GEMM,            bwd: all-gather W over Z, dX GEMM +
+                      all-reduce the output over the             all-reduce over the output-split
+                      input-split axis                           axis, dW GEMM + reduce-scatter over Z
+  VocabEmbedding fwd: all-gather W over Z, masked lookup,   bwd: scatter-add dW, reduce-scatter over Z
+                      all-reduce over the vocab-split axis       (vocab all-reduce mirrors to identity)
+
+The Functions hold no state beyond `ctx`; the grid's Comm counts every byte.  Structured so that
+overlap (prefetching the next Z all-gather, async reduce-scatter) can be added inside them later.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from axonn.comm import Comm
+
+
+def gather_weight(comm: Comm, w_shard: torch.Tensor, rows: int) -> torch.Tensor:
+    """All-gather a Z-split weight block and drop the padding rows."""
+    return comm.all_gather(w_shard, "z", dim=0)[:rows]
+
+
+def scatter_weight_grad(comm: Comm, dw: torch.Tensor, local_rows: int) -> Any:
+    """Pad a block gradient to Z x local_rows rows and reduce-scatter it over Z: (grad, work)."""
+    pad = local_rows * comm.size("z") - dw.shape[0]
+    if pad:
+        dw = torch.cat([dw, dw.new_zeros((pad,) + tuple(dw.shape[1:]))])
+    return comm.reduce_scatter(dw, "z", async_op=True)
+
+
+class SplitLastDim(torch.autograd.Function):
+    """Keep this rank's slice of the last dim (no communication); backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: str, index: int) -> torch.Tensor:
+        ctx.comm, ctx.group = comm, group
+        p = comm.size(group)
+        if p == 1:
+            return x
+        n = x.shape[-1] // p
+        return x[..., index * n:(index + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return ctx.comm.all_gather(dy.contiguous(), ctx.group, dim=-1), None, None, None
+
+
+class GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim; backward keeps this rank's slice (the gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, group: str, index: int) -> torch.Tensor:
+        ctx.comm, ctx.group, ctx.index = comm, group, index
+        return comm.all_gather(x, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        p = ctx.comm.size(ctx.group)
+        if p == 1:
+            return dy, None, None, None
+        n = dy.shape[-1] // p
+        return dy[..., ctx.index * n:(ctx.index + 1) * n].contiguous(), None, None, None
+
+
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype: the autocast dtype when autocast is on for this device, else the weight's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and w.is_floating_point():
+        return torch.get_autocast_dtype(kind)
+    return w.dtype
+
+
+class ParallelMatmul(torch.autograd.Function):
+    """y = x @ W.T for a Z-split weight block; x is split over `in_group`, y over `out_group`.
+
+    Under autocast the shard is cast before the Z all-gather (half the bytes) and both passes run
+    in the autocast dtype with explicit casts, so backward needs no autocast state; the weight
+    gradient is reduce-scattered in the parameter's dtype (fp32 master weights stay fp32)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, comm: Comm,
+                in_group: str, out_group: str, rows: int) -> torch.Tensor:
+        dtype = compute_dtype(x, w_shard)
+        with torch.autocast(x.device.type, enabled=False):
+            w = gather_weight(comm, w_shard.to(dtype), rows)
+            y = x.to(dtype).matmul(w.t())
+        comm.all_reduce(y, in_group)  # partial sums over the input slices
+        ctx.save_for_backward(x, w_shard)
+        ctx.comm, ctx.in_group, ctx.out_group, ctx.rows, ctx.dtype = comm, in_group, out_group, rows, dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, w_shard = ctx.saved_tensors
+        comm, dtype = ctx.comm, ctx.dtype
+        # Re-gather instead of keeping the gathered block alive between forward and backward.
+        w = gather_weight(comm, w_shard.to(dtype), ctx.rows)
+        dy = dy.to(dtype).contiguous()
+        dx, work = None, None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(w).to(x.dtype)
+            work = comm.all_reduce(dx, ctx.out_group, async_op=True)  # overlaps the dW GEMM
+        dw_shard = None
+        if ctx.needs_input_grad[1]:
+            xs = x.to(dtype)
+            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(xs.reshape(-1, xs.shape[-1])).to(w_shard.dtype)
+            dw_shard, rs_work = scatter_weight_grad(comm, dw, w_shard.shape[0])
+            rs_work.wait()
+        if work is not None:
+            work.wait()
+        return dx, dw_shard, None, None, None, None
+
+
+class VocabEmbedding(torch.autograd.Function):
+    """Lookup in a vocab-split (rows over `vocab_group`), Z-split table; partial rows summed."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, w_shard: torch.Tensor, comm: Comm, vocab_group: str,
+                rows: int, vocab_start: int, padding_idx: int | None) -> torch.Tensor:
+        w = gather_weight(comm, w_shard, rows)
+        local = ids - vocab_start
+        mask = (local >= 0) & (local < rows)
+        local = torch.where(mask, local, torch.zeros_like(local))
+        out = torch.nn.functional.embedding(local, w) * mask.unsqueeze(-1).to(w.dtype)
+        comm.all_reduce(out, vocab_group)  # exactly one vocab shard owns each token
+        if padding_idx is not None:  # the serial nn.Embedding never updates the padding row
+            p = padding_idx - vocab_start
+            mask = mask & (local != p) if 0 <= p < rows else mask
+        ctx.save_for_backward(local, mask)
+        ctx.comm, ctx.rows, ctx.local_rows = comm, rows, w_shard.shape[0]
+        ctx.w_shape = (rows, w_shard.shape[1])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        local, mask = ctx.saved_tensors
+        dw = dy.new_zeros(ctx.w_shape)
+        dw.index_add_(0, local[mask], dy[mask])
+        dw_shard, work = scatter_weight_grad(ctx.comm, dw, ctx.local_rows)
+        work.wait()
+        return None, dw_shard, None, None, None, None, None

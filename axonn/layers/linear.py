@@ -1,0 +1,104 @@
+"""A drop-in replacement for nn.Linear (and GPT-2's Conv1D) whose weight is a 3D shard.
+
+Styles (which collectives wrap the 3D matmul; see docs/engine.md):
+  easy    full-width in, full-width out: split input over X, matmul, all-gather output over Y
+  column  full-width in, output left split over Y (first layer of a paired block)
+  row     input split over Y, full-width out: matmul with the transposed layout, all-gather over X
+  head    the LM head: like column; logits stay vocab-split over Y (see cross_entropy)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from axonn.grid import ProcessGrid
+from axonn.layers.cross_entropy import mark_vocab_sharded
+from axonn.layers.functions import GatherLastDim, ParallelMatmul, SplitLastDim
+from axonn.layers.layout import ParamSpec
+
+STYLES = ("easy", "column", "row", "head")
+
+
+def weight_spec(grid: ProcessGrid, out_features: int, in_features: int, style: str,
+                transposed: bool = False) -> ParamSpec:
+    """The layout of a weight [out, in] for one style: rows over Y and cols over X, or flipped for row."""
+    row_dim, col_dim = ("x", "y") if style == "row" else ("y", "x")
+    return ParamSpec(grid, out_features, in_features, row_dim, col_dim, z_split=True,
+                     transposed=transposed)
+
+
+def bias_spec(grid: ProcessGrid, out_features: int, style: str) -> ParamSpec | None:
+    """A bias follows the output layout: split over Y where the output stays split, else replicated."""
+    if style in ("column", "head"):
+        return ParamSpec(grid, out_features, None, "y", None, z_split=False)
+    return None
+
+
+def attach(param: nn.Parameter, spec: ParamSpec | None) -> nn.Parameter:
+    """Tag a parameter with its sharding spec (None: replicated)."""
+    if spec is not None:
+        param._axonn_spec = spec
+    return param
+
+
+def _local_param(full: torch.Tensor | None, spec: ParamSpec | None, shape: tuple[int, ...],
+                 device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    """This rank's piece: sliced from a real full tensor, or left empty for a meta model."""
+    if full is None or full.is_meta:
+        data = torch.empty(shape, device="meta", dtype=dtype)
+    elif spec is None:
+        data = full.detach().to(device=device, dtype=dtype).clone()
+    else:
+        data = spec.local_from_full(full.detach()).to(device=device, dtype=dtype).clone()
+    return attach(nn.Parameter(data), spec)
+
+
+class ParallelLinear(nn.Module):
+    """y = x W^T + b with W cut over X, Y, Z; `style` picks the activation layouts (module docstring)."""
+
+    def __init__(self, grid: ProcessGrid, in_features: int, out_features: int, *, bias: bool,
+                 style: str = "easy", weight: torch.Tensor | nn.Parameter | None = None,
+                 bias_value: torch.Tensor | None = None, conv1d: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if style not in STYLES:
+            raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
+        self.grid, self.style, self.conv1d = grid, style, conv1d
+        self.in_features, self.out_features = in_features, out_features
+        spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d)
+        if isinstance(weight, nn.Parameter) and getattr(weight, "_axonn_spec", None) is not None:
+            self.weight = weight  # already a shard with this layout (tied LM head)
+        else:
+            self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            bspec = bias_spec(grid, out_features, style)
+            shape = bspec.local_shape if bspec is not None else (out_features,)
+            self.bias = _local_param(bias_value, bspec, shape, grid.device, dtype)
+
+    @property
+    def spec(self) -> ParamSpec:
+        """Layout of the weight shard."""
+        return self.weight._axonn_spec
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, style={self.style}, "
+                f"bias={self.bias is not None}, local={tuple(self.weight.shape)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer; input/output layouts depend on the style."""
+        g, comm = self.grid, self.grid.comm
+        rows = self.spec.block_rows
+        if self.style == "row":
+            y = ParallelMatmul.apply(x, self.weight, comm, "y", "x", rows)
+            y = GatherLastDim.apply(y, comm, "x", g.x_rank)
+        else:
+            x = SplitLastDim.apply(x, comm, "x", g.x_rank)
+            y = ParallelMatmul.apply(x, self.weight, comm, "x", "y", rows)
+            if self.style == "easy":
+                y = GatherLastDim.apply(y, comm, "y", g.y_rank)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)  # as nn.Linear under autocast: output in the GEMM dtype
+        if self.style == "head":
+            y = mark_vocab_sharded(y, g)
+        return y

@@ -1,0 +1,172 @@
+"""`parallelize`: swap a model's linear layers, token embedding and LM head for 3D-parallel ones.
+
+easy    every nn.Linear / GPT-2 Conv1D becomes an `easy` ParallelLinear: activations between layers
+        stay full-width (identical on X and Y ranks) and batch-sharded over Z x data, so any Hugging
+        Face causal LM built from these layers runs unchanged.
+paired  in Llama-family blocks (q/k/v/o_proj attention, gate/up/down_proj MLP) q, k, v, gate and up
+        become `column` layers and o, down `row` layers, so the pair runs without re-layout between
+        them: heads (and the FFN width) are split over Y.  Other linears stay easy.
+The LM head becomes a vocab-parallel `head` layer and the input embedding a ParallelEmbedding with the
+same layout, so tied embeddings stay one shared parameter.  A model built on the meta device gets
+empty shards (fill them with `axonn.load_pretrained`); a real model is sliced locally.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from axonn.config import fail
+from axonn.grid import ProcessGrid, validate_grid_for_model
+from axonn.layers.embedding import ParallelEmbedding
+from axonn.layers.linear import ParallelLinear
+
+MODES = ("easy", "paired")
+_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+_ROW = {"o_proj", "down_proj"}
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    # GPT-2's transformers.pytorch_utils.Conv1D: y = x @ W + b with W stored [in, out].
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
+
+
+def _features(m: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a Linear or Conv1D."""
+    return (m.nx, m.nf) if _is_conv1d(m) else (m.in_features, m.out_features)
+
+
+def _paired_parents(model: nn.Module) -> set[str]:
+    """Names of attention / MLP modules whose children form column->row pairs."""
+    out = set()
+    for name, m in model.named_modules():
+        for group in (_ATTN, _MLP):
+            if all(isinstance(getattr(m, c, None), nn.Linear) for c in group):
+                out.add(name)
+    return out
+
+
+def _style(name: str, paired_parents: set[str]) -> str:
+    parent, _, leaf = name.rpartition(".")
+    if parent in paired_parents and leaf in _COLUMN:
+        return "column"
+    if parent in paired_parents and leaf in _ROW:
+        return "row"
+    return "easy"
+
+
+def _check_divides(grid: ProcessGrid, name: str, size: int, dim: str, what: str) -> None:
+    n = grid.size(dim)
+    if size % n:
+        raise fail(f"grid.{dim}", n, f"must divide {name}.{what}={size}; choose a {dim} dividing {size}")
+
+
+def _plan(model: nn.Module, grid: ProcessGrid, mode: str) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, style) for every module to swap; raises ConfigError before touching anything."""
+    if not (hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings")):
+        raise fail("model", type(model).__name__, "parallelize takes a Hugging Face PreTrainedModel "
+                   "(get_input_embeddings / get_output_embeddings); wrap other models' layers in "
+                   "axonn.ParallelLinear / ParallelEmbedding directly")
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(emb, nn.Embedding):
+        raise fail("model", type(model).__name__, "needs an nn.Embedding input embedding "
+                   "(get_input_embeddings()) to parallelize")
+    if emb.max_norm is not None or emb.sparse:
+        raise fail("model.embedding", "max_norm/sparse", "not supported by the parallel embedding")
+    paired = _paired_parents(model) if mode == "paired" else set()
+    if mode == "paired" and not paired:
+        raise fail("mode", mode, f"{type(model).__name__} has no Llama-family q/k/v/o_proj or "
+                   "gate/up/down_proj blocks; use mode='easy'")
+    plan = []
+    for name, m in model.named_modules():
+        if m is emb:
+            _check_divides(grid, name, m.num_embeddings, "y", "num_embeddings")
+            _check_divides(grid, name, m.embedding_dim, "x", "embedding_dim")
+            plan.append((name, m, "embedding"))
+        elif m is head:
+            if not isinstance(m, nn.Linear):
+                raise fail("model.lm_head", type(m).__name__, "the LM head must be an nn.Linear")
+            _check_divides(grid, name, m.out_features, "y", "out_features (vocab)")
+            _check_divides(grid, name, m.in_features, "x", "in_features")
+            plan.append((name, m, "head"))
+        elif isinstance(m, nn.Linear) or _is_conv1d(m):
+            style = _style(name, paired)
+            fin, fout = _features(m)
+            in_dim, out_dim = ("y", "x") if style == "row" else ("x", "y")
+            _check_divides(grid, name, fin, in_dim, "in_features")
+            _check_divides(grid, name, fout, out_dim, "out_features")
+            plan.append((name, m, style))
+    plan.sort(key=lambda item: item[2] != "embedding")  # a tied head reuses the embedding's shard
+    return plan
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+
+
+def _materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """Give meta parameters/buffers real (uninitialised) storage, keeping tied ones shared."""
+    memo: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in memo:
+                    new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    if hasattr(p, "_axonn_spec"):
+                        new._axonn_spec = p._axonn_spec
+                    memo[id(p)] = new
+                module._parameters[key] = memo[id(p)]
+        for key, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[key] = torch.zeros_like(b, device=device)
+    # Non-persistent buffers (rotary inv_freq) are never in a checkpoint: recompute them the way
+    # transformers does after its own meta-device loading.
+    init = getattr(model, "_init_weights", None)
+    if callable(init):
+        with torch.no_grad():
+            for module in model.modules():
+                if module._non_persistent_buffers_set and not any(True for _ in module.parameters(False)):
+                    init(module)
+
+
+def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "easy") -> nn.Module:
+    """Swap the model's linears, embedding and LM head for 3D-parallel ones in place; returns it."""
+    if mode not in MODES:
+        raise fail("mode", mode, "choose easy or paired")
+    if getattr(model, "axonn_grid", None) is not None:
+        raise fail("model", type(model).__name__, "is already parallelized")
+    if grid is None:
+        from axonn.grid import init
+
+        grid = init()  # plain data parallelism over the whole world
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads"):
+        validate_grid_for_model(grid, config, mode)
+    plan = _plan(model, grid, mode)  # every check first: errors come before any change
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    new_emb: ParallelEmbedding | None = None
+    for name, m, style in plan:
+        if style == "embedding":
+            new_emb = ParallelEmbedding(grid, m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx,
+                                        weight=m.weight, dtype=m.weight.dtype)
+            new: nn.Module = new_emb
+        else:
+            fin, fout = _features(m)
+            weight: Any = m.weight
+            if style == "head" and tied:
+                weight = new_emb.weight
+            new = ParallelLinear(grid, fin, fout, bias=m.bias is not None, style=style, weight=weight,
+                                 bias_value=m.bias, conv1d=_is_conv1d(m), dtype=m.weight.dtype)
+        _swap(model, name, new)
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        _materialize_meta(model, grid.device)
+    model.to(grid.device)
+    model.axonn_grid = grid
+    model.axonn_mode = mode
+    return model
