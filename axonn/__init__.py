@@ -1,18 +1,39 @@
-"""AxoNN-style 4D engine: 3D tensor-parallel layers (X, Y, Z) plus data parallelism on torch.distributed."""
-from axonn.comm import Comm, CommStats
-from axonn.config import ConfigError
-from axonn.engine import all_reduce_sum, batch_shard, clip_grad_norm_, grad_norm, shard_batch, sync_gradients
-from axonn.grid import ProcessGrid, init, launch_env, parse_grid, validate_grid_for_model
-from axonn.layers import (ParallelEmbedding, ParallelLinear, ParamSpec, VocabShardedLogits, cross_entropy,
-                          gather_logits, spec_of)
-from axonn.parallelize import parallelize
-from axonn.state import full_grad_dict, full_state_dict, load_pretrained, save_pretrained, serial_copy
+"""AxoNN-style 4D engine: 3D tensor-parallel layers (X, Y, Z) plus data parallelism on torch.distributed.
 
-__all__ = [
-    "ConfigError", "ProcessGrid", "init", "launch_env", "parse_grid", "validate_grid_for_model",
-    "parallelize", "full_state_dict", "full_grad_dict", "load_pretrained", "save_pretrained",
-    "serial_copy", "cross_entropy",
-    "gather_logits", "all_reduce_sum", "sync_gradients", "clip_grad_norm_", "grad_norm",
-    "batch_shard", "shard_batch", "Comm", "CommStats", "ParallelLinear", "ParallelEmbedding",
-    "ParamSpec", "VocabShardedLogits", "spec_of",
-]
+Names are resolved lazily so that `import axonn.config` (the house error type, used by every
+package) or `import axonn.plan` does not pull in the engine and torch.distributed.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ConfigError": "axonn.config",
+    "Comm": "axonn.comm", "CommStats": "axonn.comm",
+    "all_reduce_sum": "axonn.engine", "batch_shard": "axonn.engine", "clip_grad_norm_": "axonn.engine",
+    "grad_norm": "axonn.engine", "shard_batch": "axonn.engine", "sync_gradients": "axonn.engine",
+    "ProcessGrid": "axonn.grid", "init": "axonn.grid", "launch_env": "axonn.grid", "parse_grid": "axonn.grid",
+    "validate_grid_for_model": "axonn.grid",
+    "ParallelEmbedding": "axonn.layers", "ParallelLinear": "axonn.layers", "ParamSpec": "axonn.layers",
+    "VocabShardedLogits": "axonn.layers", "cross_entropy": "axonn.layers", "gather_logits": "axonn.layers",
+    "spec_of": "axonn.layers",
+    "parallelize": "axonn.parallelize",
+    "full_grad_dict": "axonn.state", "full_state_dict": "axonn.state", "load_pretrained": "axonn.state",
+    "save_pretrained": "axonn.state", "serial_copy": "axonn.state",
+    "Trainer": "axonn.trainer", "TrainerConfig": "axonn.trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'axonn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

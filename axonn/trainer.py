@@ -176,7 +176,7 @@ class Trainer:
     @property
     def is_main(self) -> bool:
         """True on the rank that writes files and logs."""
-        return self.grid is None or self.grid.is_main
+        return self.grid is None or self.grid.rank == 0
 
     # -- batches -----------------------------------------------------------------------------
     def _global_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -193,11 +193,10 @@ class Trainer:
 
     def _shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous slice of a (micro-)batch along rows."""
-        if self.grid is None or self.grid.batch_shards == 1:
+        if self.grid is None:
             return t
-        rows = t.shape[0] // self.grid.batch_shards
-        i = self.grid.batch_shard_index
-        return t[i * rows:(i + 1) * rows]
+        from axonn.engine import shard_batch
+        return shard_batch(t, self.grid)
 
     # -- loss --------------------------------------------------------------------------------
     def _ce_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,18 +326,13 @@ class Trainer:
     def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""
         out = Path(out_dir)
-        model = self.model
         if self.grid is not None:
-            import axonn
-            state = axonn.full_state_dict(model)
-            if not self.is_main:
-                return out
-            model = axonn.serial_copy(model, state)
-        if self.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out)
+            from axonn.state import save_pretrained
+            save_pretrained(self.model, out)  # streams shards; rank 0 writes, never the whole model at once
+        elif self.is_main:
+            self.model.save_pretrained(out, safe_serialization=True)
+        if self.is_main and tokenizer is not None:
+            tokenizer.save_pretrained(out)
         return out
 
 

@@ -65,14 +65,9 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
         raise fail(name, value, f"must be >= {minimum}")
 
 
-def _grid(spec: str | None, cfg=None):
-    """Initialise the process grid for --grid (None for a serial run)."""
-    if spec is None and (cfg is None or cfg.grid in ("", "1,1,1,1")):
-        return None
-    import axonn
-
-    spec = spec or cfg.grid
-    return axonn.init_from_spec(spec, model_config=None)
+def _grid(spec: str | None, cfg=None) -> str | None:
+    """The grid spec for this run: --grid wins over the config's `grid` key."""
+    return spec if spec is not None else (cfg.grid if cfg is not None else None)
 
 
 def cmd_demo(args) -> int:
@@ -98,7 +93,10 @@ def cmd_train(args) -> int:
         cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=args.steps))
     out = args.out or f"runs/{cfg.name}"
     summary = run_training(cfg, out, overwrite=args.overwrite, grid=_grid(args.grid, cfg))
-    print(json.dumps(summary, indent=2))
+    from memorization.parallel import is_main_process
+
+    if is_main_process():
+        print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -152,7 +150,14 @@ COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_r
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit code (2 on bad input, with one line on stderr)."""
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        # key=value overrides may follow options (argparse stops collecting positionals there)
+        stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        if extra:
+            args.overrides = list(args.overrides) + extra
         return COMMANDS[args.command](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ from typing import Any
 
 from memorization.config import RunConfig, load_run_config
 from memorization.models import REPO_ROOT
+from memorization.parallel import is_main_process
 from memorization.pipeline import check_out_dir, prepare_data, prepare_out_dir, run_training
 from memorization.report import read_metrics, text_table, write_report
 
@@ -28,7 +29,7 @@ def run_demo(out: str | Path = "runs/demo", *, epochs: int | None = None, overwr
              overrides: list[str] | None = None, grid: Any = None) -> dict[str, Any]:
     """Train both runs, evaluate extraction and held-out loss, write the report; return it."""
     configs = demo_configs(epochs, overrides)
-    is_main = grid is None or grid.is_main
+    is_main = is_main_process()
     check_out_dir(out, overwrite)
     t0 = time.perf_counter()
     data = prepare_data(configs[0])  # tokenizer and rows are shared: only the loss differs

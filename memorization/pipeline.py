@@ -118,12 +118,21 @@ def effective_trainer(cfg: RunConfig):
 
 def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: Any = None,
                  data: PreparedData | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json."""
-    is_main = grid is None or grid.is_main
+    """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json.
+
+    `grid` is an initialised ProcessGrid, a grid spec ("X,Y,Z,D" or "auto"), or None for cfg.grid.
+    """
+    from memorization.parallel import is_main_process, make_grid, wants_grid
+
+    is_main = is_main_process()
     check_out_dir(out, overwrite)  # bad input fails before anything is written
     data = data or prepare_data(cfg)
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides)
+    spec = cfg.grid if grid is None else grid
+    if isinstance(spec, str):
+        grid = make_grid(spec, model.config, seq=cfg.data.block_len, global_batch=cfg.trainer.batch_size,
+                         mode=cfg.parallel_mode) if wants_grid(spec) else None
     out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
     if grid is not None:
         import axonn
@@ -157,6 +166,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
         "final_train_loss": history[-1]["loss"] if history else None,
         "val_loss": val_loss, "train_seconds": round(train_s, 2),
     }
+    if grid is not None:
+        summary["grid"] = ",".join(map(str, grid.dims))
     if cfg.eval.extraction and is_main:
         summary.update(_extraction(cfg, data, trainer, out_dir, wb))
     if is_main:
