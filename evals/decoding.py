@@ -99,3 +99,37 @@ def beam_generate(model: torch.nn.Module, prefixes: torch.LongTensor, max_new_to
             cache = step.past_key_values
             logits = step.logits[:, -1].float()
     return seqs[:, 0]
+
+
+def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
+                    targets: torch.LongTensor) -> torch.LongTensor:
+    """Greedy continuation of `prefixes`, using the known `targets` as a speculative draft.
+
+    One forward pass over prefix + target scores every draft position at once. Wherever greedy
+    decoding agrees with the target so far, its context *is* the target, so the argmax at the
+    first disagreement (or everywhere, for a verbatim match) is already the greedy token. Only rows
+    that diverge are decoded further, from prefix + the tokens known so far. The result equals
+    `greedy_generate(model, prefixes, S)`; a memorized suffix costs one forward pass instead of S.
+    """
+    _check(prefixes, targets.shape[1] if targets.dim() == 2 else -1)
+    device = model_device(model)
+    prefixes, targets = prefixes.to(device), targets.to(device)
+    batch, p = prefixes.shape
+    s = targets.shape[1]
+    if s == 0 or batch == 0:
+        return targets.clone()
+    seq = torch.cat([prefixes, targets[:, :-1]], dim=1)
+    kw = {"logits_to_keep": s} if accepts_logits_to_keep(model) else {}
+    with evaluating(model):
+        logits = model(input_ids=seq, use_cache=False, **kw).logits[:, -s:]
+    pred = logits.argmax(dim=-1)
+    wrong = pred != targets
+    first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1), torch.full_like(wrong[:, 0], s, dtype=torch.long))
+    out = pred.clone()
+    # rows that diverge at position m know tokens 0..m; decode the rest, batched by m
+    for m in sorted(set(first.tolist()) - {s}):
+        rows = (first == m).nonzero().squeeze(1)
+        if m + 1 < s:
+            known = torch.cat([prefixes[rows], pred[rows, :m + 1]], dim=1)
+            out[rows, m + 1:] = greedy_generate(model, known, s - m - 1)
+    return out

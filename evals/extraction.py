@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from evals._errors import fail
-from evals.decoding import beam_generate, greedy_generate
+from evals.decoding import beam_generate, greedy_generate, verified_greedy
 from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
 
 __all__ = ["ExtractionResult", "beam_generate", "extract", "extractability", "greedy_generate",
@@ -78,7 +78,8 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
         chunk = keep[b:b + batch_size]
         prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk], dtype=torch.long)
         if num_beams == 1:
-            gen = greedy_generate(model, prefixes, suffix_len)
+            targets = torch.tensor([list(documents[i][target_start:need]) for i in chunk], dtype=torch.long)
+            gen = verified_greedy(model, prefixes, targets)
         else:
             gen = beam_generate(model, prefixes, suffix_len, num_beams)
         for i, g in zip(chunk, gen.tolist()):

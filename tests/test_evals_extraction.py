@@ -181,3 +181,24 @@ def test_too_short_documents_raise_config_error():
         extract(model, [[1] * 12], prefix_len=0, suffix_len=8)
     with pytest.raises(ConfigError, match="doc_ids"):
         extract(model, [[1] * 12], prefix_len=2, suffix_len=2, doc_ids=["a", "b"])
+
+
+def test_verified_greedy_equals_greedy_for_any_draft():
+    """The target-as-draft decoder returns exactly the greedy tokens, wherever the draft diverges."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from evals.decoding import greedy_generate, verified_greedy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, max_position_embeddings=64)).eval()
+    prefixes = torch.randint(0, 50, (10, 7))
+    greedy = greedy_generate(model, prefixes, 9)
+    drafts = greedy.clone()
+    for row in range(10):  # row r diverges at position r (row 9: draft is the greedy output itself)
+        if row < 9:
+            drafts[row, row] = (drafts[row, row] + 1) % 50
+    assert torch.equal(verified_greedy(model, prefixes, drafts), greedy)
+    random_drafts = torch.randint(0, 50, (10, 9))
+    assert torch.equal(verified_greedy(model, prefixes, random_drafts), greedy)
