@@ -43,6 +43,10 @@ class TrainerConfig:
     precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
     device: str = "auto"
     progress: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0 = none
+    keep_last: int = 2  # sealed checkpoints kept (0 = all)
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run aborts
+    collective_timeout_s: float = 60.0  # a silent rank is declared lost after this long
 
     def validate(self, prefix: str = "trainer") -> None:
         """Raise ConfigError on out-of-range values."""
@@ -51,7 +55,8 @@ class TrainerConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise fail(f"{prefix}.{name}", value, "must be > 0")
-        for name in ("warmup_steps", "max_steps", "eval_every", "epochs", "seed"):
+        for name in ("warmup_steps", "max_steps", "eval_every", "epochs", "seed", "checkpoint_every",
+                     "keep_last"):
             if getattr(self, name) < 0:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
         if self.epochs == 0 and self.max_steps == 0:
@@ -63,6 +68,10 @@ class TrainerConfig:
             raise fail(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "must be within [0, 1]")
         if self.grad_clip < 0:
             raise fail(f"{prefix}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.max_bad_steps < 1:
+            raise fail(f"{prefix}.max_bad_steps", self.max_bad_steps, "must be >= 1")
+        if not self.collective_timeout_s > 0:
+            raise fail(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
 
@@ -79,6 +88,14 @@ class MetricSink(Protocol):
 
     def log(self, metrics: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
+
+
+class Callback(Protocol):
+    """Optional hooks, called on every rank: on_step_end(trainer, metrics), on_epoch_end(trainer, epoch).
+
+    A callback may define either hook or both; `epoch` counts completed passes from 1. Hooks run
+    after the step's metrics are emitted, so anything they measure belongs to the model as it is then.
+    """
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,6 +128,8 @@ class StepStats:
     dropped_loss_sum: float = 0.0
     dropped: int = 0
     tokens: int = 0
+    grad_norm: float = 0.0
+    skipped: bool = False
 
 
 @dataclass
@@ -121,7 +140,13 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0
     tokens: int = 0
+    skipped_steps: int = 0  # steps whose loss or gradient norm was NaN/Inf (no update made)
+    bad_streak: int = 0  # consecutive ones, up to now
     history: list = field(default_factory=list)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a NaN/Inf loss or gradient norm."""
 
 
 class Trainer:
@@ -137,12 +162,18 @@ class Trainer:
         label_transform: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None,
         grid: Any = None,
         sinks: list[MetricSink] | None = None,
+        callbacks: list[Callback] | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_files: Callable[[Path], None] | None = None,
     ):
         cfg.validate()
         if len(train_data) == 0:
             raise fail("train_data", 0, "no training rows; check the corpus and block length")
         self.cfg, self.model, self.train_data, self.eval_data = cfg, model, train_data, eval_data
         self.label_transform, self.grid, self.sinks = label_transform, grid, sinks or []
+        self.callbacks = list(callbacks or [])
+        # checkpoint_files(dir) lets the caller add files (a tokenizer) to each checkpoint on rank 0
+        self.checkpoint_dir, self.checkpoint_files = checkpoint_dir, checkpoint_files
         self.device = grid.device if grid is not None else resolve_device(cfg.device)
         shards = grid.batch_shards if grid is not None else 1
         micro = cfg.batch_size // cfg.grad_accum
@@ -186,8 +217,10 @@ class Trainer:
             order = epoch_order(n, self.cfg.seed, self.state.epoch)
             while self.state.batch_in_epoch < self.steps_per_epoch:
                 start = self.state.batch_in_epoch * bs
-                yield self.train_data[order[start:start + bs]]
+                # advance before yielding, so the state always names the *next* batch (what a
+                # checkpoint taken after this step must resume from)
                 self.state.batch_in_epoch += 1
+                yield self.train_data[order[start:start + bs]]
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
@@ -243,18 +276,24 @@ class Trainer:
         if self.grid is not None:
             import axonn
             axonn.sync_gradients(model, self.grid)
-        if cfg.grad_clip > 0:
-            if self.grid is not None:
-                import axonn
-                axonn.clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if self.grid is not None:
+            import axonn
+            norm = (axonn.clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid) if cfg.grad_clip > 0
+                    else axonn.grad_norm(model.parameters(), self.grid))
+        elif cfg.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False))
+        else:
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                        if p.grad is not None], foreach=False))
         loss_sum, d_sum, d_cnt = self._reduce(sums).tolist()
+        # Both values are identical on every rank (reduced), so all ranks skip together.
+        skipped = not (math.isfinite(loss_sum) and math.isfinite(norm))
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         tokens = int((base != IGNORE_INDEX).sum())  # real (non-pad) tokens of the global batch
-        return StepStats(loss_sum, supervised, d_sum, int(d_cnt), tokens)
+        return StepStats(loss_sum, supervised, d_sum, int(d_cnt), tokens, norm, skipped)
 
     # -- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,6 +329,12 @@ class Trainer:
             for sink in self.sinks:
                 sink.log(metrics)
 
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
     def fit(self) -> list[dict[str, Any]]:
         """Train to total_steps; return the per-step metrics history."""
         from tqdm.auto import tqdm
@@ -305,6 +350,7 @@ class Trainer:
             stats = self.train_step(batch)
             self.state.step += 1
             self.state.tokens += stats.tokens
+            self._count_bad(stats)
             elapsed = time.perf_counter() - t0
             tps = (self.state.tokens - tokens0) / max(elapsed, 1e-9)
             metrics = {
@@ -312,16 +358,103 @@ class Trainer:
                 "lr": lr, "tokens": self.state.tokens, "supervised_tokens": stats.supervised,
                 "tokens_per_s": tps,
             }
+            if self.state.skipped_steps:
+                metrics["skipped_steps"] = self.state.skipped_steps
             if stats.dropped:
                 metrics["dropped_loss"] = stats.dropped_loss_sum / stats.dropped
                 metrics["dropped_tokens"] = stats.dropped
             if cfg.eval_every and self.state.step % cfg.eval_every == 0 and self.eval_data is not None:
                 metrics["val_loss"] = self.evaluate()
             self._emit(metrics)
+            self._call("on_step_end", metrics)
+            if self.state.step % self.steps_per_epoch == 0:
+                self._call("on_epoch_end", self.state.step // self.steps_per_epoch)
+            if cfg.checkpoint_every and self.checkpoint_dir is not None \
+                    and self.state.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint(self.checkpoint_dir)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
         bar.close()
         return self.state.history
+
+    def _count_bad(self, stats: StepStats) -> None:
+        """Count a skipped (non-finite) step; abort after max_bad_steps in a row."""
+        if not stats.skipped:
+            self.state.bad_streak = 0
+            return
+        self.state.skipped_steps += 1
+        self.state.bad_streak += 1
+        if self.state.bad_streak >= self.cfg.max_bad_steps:
+            loss = stats.loss_sum / max(stats.supervised, 1)
+            raise NonFiniteError(
+                f"trainer.max_bad_steps={self.cfg.max_bad_steps}: {self.state.bad_streak} consecutive steps "
+                f"had a non-finite loss or gradient norm (step {self.state.step}: loss={loss}, "
+                f"grad_norm={stats.grad_norm}); lower trainer.lr, set trainer.grad_clip, or check the data")
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Loop position, schedule and label-transform state (JSON-able; tensors kept apart)."""
+        s = self.state
+        out: dict[str, Any] = {
+            "trainer_state": {"step": s.step, "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch,
+                              "tokens": s.tokens, "skipped_steps": s.skipped_steps, "bad_streak": s.bad_streak},
+            "scheduler": self.scheduler.state_dict(),
+            "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
+            "transform": {},
+        }
+        fn = getattr(self.label_transform, "state_dict", None)
+        tensors: dict[str, torch.Tensor] = {"rng/cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
+        for k, v in (fn() if callable(fn) else {}).items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"transform/{k}"] = v
+            else:
+                out["transform"][k] = v
+        out["tensors"] = tensors
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], tensor: Callable[[str], torch.Tensor | None]) -> None:
+        """Restore what state_dict saved; `tensor(name)` returns a saved tensor (or None)."""
+        for k, v in state["trainer_state"].items():
+            setattr(self.state, k, int(v))
+        self.scheduler.load_state_dict(state["scheduler"])
+        for g, lr in zip(self.optimizer.param_groups, state["group_lrs"]):
+            g["lr"] = lr
+        fn = getattr(self.label_transform, "load_state_dict", None)
+        if callable(fn):
+            saved = dict(state.get("transform", {}))
+            for k in getattr(self.label_transform, "state_dict")():
+                t = tensor(f"transform/{k}")
+                if t is not None:
+                    saved[k] = t
+            fn(saved)
+        rng = tensor("rng/cpu")
+        if rng is not None:
+            torch.set_rng_state(rng)
+        cuda = tensor("rng/cuda")
+        if cuda is not None and torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda, self.device)
+
+    def save_checkpoint(self, root: str | Path) -> Path:
+        """Write an atomic checkpoint of everything needed to resume exactly (every rank calls it)."""
+        from axonn import checkpoint
+
+        state = self.state_dict()
+        tensors = state.pop("tensors")
+        cfg = getattr(self.model, "config", None)
+        meta = {**state, "model_config": cfg.to_dict() if cfg is not None else None}
+        return checkpoint.save(root, self.state.step, self.model, self.optimizer, grid=self.grid, meta=meta,
+                               rank_tensors=tensors, main_files=self.checkpoint_files,
+                               keep_last=self.cfg.keep_last)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Resume from a checkpoint saved at any grid; returns its meta."""
+        from axonn import checkpoint
+
+        meta, tensor = checkpoint.load(path, self.model, self.optimizer, grid=self.grid)
+        self.load_state_dict(meta, tensor)
+        return meta
 
     def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""

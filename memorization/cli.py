@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML run config, e.g. configs/train/tiny-wiki.yaml")
     t.add_argument("--out", default=None, help="output folder (default runs/<name>)")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides epochs)")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write an atomic checkpoint to OUT/checkpoints every N steps (trainer.checkpoint_every)")
+    t.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="resume from the newest checkpoint in OUT (auto) or from a checkpoint folder")
     t.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(t)
 
@@ -45,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, help="output folder (default runs/<experiment name>)")
     r.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(r)
+
+    x = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face model folder")
+    x.add_argument("checkpoint", help="a checkpoint folder, e.g. OUT/checkpoints/step-00000100")
+    x.add_argument("out", help="where to write the save_pretrained folder")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
 
     e = sub.add_parser("eval", help="extraction eval of a saved model on a corpus")
     e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
@@ -89,10 +98,16 @@ def cmd_train(args) -> int:
 
     cfg = load_run_config(args.config, args.overrides)
     _positive("--steps", args.steps)
+    _positive("--checkpoint-every", args.checkpoint_every)
+    if args.resume is not None and args.overwrite:
+        raise fail("--resume", args.resume, "cannot be combined with --overwrite (which deletes the "
+                   "checkpoints); drop one of them")
     if args.steps:
         cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=args.steps))
+    if args.checkpoint_every:
+        cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_every=args.checkpoint_every))
     out = args.out or f"runs/{cfg.name}"
-    summary = run_training(cfg, out, overwrite=args.overwrite, grid=_grid(args.grid, cfg))
+    summary = run_training(cfg, out, overwrite=args.overwrite, grid=_grid(args.grid, cfg), resume=args.resume)
     from memorization.parallel import is_main_process
 
     if is_main_process():
@@ -135,6 +150,44 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write a checkpoint as a serial Hugging Face model folder (plus its tokenizer when saved)."""
+    import shutil
+
+    from axonn.checkpoint import consolidate, read_meta
+
+    read_meta(args.checkpoint, verify=False)  # a clear error before anything else
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise fail("out", args.out, "exists and is not empty; choose a new folder or pass --overwrite")
+    meta, state = consolidate(args.checkpoint)  # verifies every shard's sha256
+    if not meta.get("model_config"):
+        raise fail("checkpoint", args.checkpoint, "holds no model config; it was not written by memorize")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_dict = dict(meta["model_config"])
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    model = AutoModelForCausalLM.from_config(config)
+    tied = getattr(config, "tie_word_embeddings", False)
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not (tied and k.endswith("lm_head.weight"))]
+    if missing or result.unexpected_keys:
+        raise fail("checkpoint", args.checkpoint, f"does not match its model config (missing "
+                   f"{missing[:2]}, unexpected {result.unexpected_keys[:2]}); it is damaged")
+    if tied:
+        model.tie_weights()
+    if out.exists() and args.overwrite:
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    model.save_pretrained(out, safe_serialization=True)
+    tok = Path(args.checkpoint) / "tokenizer"
+    if tok.is_dir():
+        for f in tok.iterdir():
+            shutil.copy2(f, out / f.name)
+    print(json.dumps({"checkpoint": str(args.checkpoint), "step": meta["step"], "out": str(out)}))
+    return 0
+
+
 def cmd_run(args) -> int:
     """Run one experiment config (a sweep skips runs that already finished)."""
     from memorization.experiments import run_experiment
@@ -144,7 +197,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run}
+COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,6 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from axonn.trainer import NonFiniteError
+
+        if not isinstance(e, NonFiniteError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -44,8 +44,11 @@ def grid_dims(spec: str, model_config: Any, *, seq: int, global_batch: int, mode
     return dims
 
 
-def make_grid(spec: str, model_config: Any, *, seq: int, global_batch: int, mode: str = "easy"):
-    """Validate on every rank (no collective), then initialise torch.distributed and the grid."""
+def make_grid(spec: str, model_config: Any, *, seq: int, global_batch: int, mode: str = "easy",
+              timeout_s: float = 60.0):
+    """Validate on every rank (no collective), then initialise torch.distributed and the grid.
+
+    `timeout_s` bounds every blocking collective (trainer.collective_timeout_s)."""
     import axonn
 
     dims = grid_dims(spec, model_config, seq=seq, global_batch=global_batch, mode=mode)
@@ -53,7 +56,7 @@ def make_grid(spec: str, model_config: Any, *, seq: int, global_batch: int, mode
         # gloo ranks share the CPU: one thread each unless the user said otherwise
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-    return axonn.init(*dims)
+    return axonn.init(*dims, timeout_s=timeout_s)
 
 
 def is_main_process() -> bool:

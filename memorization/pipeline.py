@@ -1,6 +1,7 @@
 """One training run end to end: corpus -> tokenizer -> rows -> model -> trainer -> evals -> files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -16,7 +17,11 @@ from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.models import build_model, count_params
 
-RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json")
+RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
+CHECKPOINTS = "checkpoints"
+# model-config fields a checkpoint must agree on before any work starts
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "intermediate_size", "n_embd", "n_layer", "n_head")
 
 
 def check_out_dir(out: str | Path, overwrite: bool) -> list[str]:
@@ -116,24 +121,78 @@ def effective_trainer(cfg: RunConfig):
     return t
 
 
+def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
+    """'auto' -> the newest sealed checkpoint in OUT/checkpoints (None: start fresh); else a sealed path."""
+    from axonn import checkpoint
+
+    if not resume:
+        return None
+    if resume == "auto":
+        found = checkpoint.latest_complete(Path(out) / CHECKPOINTS)
+        if found is None:
+            import sys
+
+            print(f"[resume] no complete checkpoint in {Path(out) / CHECKPOINTS}; starting from step 0",
+                  file=sys.stderr)
+    else:
+        found = Path(resume)
+    if found is not None:  # sealed, parseable, every shard's sha256 right: before any work starts
+        checkpoint.read_meta(found, verify=True)
+    return found
+
+
+def _check_resume_fits(ckpt: Path, model: Any) -> None:
+    """ConfigError (before anything is written) when the checkpoint is of another model."""
+    from axonn import checkpoint
+
+    saved = checkpoint.read_meta(ckpt, verify=False).get("model_config") or {}
+    mine = model.config.to_dict()
+    for key in _SHAPE_KEYS:
+        if key in saved and saved[key] != mine.get(key):
+            raise fail("--resume", str(ckpt), f"was saved from a model with {key}={saved[key]}, this run "
+                       f"builds {key}={mine.get(key)}; resume with the same model and data config")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics lines up to `step`: the resumed run rewrites the rest."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+
 def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: Any = None,
-                 data: PreparedData | None = None, progress: bool = True) -> dict[str, Any]:
+                 data: PreparedData | None = None, progress: bool = True,
+                 resume: str | None = None) -> dict[str, Any]:
     """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json.
 
     `grid` is an initialised ProcessGrid, a grid spec ("X,Y,Z,D" or "auto"), or None for cfg.grid.
+    `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
     """
     from memorization.parallel import is_main_process, make_grid, wants_grid
 
     is_main = is_main_process()
-    check_out_dir(out, overwrite)  # bad input fails before anything is written
+    check_out_dir(out, overwrite or bool(resume))  # bad input fails before anything is written
+    ckpt = resolve_resume(resume, out)
     data = data or prepare_data(cfg)
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides)
+    if ckpt is not None:
+        _check_resume_fits(ckpt, model)
     spec = cfg.grid if grid is None else grid
     if isinstance(spec, str):
         grid = make_grid(spec, model.config, seq=cfg.data.block_len, global_batch=cfg.trainer.batch_size,
-                         mode=cfg.parallel_mode) if wants_grid(spec) else None
-    out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
+                         mode=cfg.parallel_mode, timeout_s=cfg.trainer.collective_timeout_s) \
+            if wants_grid(spec) else None
+    if resume:  # keep checkpoints and metrics; later results are rewritten
+        out_dir = Path(out)
+        if is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _truncate_metrics(out_dir / "metrics.jsonl", 0 if ckpt is None else
+                              json.loads((ckpt / "meta.json").read_text())["step"])
+    else:
+        out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
     if grid is not None:
         import axonn
 
@@ -149,13 +208,27 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
 
         wb = WandbSink(cfg.wandb, name=cfg.name, out_dir=out_dir, config=to_dict(cfg))
         sinks.append(wb)
+    tok = data.tokenizer
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out, label_transform=transform,
-                      grid=grid, sinks=sinks)
-    t0 = time.perf_counter()
-    history = trainer.fit()
-    train_s = time.perf_counter() - t0
-    val_loss = trainer.evaluate() if data.held_out is not None else float("nan")
-    trainer.export(out_dir / "model", data.tokenizer)
+                      grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
+                      checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"))
+    from axonn.watchdog import start_watchdog
+
+    dog = start_watchdog(grid, tcfg.collective_timeout_s) if grid is not None else None
+    with dog.guard() if dog is not None else contextlib.nullcontext():
+        if ckpt is not None:
+            trainer.load_checkpoint(ckpt)
+        t0 = time.perf_counter()
+        history = trainer.fit()
+        train_s = time.perf_counter() - t0
+        val_loss = trainer.evaluate() if data.held_out is not None else float("nan")
+        trainer.export(out_dir / "model", data.tokenizer)
+        if dog is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # everyone is past the last collective before anyone stops watching
+    if dog is not None:
+        dog.stop()
     summary: dict[str, Any] = {
         "name": cfg.name, "loss": "goldfish" if cfg.goldfish.enabled else "standard",
         "goldfish_strategy": cfg.goldfish.strategy if cfg.goldfish.enabled else None,
