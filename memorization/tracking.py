@@ -21,7 +21,7 @@ class WandbSink:
         if cfg.mode == "disabled":
             return
         # An explicit WANDB_MODE from the user wins over the config (e.g. WANDB_MODE=disabled in CI).
-        mode = os.environ.get("WANDB_MODE", cfg.mode)
+        mode = os.environ.get("WANDB_MODE") or cfg.mode
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
             import wandb
