@@ -107,6 +107,17 @@ class Comm:
         shape[d] *= p
         return out.reshape(shape)
 
+    def all_gather_async(self, t: torch.Tensor, group: str) -> tuple[torch.Tensor, Any]:
+        """Start a dim-0 all-gather in the background: (output buffer, work); wait before reading."""
+        p = self._sizes[group]
+        if p == 1:
+            return t, _Done()
+        t = t.contiguous()
+        out = torch.empty((p * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        self.stats.record(group, "all_gather", _nbytes(out))
+        work = _all_gather_single(out, t, group=self._group(group), async_op=True)
+        return out, work
+
     def reduce_scatter(self, t: torch.Tensor, group: str, async_op: bool = False) -> Any:
         """Sum `t` over the group and keep this rank's 1/p slice of dim 0 (returns it, or (it, work))."""
         p = self._sizes[group]

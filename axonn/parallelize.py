@@ -21,6 +21,8 @@ from axonn.config import fail
 from axonn.grid import ProcessGrid, validate_grid_for_model
 from axonn.layers.embedding import ParallelEmbedding
 from axonn.layers.linear import ParallelLinear
+from axonn.layers.layout import spec_of
+from axonn.layers.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
 
 MODES = ("easy", "paired")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
@@ -133,8 +135,45 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> None:
                     init(module)
 
 
-def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "easy") -> nn.Module:
-    """Swap the model's linears, embedding and LM head for 3D-parallel ones in place; returns it."""
+def grad_group(p: torch.Tensor) -> str:
+    """The group `sync_gradients` sums a parameter's gradient over (data for 3D weights, else batch)."""
+    spec = spec_of(p)
+    return spec.grad_group if spec is not None else "batch"
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The model's distinct trainable parameters, in registration order."""
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _schedule(model: nn.Module, grid: ProcessGrid, options: EngineOptions) -> Scheduler:
+    """One Scheduler for the model: every parallel layer enrolled, gradient hooks if bucketing."""
+    sched = Scheduler(grid.comm, options, grid.device)
+    for m in model.modules():
+        if isinstance(m, (ParallelLinear, ParallelEmbedding)):
+            m.scheduler = sched
+            sched.register(m, m.weight, m.weight._axonn_spec.block_rows)
+    if options.bucket_grads:
+        params = trainable(model)
+        bucketer = Bucketer(grid.comm, grad_buckets(params, grad_group, grid.sizes, options.bucket_mb))
+        deferred = {id(w) for w, _ in sched._layers.values()} if sched.defers_grads() else set()
+        bucketer.hook(params, deferred)
+        sched.bucketer = bucketer
+    return sched
+
+
+def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "easy",
+                options: EngineOptions | None = None) -> nn.Module:
+    """Swap the model's linears, embedding and LM head for 3D-parallel ones in place; returns it.
+
+    `options` switches overlap and GEMM tuning (default: `EngineOptions()`; numbers are identical
+    with any setting)."""
     if mode not in MODES:
         raise fail("mode", mode, "choose easy or paired")
     if getattr(model, "axonn_grid", None) is not None:
@@ -169,4 +208,6 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     model.to(grid.device)
     model.axonn_grid = grid
     model.axonn_mode = mode
+    model.axonn_options = options or EngineOptions()
+    model.axonn_scheduler = _schedule(model, grid, model.axonn_options)
     return model

@@ -6,6 +6,8 @@ hidden slices over X -> full-width embeddings on every X/Y rank.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -22,6 +24,7 @@ class ParallelEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.grid = grid
+        self.scheduler: Any = None  # set by parallelize (axonn.layers.schedule.Scheduler)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         spec = weight_spec(grid, num_embeddings, embedding_dim, "easy")
         self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
@@ -34,6 +37,9 @@ class ParallelEmbedding(nn.Module):
         """Full-width embeddings of `ids` (identical on the X/Y ranks of a batch shard)."""
         g = self.grid
         spec = self.weight._axonn_spec
+        if self.scheduler is not None:
+            self.scheduler.grad_mode = torch.is_grad_enabled()
         rows = spec.block_rows
-        out = VocabEmbedding.apply(ids, self.weight, g.comm, "y", rows, g.y_rank * rows, self.padding_idx)
-        return GatherLastDim.apply(out, g.comm, "x", g.x_rank)
+        out = VocabEmbedding.apply(ids, self.weight, g.comm, "y", rows, g.y_rank * rows, self.padding_idx,
+                                   self.scheduler, id(self))
+        return GatherLastDim.apply(out, g.comm, "x", g.x_rank) if g.x > 1 else out

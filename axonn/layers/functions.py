@@ -11,8 +11,11 @@ X and Y groups, and so is its gradient; the batch is sharded over Z x data.  Hen
   VocabEmbedding fwd: all-gather W over Z, masked lookup,   bwd: scatter-add dW, reduce-scatter over Z
                       all-reduce over the vocab-split axis       (vocab all-reduce mirrors to identity)
 
-The Functions hold no state beyond `ctx`; the grid's Comm counts every byte.  Structured so that
-overlap (prefetching the next Z all-gather, async reduce-scatter) can be added inside them later.
+The Functions hold no state beyond `ctx`; the grid's Comm counts every byte.  With a `Scheduler`
+(axonn/layers/schedule.py, one per parallelized model) the same collectives run overlapped: Z
+gathers prefetched one layer ahead, weight-gradient reduce-scatters finished in the background;
+without one (sched=None) every collective blocks in program order.  The local GEMMs go through
+the scheduler's GEMM tuner (axonn/gemm.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from typing import Any
 import torch
 
 from axonn.comm import Comm
+from axonn.gemm import GemmTuner
+
+_PLAIN = GemmTuner(enabled=False, persist=False)  # stateless when disabled: the untuned path
 
 
 def gather_weight(comm: Comm, w_shard: torch.Tensor, rows: int) -> torch.Tensor:
@@ -78,6 +84,27 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
+def _gather(comm: Comm, sched: Any, layer: int, w_shard: torch.Tensor, rows: int,
+            dtype: torch.dtype, backward: bool = False) -> torch.Tensor:
+    if sched is not None and sched.knows(layer):
+        return sched.gather(layer, w_shard, rows, dtype, backward)
+    return gather_weight(comm, w_shard.to(dtype), rows)
+
+
+def _reduce_weight_grad(comm: Comm, sched: Any, layer: int, dw: torch.Tensor,
+                        local_rows: int) -> torch.Tensor | None:
+    """Reduce-scatter dW over Z: returned at once, or (scheduled) added to .grad later (None here)."""
+    deferred = sched is not None and sched.knows(layer) and sched.defers_grads()
+    if deferred:
+        sched.settle()  # the previous layer's reduce-scatter ran behind this layer's GEMMs
+    dw_shard, work = scatter_weight_grad(comm, dw, local_rows)
+    if deferred:
+        sched.defer(layer, dw_shard, work)
+        return None
+    work.wait()
+    return dw_shard
+
+
 class ParallelMatmul(torch.autograd.Function):
     """y = x @ W.T for a Z-split weight block; x is split over `in_group`, y over `out_group`.
 
@@ -86,37 +113,41 @@ class ParallelMatmul(torch.autograd.Function):
     gradient is reduce-scattered in the parameter's dtype (fp32 master weights stay fp32)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, comm: Comm,
-                in_group: str, out_group: str, rows: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, comm: Comm, in_group: str,
+                out_group: str, rows: int, sched: Any = None, layer: int = 0) -> torch.Tensor:
         dtype = compute_dtype(x, w_shard)
+        gemm = sched.gemm if sched is not None else _PLAIN
         with torch.autocast(x.device.type, enabled=False):
-            w = gather_weight(comm, w_shard.to(dtype), rows)
-            y = x.to(dtype).matmul(w.t())
+            w = _gather(comm, sched, layer, w_shard, rows, dtype)
+            y = gemm.linear(x.to(dtype), w)
         comm.all_reduce(y, in_group)  # partial sums over the input slices
         ctx.save_for_backward(x, w_shard)
         ctx.comm, ctx.in_group, ctx.out_group, ctx.rows, ctx.dtype = comm, in_group, out_group, rows, dtype
+        ctx.sched, ctx.layer = sched, layer
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         x, w_shard = ctx.saved_tensors
-        comm, dtype = ctx.comm, ctx.dtype
+        comm, dtype, sched = ctx.comm, ctx.dtype, ctx.sched
+        gemm = sched.gemm if sched is not None else _PLAIN
+        overlap_dx = sched is None or sched.options.overlap_dx
         # Re-gather instead of keeping the gathered block alive between forward and backward.
-        w = gather_weight(comm, w_shard.to(dtype), ctx.rows)
-        dy = dy.to(dtype).contiguous()
+        w = _gather(comm, sched, ctx.layer, w_shard, ctx.rows, dtype, backward=True)
+        dy = dy.to(dtype)  # no forced copy: the GEMMs take strided operands, reshape copies if it must
         dx, work = None, None
         if ctx.needs_input_grad[0]:
-            dx = dy.matmul(w).to(x.dtype)
-            work = comm.all_reduce(dx, ctx.out_group, async_op=True)  # overlaps the dW GEMM
+            dx = gemm.matmul(dy, w).to(x.dtype)
+            # async: the all-reduce runs behind the dW GEMM below
+            work = comm.all_reduce(dx, ctx.out_group, async_op=overlap_dx)
         dw_shard = None
         if ctx.needs_input_grad[1]:
             xs = x.to(dtype)
-            dw = dy.reshape(-1, dy.shape[-1]).t().matmul(xs.reshape(-1, xs.shape[-1])).to(w_shard.dtype)
-            dw_shard, rs_work = scatter_weight_grad(comm, dw, w_shard.shape[0])
-            rs_work.wait()
+            dw = gemm.mm(dy.reshape(-1, dy.shape[-1]).t(), xs.reshape(-1, xs.shape[-1])).to(w_shard.dtype)
+            dw_shard = _reduce_weight_grad(comm, sched, ctx.layer, dw, w_shard.shape[0])
         if work is not None:
             work.wait()
-        return dx, dw_shard, None, None, None, None
+        return dx, dw_shard, None, None, None, None, None, None
 
 
 class VocabEmbedding(torch.autograd.Function):
@@ -124,8 +155,17 @@ class VocabEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, ids: torch.Tensor, w_shard: torch.Tensor, comm: Comm, vocab_group: str,
-                rows: int, vocab_start: int, padding_idx: int | None) -> torch.Tensor:
-        w = gather_weight(comm, w_shard, rows)
+                rows: int, vocab_start: int, padding_idx: int | None, sched: Any = None,
+                layer: int = 0) -> torch.Tensor:
+        w = _gather(comm, sched, layer, w_shard, rows, w_shard.dtype)
+        ctx.whole = comm.size(vocab_group) == 1 and padding_idx is None
+        if ctx.whole:  # one vocab shard owns every token: no mask to apply (same bits, less work)
+            out = torch.nn.functional.embedding(ids, w)
+            ctx.save_for_backward(ids, ids)
+            ctx.comm, ctx.rows, ctx.local_rows = comm, rows, w_shard.shape[0]
+            ctx.w_shape = (rows, w_shard.shape[1])
+            ctx.sched, ctx.layer = sched, layer
+            return out
         local = ids - vocab_start
         mask = (local >= 0) & (local < rows)
         local = torch.where(mask, local, torch.zeros_like(local))
@@ -137,13 +177,16 @@ class VocabEmbedding(torch.autograd.Function):
         ctx.save_for_backward(local, mask)
         ctx.comm, ctx.rows, ctx.local_rows = comm, rows, w_shard.shape[0]
         ctx.w_shape = (rows, w_shard.shape[1])
+        ctx.sched, ctx.layer = sched, layer
         return out
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         local, mask = ctx.saved_tensors
         dw = dy.new_zeros(ctx.w_shape)
-        dw.index_add_(0, local[mask], dy[mask])
-        dw_shard, work = scatter_weight_grad(ctx.comm, dw, ctx.local_rows)
-        work.wait()
-        return None, dw_shard, None, None, None, None, None
+        if ctx.whole:
+            dw.index_add_(0, local.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+        else:
+            dw.index_add_(0, local[mask], dy[mask])
+        dw_shard = _reduce_weight_grad(ctx.comm, ctx.sched, ctx.layer, dw, ctx.local_rows)
+        return None, dw_shard, None, None, None, None, None, None, None

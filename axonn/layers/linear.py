@@ -8,6 +8,8 @@ Styles (which collectives wrap the 3D matmul; see docs/engine.md):
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -64,6 +66,7 @@ class ParallelLinear(nn.Module):
         if style not in STYLES:
             raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
         self.grid, self.style, self.conv1d = grid, style, conv1d
+        self.scheduler: Any = None  # set by parallelize (axonn.layers.schedule.Scheduler)
         self.in_features, self.out_features = in_features, out_features
         spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d)
         if isinstance(weight, nn.Parameter) and getattr(weight, "_axonn_spec", None) is not None:
@@ -89,13 +92,19 @@ class ParallelLinear(nn.Module):
         """Apply the layer; input/output layouts depend on the style."""
         g, comm = self.grid, self.grid.comm
         rows = self.spec.block_rows
+        if self.scheduler is not None:
+            self.scheduler.grad_mode = torch.is_grad_enabled()
+        # size-1 axes skip the slice/gather Functions outright (identity ops, one autograd node less)
+        split_x, split_y = g.x > 1, g.y > 1
         if self.style == "row":
-            y = ParallelMatmul.apply(x, self.weight, comm, "y", "x", rows)
-            y = GatherLastDim.apply(y, comm, "x", g.x_rank)
+            y = ParallelMatmul.apply(x, self.weight, comm, "y", "x", rows, self.scheduler, id(self))
+            if split_x:
+                y = GatherLastDim.apply(y, comm, "x", g.x_rank)
         else:
-            x = SplitLastDim.apply(x, comm, "x", g.x_rank)
-            y = ParallelMatmul.apply(x, self.weight, comm, "x", "y", rows)
-            if self.style == "easy":
+            if split_x:
+                x = SplitLastDim.apply(x, comm, "x", g.x_rank)
+            y = ParallelMatmul.apply(x, self.weight, comm, "x", "y", rows, self.scheduler, id(self))
+            if self.style == "easy" and split_y:
                 y = GatherLastDim.apply(y, comm, "y", g.y_rank)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)  # as nn.Linear under autocast: output in the GEMM dtype
