@@ -1,0 +1,153 @@
+"""Benchmark the engine's whole training step against what a user would run instead.
+
+Prints, each measured in one run with alternating repetitions (medians):
+  engine_1111_vs_torch        engine at grid 1,1,1,1 / a plain PyTorch step on the same model
+  gemm_tuned_vs_plain_1111    engine with GEMM tuning on / off (1,1,1,1)
+  goldfish_vs_standard        whole step with goldfish labels / with standard labels
+  overlap_on_vs_off_<grid>    step with every overlap switch on / all off, on gloo ranks
+(a ratio < 1 means the first is faster) and writes JSON (default benchmarks/results/engine.json).
+
+    python benchmarks/bench_engine.py [--reps 10] [--seq 128] [--batch 8] [--skip-overlap]
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import common
+from common import alternate, report
+
+
+def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
+               labels: torch.Tensor, clip: Any = None) -> None:
+    """A plain PyTorch step: forward, token-sum CE / count, backward, clip, AdamW."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    tgt = labels[:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum")
+    (loss / (tgt != -100).sum().clamp(min=1)).backward()
+    if clip is None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+    else:
+        clip(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
+                labels: torch.Tensor, grid: Any) -> None:
+    """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip)."""
+    import axonn
+
+    ids, labels = axonn.shard_batch(ids, grid), axonn.shard_batch(labels, grid)
+    logits = model(input_ids=ids).logits[:, :-1]
+    tgt = labels[:, 1:]
+    loss, _ = axonn.cross_entropy(logits, tgt, grid)
+    count = axonn.all_reduce_sum(torch.tensor(float((tgt != -100).sum())), grid)
+    (loss / count.clamp(min=1)).backward()
+    axonn.sync_gradients(model, grid)
+    axonn.clip_grad_norm_(model.parameters(), 1.0, grid)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def single_rank(args: argparse.Namespace) -> dict:
+    """Engine 1,1,1,1 vs torch, GEMM tuning on vs off, goldfish vs standard (one process)."""
+    import axonn
+    from axonn.engine import EngineOptions
+    from memorization.goldfish import GoldfishConfig, GoldfishTransform
+
+    torch.set_num_threads(args.threads)
+    grid = common.single_process_grid()
+    ids = common.batch(args.batch, args.seq, common.SMALL["vocab_size"])
+    plain = common.llama()
+    eng = axonn.parallelize(common.llama(), grid, options=EngineOptions(gemm_tuning=False))
+    tuned = axonn.parallelize(common.llama(), grid, options=EngineOptions(gemm_tuning=True))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in
+            (("torch", plain), ("engine", eng), ("tuned", tuned))}
+    gold = GoldfishTransform(GoldfishConfig(enabled=True, k=4, h=13))
+    fg = common.llama()
+    og = torch.optim.AdamW(fg.parameters(), lr=1e-4)
+
+    def goldfish() -> None:
+        torch_step(fg, og, ids, gold({"input_ids": ids, "labels": ids}))
+
+    res = alternate({
+        "torch": lambda: torch_step(plain, opts["torch"], ids, ids),
+        "engine": lambda: engine_step(eng, opts["engine"], ids, ids, grid),
+        "tuned": lambda: engine_step(tuned, opts["tuned"], ids, ids, grid),
+        "standard": lambda: torch_step(fg, og, ids, ids),
+        "goldfish": goldfish,
+    }, args.reps)
+    ratios = {
+        "engine_1111_vs_torch": res["engine"]["median_s"] / res["torch"]["median_s"],
+        "gemm_tuned_vs_plain_1111": res["tuned"]["median_s"] / res["engine"]["median_s"],
+        "goldfish_vs_standard": res["goldfish"]["median_s"] / res["standard"]["median_s"],
+    }
+    # process CPU time too: on a shared machine other jobs inflate wall time unevenly
+    for name, (a, b) in {"engine_1111_vs_torch": ("engine", "torch"),
+                         "goldfish_vs_standard": ("goldfish", "standard")}.items():
+        ratios[name + "_cpu"] = res[a]["cpu_median_s"] / res[b]["cpu_median_s"]
+    winners = dict(tuned.axonn_scheduler.gemm._memory)
+    return {"ratios": ratios, "times": res, "gemm_winners": winners}
+
+
+def _overlap_rank(rank: int, world: int, dims: tuple, mode: str, rows: int, seq: int,
+                  reps: int) -> dict:
+    import axonn
+    from axonn.engine import EngineOptions
+
+    grid = axonn.ProcessGrid(*dims)
+    ids = common.batch(rows, seq, common.SMALL["vocab_size"])
+    models = {"on": EngineOptions(bucket_grads=True), "off": EngineOptions.no_overlap()}
+    built = {}
+    for k, o in models.items():
+        m = axonn.parallelize(common.llama(), grid, mode=mode, options=o)
+        built[k] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
+    res = alternate({k: (lambda m=m, o=o: engine_step(m, o, ids, ids, grid)) for k, (m, o) in built.items()},
+                    reps)
+    sched = built["on"][0].axonn_scheduler
+    return {"times": res, "hits": sched.prefetch_hits, "misses": sched.prefetch_misses}
+
+
+def overlap(args: argparse.Namespace) -> dict:
+    """Overlap on vs off at a few grids (gloo ranks, one thread each)."""
+    from distributed import run_distributed
+
+    out = {}
+    for dims, mode in (((1, 1, 2, 1), "easy"), ((1, 1, 2, 2), "easy"), ((2, 1, 2, 1), "paired")):
+        world = dims[0] * dims[1] * dims[2] * dims[3]
+        per_rank = run_distributed(_overlap_rank, world, dims, mode, args.batch, args.seq,
+                                   max(3, args.reps // 2), timeout=900)
+        t = per_rank[0]["times"]
+        name = "overlap_on_vs_off_" + "".join(map(str, dims))
+        out[name] = {"ratio": t["on"]["median_s"] / t["off"]["median_s"], "mode": mode, "rank0": per_rank[0]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and write its JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-overlap", action="store_true")
+    ap.add_argument("--skip-single", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    single = {"ratios": {}} if args.skip_single else single_rank(args)
+    for name, value in single["ratios"].items():
+        report(name, value)
+    ov = {} if args.skip_overlap else overlap(args)
+    for name, r in ov.items():
+        report(name, r["ratio"])
+    common.write(args.out, "engine.json", {"args": vars(args), "model": common.SMALL, "single": single,
+                                           "overlap": ov})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Shared pieces of the benchmarks: the model, alternating A/B timing, machine facts, JSON output."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the shared gloo-rank spawner (tests/distributed.py)
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+# FACTS.md's feasibility model: 4 layers, hidden 256, 4 heads, vocab 4096.
+SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+             tie_word_embeddings=True)
+
+
+def llama(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A random-init Llama of the SMALL shape (fields overridable)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**SMALL, **overrides}))
+
+
+def batch(rows: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Random token ids [rows, seq]."""
+    return torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def alternate(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2) -> dict[str, dict]:
+    """Time each callable `reps` times, interleaved A, B, A, B (load hits all alike); medians."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    return {k: {"median_s": statistics.median(wall[k]), "min_s": min(wall[k]),
+                "cpu_median_s": statistics.median(cpu[k]), "wall_s": wall[k]} for k in fns}
+
+
+def machine() -> dict[str, Any]:
+    """Where and when: host facts, torch version, load average (the machine is shared)."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "loadavg": os.getloadavg(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def single_process_grid() -> Any:
+    """A one-rank gloo world and its 1,1,1,1 grid (no port needed)."""
+    import axonn
+
+    return axonn.init(1, 1, 1, 1)
+
+
+def report(name: str, value: float) -> None:
+    """One `name: value` line."""
+    print(f"{name}: {value:.4f}", flush=True)
+
+
+def write(out: str | None, default: str, payload: dict[str, Any]) -> Path:
+    """Write the JSON result (default under benchmarks/results/)."""
+    path = Path(out) if out else RESULTS / default
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {path}", flush=True)
+    return path
