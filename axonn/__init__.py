@@ -13,6 +13,7 @@ _EXPORTS = {
     "Comm": "axonn.comm", "CommStats": "axonn.comm",
     "all_reduce_sum": "axonn.engine", "batch_shard": "axonn.engine", "clip_grad_norm_": "axonn.engine",
     "grad_norm": "axonn.engine", "shard_batch": "axonn.engine", "sync_gradients": "axonn.engine",
+    "no_sync": "axonn.engine", "EngineOptions": "axonn.layers.schedule",
     "ProcessGrid": "axonn.grid", "init": "axonn.grid", "launch_env": "axonn.grid", "parse_grid": "axonn.grid",
     "validate_grid_for_model": "axonn.grid",
     "ParallelEmbedding": "axonn.layers", "ParallelLinear": "axonn.layers", "ParamSpec": "axonn.layers",
