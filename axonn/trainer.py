@@ -165,8 +165,11 @@ class Trainer:
         callbacks: list[Callback] | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_files: Callable[[Path], None] | None = None,
+        name: str = "",
+        progress_position: int = 0,
     ):
         cfg.validate()
+        self.name, self.progress_position = name, progress_position  # progress bar label and row
         if len(train_data) == 0:
             raise fail("train_data", 0, "no training rows; check the corpus and block length")
         self.cfg, self.model, self.train_data, self.eval_data = cfg, model, train_data, eval_data
@@ -340,8 +343,9 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step",
-                   disable=not (cfg.progress and self.is_main), dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step", desc=self.name or None,
+                   position=self.progress_position, disable=not (cfg.progress and self.is_main),
+                   dynamic_ncols=True)
         batches = self._global_batches()
         t0, tokens0 = time.perf_counter(), self.state.tokens
         while self.state.step < self.total_steps:

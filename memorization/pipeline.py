@@ -164,7 +164,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: Any = None,
                  data: PreparedData | None = None, progress: bool = True,
-                 resume: str | None = None) -> dict[str, Any]:
+                 resume: str | None = None, progress_position: int = 0) -> dict[str, Any]:
     """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json.
 
     `grid` is an initialised ProcessGrid, a grid spec ("X,Y,Z,D" or "auto"), or None for cfg.grid.
@@ -211,7 +211,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     tok = data.tokenizer
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out, label_transform=transform,
                       grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
-                      checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"))
+                      checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
+                      name=cfg.name, progress_position=progress_position)
     from axonn.watchdog import start_watchdog
 
     dog = start_watchdog(grid, tcfg.collective_timeout_s) if grid is not None else None
