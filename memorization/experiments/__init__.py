@@ -1,0 +1,85 @@
+"""Memorization experiments: one YAML config and one command each (`memorize run CONFIG`).
+
+Kinds (configs/experiments/<kind>.yaml):
+  goldfish-extreme           N documents x E epochs: standard vs goldfish static vs goldfish hash
+  goldfish-sweep             k x h grid (+ static, token budget on/off): memorization vs validation loss
+  catastrophic-memorization  model sizes x passes: exact match after every pass, standard vs goldfish
+  canary-exposure            canaries and duplicated documents: exposure/extraction vs copy count
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from axonn.config import fail
+from memorization.experiments.spec import build_experiment, load_experiment_dict
+
+KINDS = {
+    "goldfish-extreme": "memorization.experiments.goldfish_extreme",
+    "goldfish-sweep": "memorization.experiments.goldfish_sweep",
+    "catastrophic-memorization": "memorization.experiments.catastrophic",
+    "canary-exposure": "memorization.experiments.canary_exposure",
+}
+
+
+def load_experiment(config_path: str | Path, overrides: Sequence[str] | None = None) -> tuple[Any, Any]:
+    """(experiment module, validated config) for an experiment YAML with overrides applied."""
+    data = load_experiment_dict(config_path, overrides)
+    kind = data.get("kind")
+    if kind not in KINDS:
+        raise fail("kind", kind, f"choose one of {', '.join(KINDS)}")
+    module = importlib.import_module(KINDS[kind])
+    return module, build_experiment(module.Config, data)
+
+
+def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
+                   overrides: Sequence[str] | None = None, overwrite: bool = False,
+                   grid: Any = None) -> dict[str, Any]:
+    """Run (or resume) an experiment; write OUT/report.{json,md}, plots and a W&B run; return the report."""
+    from memorization.experiments.reporting import write_outputs
+    from memorization.experiments.runner import Experiment
+
+    module, cfg = load_experiment(config_path, overrides)
+    _init_distributed(grid if grid is not None else cfg.base.grid, cfg.base.trainer.collective_timeout_s)
+    exp = Experiment(Path(out or Path("runs") / cfg.name), grid=grid, overwrite=overwrite).open()
+    with _quiet_transformers():
+        outputs = module.run(cfg, exp)
+    if not exp.is_main:
+        return {}
+    return write_outputs(exp.out, outputs, cfg, exp.seconds)
+
+
+def _init_distributed(spec: Any, timeout_s: float) -> None:
+    """Under torchrun, join the process group before the first sub-run.
+
+    Ranks then agree (by broadcast from rank 0) on which sub-runs are finished, even when every
+    one of them is reused; each sub-run still builds the grid that fits its own model.
+    """
+    from memorization.parallel import wants_grid
+
+    if isinstance(spec, str) and wants_grid(spec):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            import axonn
+
+            axonn.init(1, 1, 1, timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-save/per-load progress bars (dozens per sweep), restoring them afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+__all__ = ["KINDS", "load_experiment", "run_experiment"]

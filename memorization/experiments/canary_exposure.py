@@ -1,0 +1,256 @@
+"""canary-exposure: exposure and extraction against how many times a secret or document was seen.
+
+Canaries (a template with a random secret from a declared space) and duplicated corpus documents
+are injected into the training corpus with data_pipelines.inject, each item `count` times for every
+count in `counts`; the manifest (OUT/manifest.json) records every copy's token positions. After
+training with standard loss and with goldfish, each canary gets its exposure and extraction over
+the secret space and each duplicated document its greedy-extraction exact match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from axonn.config import fail
+from memorization.experiments.exposure import canary_scores
+from memorization.experiments.reporting import Outputs, Table, figure, save
+from memorization.experiments.runner import Experiment, load_documents
+from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
+from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+
+DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
+COLUMNS = (
+    ("loss", "loss", "{}"), ("count", "copies", "{}"), ("canaries", "canaries", "{}"),
+    ("exposure_mean", "exposure", "{:.2f}"), ("canaries_dropped", "masked", "{}"),
+    ("exposure_dropped", "exposure masked", "{:.2f}"), ("exposure_kept", "exposure unmasked", "{:.2f}"),
+    ("extracted", "secrets extracted", "{:.0%}"), ("duplicates", "docs", "{}"),
+    ("dup_exact_match", "doc exact match", "{:.0%}"), ("dup_rougeL", "doc RougeL", "{:.3f}"),
+)
+
+
+@dataclass
+class CanaryKeys:
+    """Canaries: per_count secrets for each count, rendered into `template`."""
+
+    per_count: int = 2
+    template: str = DEFAULT_TEMPLATE
+    space: dict = field(default_factory=lambda: {"kind": "digits", "length": 4})
+    candidates: int = 0  # 0 = score every secret of the space (exact exposure); N = a sample of N
+
+
+@dataclass
+class DuplicateKeys:
+    """Duplicated documents: per_count corpus documents for each count (0 = none)."""
+
+    per_count: int = 2
+
+
+@dataclass
+class Config(ExperimentConfig):
+    """Copy counts shared by canaries and duplicated documents, and the losses compared."""
+
+    counts: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    canaries: CanaryKeys = field(default_factory=CanaryKeys)
+    duplicates: DuplicateKeys = field(default_factory=DuplicateKeys)
+    losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
+
+    def validate(self, prefix: str = "") -> None:
+        """Counts, per-count numbers and the canary spec (its own checks name canaries.*)."""
+        super().validate(prefix)
+        int_list("counts", self.counts, minimum=1)
+        check_losses("losses", self.losses)
+        if self.canaries.per_count < 1:
+            raise fail("canaries.per_count", self.canaries.per_count, "must be >= 1")
+        if self.duplicates.per_count < 0:
+            raise fail("duplicates.per_count", self.duplicates.per_count, "must be >= 0 (0 = no duplicates)")
+        if self.canaries.candidates < 0:
+            raise fail("canaries.candidates", self.canaries.candidates, "must be >= 0 (0 = the whole space)")
+        self.canary_spec()
+
+    def canary_spec(self):
+        """The data_pipelines CanarySpec: per_count canaries for every count."""
+        from data_pipelines import CanarySpec
+
+        c = self.canaries
+        return CanarySpec(num_canaries=c.per_count * len(self.counts), template=c.template,
+                          space=dict(c.space), repeats=list(self.counts))
+
+    def duplicate_spec(self):
+        """The data_pipelines DuplicateSpec, or None without duplicates."""
+        from data_pipelines import DuplicateSpec
+
+        n = self.duplicates.per_count
+        return DuplicateSpec(counts=list(self.counts), per_count=n) if n else None
+
+
+def build_corpus(cfg: Config, exp: Experiment):
+    """(PreparedData, manifest, duplicated documents' tokens): base corpus + injected items, tokenized."""
+    from data_pipelines import inject, load_tokenizer, record_token_positions, tokenize_documents
+    from memorization.pipeline import prepare_documents
+
+    b = cfg.base
+    docs, held, _ = load_documents(b)
+    # The tokenizer never sees the canaries: merges learnt from a secret would shorten it and skew
+    # its perplexity (and exposure) before any training.
+    tok = load_tokenizer(b.data.tokenizer, texts=[d.text for d in docs], vocab_size=b.data.vocab_size)
+    long_enough = tokenize_documents(docs, tok, min_tokens=b.data.min_tokens).kept
+    docs = [docs[i] for i in long_enough]  # min_tokens applies to corpus documents, never to canaries
+    injected, manifest = inject(docs, canaries=cfg.canary_spec(), duplicates=cfg.duplicate_spec(),
+                                seed=b.seed)
+    keep_all = replace(b, data=replace(b.data, min_tokens=1))
+    data = prepare_documents(keep_all, injected, held, tokenizer=tok)
+    kept = data.train_doc_ids  # ids of the documents that became rows
+    missing = [it.id for it in manifest.items if not set(it.copy_ids) <= set(kept)]
+    if missing:
+        raise fail("base.data", b.data.corpus, f"injected items {missing[:3]} did not become training rows")
+    position = {d.id: i for i, d in enumerate(injected)}
+    record_token_positions(manifest, data.train, [position[i] for i in kept])
+    if exp.is_main:
+        manifest.to_json(exp.out / "manifest.json")
+    dup_tokens = {it.id: tokenize_documents([it.text], tok, max_tokens=b.data.block_len)[0]
+                  for it in manifest.of_kind("duplicate")}
+    return data, manifest, dup_tokens
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Train standard and goldfish on the injected corpus; score canaries and duplicates by copy count."""
+    data, manifest, dup_tokens = build_corpus(cfg, exp)
+    space = cfg.canary_spec().space
+    canaries = manifest.of_kind("canary")
+    dups = manifest.of_kind("duplicate")
+    b = cfg.base
+    c = cfg.canaries
+    # What was injected decides training; the candidate sample only decides the evaluation.
+    key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
+           "canaries": {"per_count": c.per_count, "template": c.template, "space": c.space}}
+
+    def evaluate(model, run_dir) -> dict[str, Any]:
+        from evals import extract
+
+        scores = canary_scores(model, data.tokenizer, cfg.canaries.template, space,
+                               [it.secret for it in canaries], candidates=c.candidates, seed=b.seed)
+        for item, s in zip(canaries, scores["canaries"]):
+            s.update(id=item.id, count=item.count,
+                     **_secret_mask(item.text, data.tokenizer, scores["secret_start"], b.goldfish))
+        results = extract(model, [dup_tokens[it.id] for it in dups], prefix_len=b.eval.prefix,
+                          suffix_len=b.eval.suffix, tokenizer=data.tokenizer,
+                          doc_ids=[it.id for it in dups]) if dups else []
+        counts = {it.id: it.count for it in dups}
+        scores["duplicates"] = [{"id": r.doc, "count": counts[r.doc], "exact_match": r.exact_match,
+                                 "rougeL": r.rougeL, "token_accuracy": r.token_accuracy} for r in results]
+        return {"canary_eval": scores}
+
+    runs, rows, samples = [], [], []
+    for loss in cfg.losses:
+        gold = replace(b.goldfish, enabled=loss == "goldfish", token_budget=False)
+        rc = replace(b, name=loss, goldfish=gold, data=replace(b.data, min_tokens=1))
+        summary = exp.run(rc, data, evaluate=evaluate, extra_key=key, eval_key={"candidates": c.candidates},
+                          per_run_wandb=cfg.per_run_wandb)
+        if not exp.is_main:
+            continue
+        runs.append(summary)
+        rows += _rows_by_count(loss, cfg.counts, summary["canary_eval"])
+        ev = summary["canary_eval"]
+        samples += [[loss, c["id"], ev["prompt"], c["secret"], ev["greedy_continuation"], c["extracted"]]
+                    for c in ev["canaries"][: cfg.samples]]
+        samples += extraction_samples(loss, exp.run_dir(loss), data.tokenizer, min(cfg.samples, 4))
+    if not exp.is_main:
+        return None
+
+    ev0 = runs[0]["canary_eval"]
+    how = "exact over all of R" if ev0["exact"] else f"estimated from {ev0['scored']} sampled secrets"
+    notes = [
+        f"Corpus: {b.data.corpus} ({len(data.train_docs)} training rows incl. injected copies, cut to "
+        f"{b.data.block_len} tokens), {b.trainer.epochs} epochs, model {b.model.name} "
+        f"{b.model.overrides or ''}.",
+        f"Canaries: {cfg.canaries.per_count} per count, template {cfg.canaries.template!r}, space "
+        f"{space.kind} x {space.length} (|R| = {space.size}, max exposure {ev0['max_exposure']:.2f} bits); "
+        f"exposure {how}.",
+        "Secret extracted = the canary beats every secret that was never inserted (top-m guesses of an "
+        "attacker who scores R); the greedy continuation of the prompt is in the W&B samples table.",
+        f"Duplicated documents: {cfg.duplicates.per_count} per count; exact match = greedy {b.eval.suffix} "
+        f"tokens from the first {b.eval.prefix}. Manifest with every copy's token positions: manifest.json.",
+        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}. 'masked' counts the canaries "
+        "with at least one secret token the goldfish mask drops (the mask depends on the tokens only, so the "
+        "same canaries in both runs); 'exposure masked/unmasked' averages over each group.",
+    ]
+    plots = [_plot(rows, runs, exp.out / "canary-exposure.png")]
+    return Outputs(title="Canary exposure and extraction vs number of copies", kind=cfg.kind, runs=runs,
+                   tables=[Table("By copy count", rows, COLUMNS)], notes=notes, plots=plots, samples=samples,
+                   sample_columns=SAMPLE_COLUMNS, extra={"max_exposure": ev0["max_exposure"],
+                                                         "manifest": "manifest.json"})
+
+
+def _secret_mask(text: str, tokenizer: Any, start: int, gold: Any) -> dict[str, int]:
+    """How many of the secret's tokens the goldfish mask drops (the same in every copy and run).
+
+    Computed for standard-loss runs too: it groups canaries the same way in both runs.
+    """
+    import torch
+
+    from memorization.goldfish import goldfish_mask
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    drop = goldfish_mask(torch.tensor([ids]), strategy=gold.strategy, k=gold.k, h=gold.h)[0]
+    return {"secret_tokens": len(ids) - start, "secret_tokens_dropped": int(drop[start:].sum())}
+
+
+def _rows_by_count(loss: str, counts: list[int], ev: dict[str, Any]) -> list[dict[str, Any]]:
+    """One table row per copy count: canary exposure/extraction and duplicate exact match."""
+    rows = []
+    for n in counts:
+        cs = [c for c in ev["canaries"] if c["count"] == n]
+        ds = [d for d in ev["duplicates"] if d["count"] == n]
+        hit = [c["exposure"] for c in cs if c["secret_tokens_dropped"]]
+        missed = [c["exposure"] for c in cs if not c["secret_tokens_dropped"]]
+        rows.append({"loss": loss, "count": n, "canaries": len(cs),
+                     "exposure_mean": _mean([c["exposure"] for c in cs]),
+                     "exposure_dropped": _mean(hit), "exposure_kept": _mean(missed),
+                     "canaries_dropped": len(hit),
+                     "extracted": _mean([c["extracted"] for c in cs]),
+                     "duplicates": len(ds),
+                     "dup_exact_match": _mean([d["exact_match"] for d in ds]),
+                     "dup_rougeL": _mean([d["rougeL"] for d in ds])})
+    return rows
+
+
+def _mean(values: list) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+COLORS = {"standard": "tab:blue", "goldfish": "tab:orange"}
+
+
+def _plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path):
+    """Exposure of every canary vs copies (o: no secret token masked, x: some masked), and extraction."""
+    fig, (ax1, ax2) = figure(2)
+    for j, r in enumerate(runs):
+        ev, loss = r["canary_eval"], r["loss"]
+        color, shift = COLORS.get(loss), 1.0 + 0.08 * (j - (len(runs) - 1) / 2)  # side by side
+        for masked, marker in ((False, "o"), (True, "x")):
+            pts = [(c["count"] * shift, c["exposure"]) for c in ev["canaries"]
+                   if bool(c["secret_tokens_dropped"]) == masked]
+            if pts:
+                ax1.scatter(*zip(*pts), marker=marker, color=color, alpha=0.6, s=22)
+        mine = [x for x in rows if x["loss"] == loss]
+        ax1.plot([x["count"] for x in mine], [x["exposure_mean"] for x in mine], color=color,
+                 label=f"{loss}: mean")
+        masked_pts = [(x["count"], x["exposure_dropped"]) for x in mine if x["exposure_dropped"] is not None]
+        if masked_pts:
+            ax1.plot(*zip(*masked_pts), color=color, linestyle="--", label=f"{loss}: mean of masked (x)")
+        ax2.plot([x["count"] for x in mine], [x["extracted"] for x in mine], marker="o", color=color,
+                 label=f"{loss}: secrets extracted")
+        if any(x["dup_exact_match"] is not None for x in mine):
+            ax2.plot([x["count"] for x in mine], [x["dup_exact_match"] for x in mine], marker="s",
+                     linestyle="--", color=color, label=f"{loss}: duplicated docs exact match")
+    ax1.axhline(runs[0]["canary_eval"]["max_exposure"], color="gray", linestyle=":", label="max (log2 |R|)")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("copies in the training data")
+    ax1.set(ylabel="exposure (bits)", title="Canary exposure (x: goldfish mask drops a secret token)")
+    ax2.set(ylabel="fraction", ylim=(-0.02, 1.02), title="Extraction")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    return save(fig, path)

@@ -1,0 +1,105 @@
+"""Canary scores for a trained model: exposure over the secret space and extraction of each secret.
+
+Exposure (Carlini et al. 2019) ranks a canary among the secrets of its randomness space R by the
+model's log-perplexity of the secret given the template prefix. With R small enough every secret
+is scored and the rank is exact; otherwise a seeded sample of R estimates the rank (and a
+skew-normal fit extrapolates it).
+
+Extraction: the attacker knows the template and R, scores every secret and keeps the most likely
+ones. A canary counts as extracted when it beats every secret that was never inserted (so with m
+inserted canaries, the top m guesses contain it). Greedy decoding of the shared template prefix
+gives a single continuation for all canaries; it is reported too, as the model's top guess.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from axonn.config import fail
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def secret_start(template: str, id_lists: Sequence[Sequence[int]], tokenizer: Any) -> int:
+    """First token position that may depend on the secret: the shortest prefix shared with the template."""
+    head = template.split("{secret}")[0]
+    if not head.strip():
+        raise fail("canaries.template", template, "put some text before {secret} (the prompt the secret "
+                   "is scored and extracted from)")
+    head_ids = tokenizer.encode(head.rstrip(), add_special_tokens=False)
+    start = min(_lcp(ids, head_ids) for ids in id_lists)
+    return max(1, start)
+
+
+def candidate_secrets(space: Any, canaries: list[str], num: int, seed: int) -> tuple[list[str], bool]:
+    """(secrets to score, exact?): all of R when num == 0, else num sampled secrets that are not canaries."""
+    from data_pipelines.canaries import MAX_ENUMERATE
+
+    if num == 0:
+        if space.size > MAX_ENUMERATE:
+            raise fail("canaries.candidates", 0, f"the space holds {space.size} secrets, too many to score "
+                       "one by one; set canaries.candidates to a sample size, e.g. 10000")
+        return [space.secret(i) for i in range(space.size)], True
+    if num > space.size - len(canaries):
+        raise fail("canaries.candidates", num, f"the space has only {space.size - len(canaries)} non-canary "
+                   "secrets; lower it, or use 0 to score the whole space")
+    return space.sample(num, seed, exclude=canaries), False
+
+
+def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets: list[str],
+                  batch_size: int = 256) -> tuple[np.ndarray, int, list[list[int]]]:
+    """(-log2 p(secret tokens | template prefix) per secret, start position, token ids)."""
+    from data_pipelines.canaries import render
+    from evals import sequence_log_perplexity
+
+    texts = [render(template, s) for s in secrets]
+    backend = tokenizer.backend_tokenizer
+    ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    start = secret_start(template, ids, tokenizer)
+    spans = [(start, len(x)) for x in ids]
+    scores = sequence_log_perplexity(model, ids, spans=spans, batch_size=batch_size)
+    return scores, start, ids
+
+
+def canary_scores(model: torch.nn.Module, tokenizer: Any, template: str, space: Any, canaries: list[str],
+                  *, candidates: int = 0, seed: int = 0) -> dict[str, Any]:
+    """Exposure, rank and extraction of every canary, plus the greedy continuation of the template prefix."""
+    from evals import exposure_extrapolated, exposure_rank, greedy_generate
+
+    pool, exact = candidate_secrets(space, canaries, candidates, seed)
+    secrets = pool if exact else canaries + pool
+    scores, start, ids = secret_logppl(model, tokenizer, template, secrets)
+    index = {s: i for i, s in enumerate(secrets)}
+    canary_idx = np.array([index[c] for c in canaries])
+    is_canary = np.zeros(len(secrets), dtype=bool)
+    is_canary[canary_idx] = True
+    best_other = float(scores[~is_canary].min())
+    out = []
+    for c, i in zip(canaries, canary_idx):
+        others = np.delete(scores, i)
+        # Exact: every other secret of R is scored. Sampled: the other canaries are left out of the
+        # sample the rank is scaled from, so the estimate assumes nothing about them.
+        ref = others if exact else scores[~is_canary]
+        rank = 1 + int((ref <= scores[i]).sum())
+        item = {"secret": c, "logppl_bits": float(scores[i]), "rank": rank if exact else None,
+                "exposure": exposure_rank(float(scores[i]), ref, space.size),
+                "extracted": bool(scores[i] < best_other)}
+        if not exact:
+            item["exposure_extrapolated"] = exposure_extrapolated(float(scores[i]), ref)
+        out.append(item)
+    prefix = torch.tensor([ids[canary_idx[0]][:start]], dtype=torch.long)
+    longest = max(len(ids[i]) for i in canary_idx) - start
+    greedy = greedy_generate(model, prefix, longest)[0].tolist()
+    return {"canaries": out, "exact": exact, "scored": len(secrets), "space_size": space.size,
+            "secret_start": start,
+            "max_exposure": float(np.log2(space.size)), "greedy_continuation": tokenizer.decode(greedy),
+            "prompt": tokenizer.decode(ids[canary_idx[0]][:start])}

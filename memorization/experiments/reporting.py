@@ -1,0 +1,117 @@
+"""Experiment outputs: report.json, report.md, PNG figures, the printed table and one W&B run."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from axonn.config import to_dict
+from memorization.report import markdown_table, text_table
+
+Columns = Sequence[tuple[str, str, str]]  # (key, title, format) as memorization.report uses
+
+
+@dataclass
+class Table:
+    """A titled table of row dicts rendered with `columns`."""
+
+    title: str
+    rows: list[dict[str, Any]]
+    columns: Columns
+
+
+@dataclass
+class Outputs:
+    """Everything an experiment reports; `write` puts it on disk, in W&B and on the terminal."""
+
+    title: str
+    kind: str
+    runs: list[dict[str, Any]]
+    tables: list[Table]
+    notes: list[str] = field(default_factory=list)
+    plots: list[Path] = field(default_factory=list)
+    samples: list[list[Any]] = field(default_factory=list)
+    sample_columns: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def figure(n_panels: int = 1, width: float = 5.5, height: float = 4.0):
+    """A matplotlib (fig, axes list) on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save(fig: Any, path: Path) -> Path:
+    """Save a figure compactly (small PNGs keep docs commit-sized) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: NaN/inf become null so report.json is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_outputs(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> dict[str, Any]:
+    """Write report.json/report.md, log the W&B run, print the summary table; return the report."""
+    report = _clean({"title": o.title, "kind": o.kind, "name": exp_cfg.name, "seconds": round(seconds, 1),
+                     "runs": o.runs, "tables": {t.title: t.rows for t in o.tables},
+                     "plots": [p.name for p in o.plots], "notes": o.notes, "config": to_dict(exp_cfg),
+                     **o.extra})
+    report["wandb"] = _log_wandb(out_dir, o, exp_cfg, seconds)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    md = [f"# {o.title}", ""]
+    for t in o.tables:
+        md += [f"## {t.title}", "", markdown_table(t.rows, t.columns), ""]
+    md += [f"- {n}" for n in o.notes] + [f"- Wall time: {seconds:.0f} s.", ""]
+    md += [f"![{p.stem}]({p.name})\n" for p in o.plots]
+    (out_dir / "report.md").write_text("\n".join(md))
+    main = o.tables[0]
+    print()
+    print(text_table(main.rows, main.columns))
+    print(f"\nreport: {out_dir / 'report.md'}  ({seconds:.0f} s)", flush=True)
+    return report
+
+
+def _log_wandb(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> str | None:
+    """One W&B run for the experiment: summary tables, sample generations and the plots."""
+    from memorization.tracking import WandbSink
+
+    wcfg = exp_cfg.base.wandb
+    wcfg = replace(wcfg, group=wcfg.group or exp_cfg.name)
+    sink = WandbSink(wcfg, name=exp_cfg.name, out_dir=out_dir, config=to_dict(exp_cfg))
+    if sink.run is None:
+        return None
+    for t in o.tables:
+        keys = [k for k, _, _ in t.columns]
+        rows = [[_cell(r.get(k)) for k in keys] for r in t.rows]
+        sink.log_table(t.title.lower().replace(" ", "_"), keys, rows)
+    if o.samples:
+        sink.log_table("samples", o.sample_columns, o.samples)
+    for p in o.plots:
+        sink.log_image(p.stem, p)
+    sink.summary({"seconds": round(seconds, 1), "runs": len(o.runs)})
+    where = sink.run_dir
+    sink.close()
+    return where
+
+
+def _cell(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)

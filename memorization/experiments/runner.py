@@ -1,0 +1,236 @@
+"""What every experiment shares: its output folder, its data, and sub-runs that are reused when done.
+
+Layout of an experiment folder OUT:
+    OUT/runs/<run>/     one training run (run.json, metrics.jsonl, extraction.jsonl, model/) plus
+                        inputs.json (what the run was trained from) and evals.json (extra metrics)
+    OUT/report.json OUT/report.md OUT/*.png    written by the experiment at the end
+
+A sub-run is reused when its run.json exists and its inputs.json matches the requested run, so
+running an experiment again resumes it; a changed setting retrains only the runs it touches.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from axonn.config import fail, to_dict
+from memorization.config import RunConfig
+from memorization.pipeline import PreparedData, prepare_documents, run_training
+
+REPORT_FILES = ("report.json", "report.md")
+
+
+def say(msg: str) -> None:
+    """One progress line on stdout from the main rank (flushed, so it interleaves with tqdm)."""
+    from memorization.parallel import is_main_process
+
+    if is_main_process():
+        print(f"[experiment] {msg}", flush=True)
+
+
+def run_key(cfg: RunConfig) -> dict[str, Any]:
+    """The parts of a RunConfig that change what a run computes (not W&B, not progress bars)."""
+    d = to_dict(cfg)
+    d.pop("wandb", None)
+    d.pop("name", None)
+    d["trainer"].pop("progress", None)
+    d["eval"].pop("batch_size", None)
+    if not cfg.goldfish.enabled:
+        d["goldfish"] = {"enabled": False}  # goldfish settings do not touch a standard-loss run
+    return d
+
+
+@dataclass
+class Experiment:
+    """One experiment invocation: its output folder, grid, overwrite flag and clock."""
+
+    out: Path
+    grid: Any = None  # None (serial or the base config's grid), "X,Y,Z,D"/"auto", or a ProcessGrid
+    overwrite: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that writes files (rank 0 of a torchrun launch, or a plain process)."""
+        from memorization.parallel import is_main_process
+
+        return is_main_process()
+
+    def open(self) -> "Experiment":
+        """Create OUT (clearing runs and reports first with overwrite); fail if OUT is a file."""
+        if self.out.exists() and not self.out.is_dir():
+            raise fail("--out", str(self.out), "exists and is not a directory; choose another path")
+        if self.is_main:
+            if self.overwrite:
+                for name in ("runs",) + REPORT_FILES:
+                    target = self.out / name
+                    if target.is_dir():
+                        shutil.rmtree(target)
+                    elif target.exists():
+                        target.unlink()
+                for png in self.out.glob("*.png") if self.out.is_dir() else []:
+                    png.unlink()
+            (self.out / "runs").mkdir(parents=True, exist_ok=True)
+        return self
+
+    @property
+    def seconds(self) -> float:
+        """Wall time since the experiment started."""
+        return time.perf_counter() - self.started
+
+    def run_dir(self, name: str) -> Path:
+        """Folder of sub-run `name`."""
+        return self.out / "runs" / name
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value on every rank (file checks may differ where ranks do not share a disk)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def finished(self, name: str, key: dict[str, Any]) -> bool:
+        """Whether sub-run `name` finished from exactly these inputs (then it is reused)."""
+        d = self.run_dir(name)
+        done = False
+        if (d / "run.json").is_file() and (d / "inputs.json").is_file():
+            try:
+                done = json.loads((d / "inputs.json").read_text()) == _jsonable(key)
+            except json.JSONDecodeError:
+                done = False
+        return bool(self.agree(done))
+
+    def run(self, cfg: RunConfig, data: PreparedData, *, extra_key: dict[str, Any] | None = None,
+            evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]] | None = None,
+            eval_key: dict[str, Any] | None = None,
+            train: Callable[[RunConfig, Path], dict[str, Any]] | None = None,
+            per_run_wandb: bool = False) -> dict[str, Any]:
+        """Train sub-run cfg.name (or reuse it), add `evaluate(model, run_dir)` metrics; return its summary.
+
+        `extra_key` names inputs outside cfg that change training (e.g. injected items);
+        `train(cfg, run_dir)` replaces the default `run_training` (e.g. to evaluate after every pass);
+        `evaluate` runs on the main rank with the exported serial model; its result is cached in
+        evals.json and recomputed (without retraining) when `eval_key` changes.
+        """
+        if not per_run_wandb:
+            cfg = replace(cfg, wandb=replace(cfg.wandb, mode="disabled"))
+        d = self.run_dir(cfg.name)
+        key = {"run": run_key(cfg), "extra": extra_key or {}}
+        reused = self.finished(cfg.name, key)
+        if reused:
+            say(f"{cfg.name}: finished earlier, reusing {d}")
+        else:
+            say(f"{cfg.name}: training")
+            if self.is_main:
+                if d.exists():
+                    shutil.rmtree(d)  # a half-finished or outdated run: start it clean
+                d.mkdir(parents=True)
+                (d / "inputs.json").write_text(json.dumps(_jsonable(key), indent=1))
+            if train is not None:
+                train(cfg, d)
+            else:
+                run_training(cfg, d, overwrite=True, grid=self.grid, data=data,
+                             progress=cfg.trainer.progress)
+        if not self.is_main:
+            return {"name": cfg.name}
+        summary = json.loads((d / "run.json").read_text())["summary"]
+        summary["reused"] = reused
+        if summary.get("params") is None:  # runs on a grid leave it out; the export has every weight
+            summary["params"] = exported_params(d / "model")
+        if evaluate is not None:
+            summary.update(self._evals(d, evaluate, _jsonable(eval_key or {})))
+        return summary
+
+    def _evals(self, d: Path, evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]],
+               key: dict[str, Any]) -> dict[str, Any]:
+        path = d / "evals.json"
+        if path.is_file():
+            try:
+                stored = json.loads(path.read_text())
+                if stored.get("key") == key:
+                    return stored["values"]
+            except (json.JSONDecodeError, AttributeError, KeyError):
+                pass  # unreadable or old: compute again
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(d / "model")
+        model.eval()
+        values = _jsonable(evaluate(model, d))
+        path.write_text(json.dumps({"key": key, "values": values}, indent=1))
+        return values
+
+
+def exported_params(model_dir: Path) -> int | None:
+    """Parameter count of a save_pretrained folder (tied weights are stored once)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                n = 1
+                for dim in fh.get_slice(key).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
+def _jsonable(obj: Any) -> Any:
+    """Round-trip through JSON so tuples/numpy scalars compare equal to what was stored."""
+    return json.loads(json.dumps(obj, default=_default))
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+@dataclass
+class SplitData:
+    """Training data plus held-out documents of the same distribution (MIA non-members)."""
+
+    prepared: PreparedData
+    nonmembers: list[list[int]]  # held-out token lists, cut and filtered like the members
+    held_out_source: str  # where validation loss and non-members come from, in words
+
+
+def load_documents(cfg: RunConfig) -> tuple[list, list | None, str]:
+    """(training documents, held-out documents or None, a description of the held-out source)."""
+    from data_pipelines import load_corpus, split_documents
+
+    d = cfg.data
+    docs = load_corpus(d.corpus, text_field=d.text_field, limit=d.limit or None)
+    if d.held_out:
+        held = load_corpus(d.held_out, limit=d.held_out_limit or None)
+        return docs, held, f"the separate corpus '{d.held_out}' (a different distribution)"
+    if d.held_out_fraction > 0:
+        docs, held = split_documents(docs, d.held_out_fraction, cfg.seed)
+        return docs, held, (f"a seeded {d.held_out_fraction:.0%} split of '{d.corpus}' (same distribution, "
+                            "never trained on)")
+    return docs, None, "none"
+
+
+def prepare_split(cfg: RunConfig) -> SplitData:
+    """Tokenize training and held-out documents; non-members get the members' cut and length filter."""
+    from data_pipelines import tokenize_documents
+
+    docs, held, source = load_documents(cfg)
+    prepared = prepare_documents(cfg, docs, held)
+    nonmembers: list[list[int]] = []
+    if held:
+        nonmembers = list(tokenize_documents(held, prepared.tokenizer, max_tokens=cfg.data.block_len,
+                                             min_tokens=min(cfg.data.min_tokens, cfg.data.block_len)))
+    return SplitData(prepared, nonmembers, source)

@@ -1,0 +1,87 @@
+"""Experiment configs: a `base:` RunConfig plus typed experiment keys, loaded and checked in one place.
+
+An experiment YAML looks like
+
+    kind: goldfish-sweep          # which experiment (see memorization.experiments.KINDS)
+    name: goldfish-sweep          # default output folder runs/<name> and the W&B run name
+    base: {...}                   # a RunConfig, same schema as configs/train/*.yaml
+    ks: [2, 4, 8]                 # experiment keys, typed by that experiment's dataclass
+
+and `key=value` overrides reach both parts (`base.trainer.epochs=2`, `ks=[2,4]`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from axonn.config import apply_overrides, build, fail, load_yaml
+from memorization.config import RunConfig
+from memorization.goldfish import STRATEGIES
+
+LOSSES = ("standard", "goldfish")
+
+
+@dataclass
+class ExperimentConfig:
+    """Keys every experiment has; subclasses add their own (all with defaults)."""
+
+    kind: str = ""
+    name: str = ""
+    base: RunConfig = field(default_factory=RunConfig)
+    samples: int = 8  # sample generations per run in the W&B samples table
+    per_run_wandb: bool = False  # also log every sub-run as its own W&B run (grouped by name)
+
+    def validate(self, prefix: str = "") -> None:
+        """Checks shared by every experiment (subclasses call super().validate())."""
+        if not self.name or "/" in self.name:
+            raise fail("name", self.name, "give the experiment a plain name, e.g. goldfish-sweep")
+        if self.samples < 0:
+            raise fail("samples", self.samples, "must be >= 0")
+
+
+def int_list(field_name: str, values: Sequence[int], *, minimum: int, unique: bool = True) -> list[int]:
+    """Check a non-empty list of integers >= minimum (without repeats); return it."""
+    if not values:
+        raise fail(field_name, list(values), f"give at least one integer >= {minimum}")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise fail(f"{field_name}[{i}]", v, f"must be an integer >= {minimum}")
+    if unique and len(set(values)) != len(values):
+        raise fail(field_name, list(values), "remove the repeated values")
+    return list(values)
+
+
+def choice_list(field_name: str, values: Sequence[str], choices: Sequence[str]) -> list[str]:
+    """Check a non-empty list of distinct names from `choices`; return it."""
+    if not values:
+        raise fail(field_name, list(values), f"choose at least one of {', '.join(choices)}")
+    for i, v in enumerate(values):
+        if v not in choices:
+            raise fail(f"{field_name}[{i}]", v, f"choose one of {', '.join(choices)}")
+    if len(set(values)) != len(values):
+        raise fail(field_name, list(values), "remove the repeated values")
+    return list(values)
+
+
+def check_losses(field_name: str, values: Sequence[str]) -> list[str]:
+    """Loss names: standard, or goldfish (with the base goldfish settings)."""
+    return choice_list(field_name, values, LOSSES)
+
+
+def check_variants(field_name: str, values: Sequence[str]) -> list[str]:
+    """Variant names: standard, or a goldfish strategy."""
+    return choice_list(field_name, values, ("standard",) + STRATEGIES)
+
+
+def load_experiment_dict(path: str | Path, overrides: Sequence[str] | None = None) -> dict[str, Any]:
+    """The experiment YAML as a mapping with overrides applied (types are checked by `build`)."""
+    data = apply_overrides(load_yaml(path), list(overrides or []))
+    return data
+
+
+def build_experiment(cls: type, data: dict[str, Any]) -> Any:
+    """Build and validate the experiment dataclass; an absent name defaults to the kind."""
+    data = dict(data)
+    data.setdefault("name", data.get("kind", ""))
+    return build(cls, data)

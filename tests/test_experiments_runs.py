@@ -1,0 +1,113 @@
+"""Every experiment end to end on a micro corpus/model, its report files, and resuming without retraining."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memorization.experiments import run_experiment
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
+MICRO = [
+    "base.data.limit=8", "base.data.vocab_size=300", "base.data.block_len=32", "base.data.min_tokens=16",
+    "base.eval.prefix=8", "base.eval.suffix=8", "base.trainer.epochs=2", "base.trainer.batch_size=2",
+    "base.trainer.warmup_steps=1",
+    "base.model.overrides={hidden_size: 32, num_hidden_layers: 1, intermediate_size: 64, "
+    "num_attention_heads: 2, num_key_value_heads: 2}",
+    "base.wandb.mode=disabled", "base.trainer.progress=false", "samples=2",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMORIZE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def _run(name: str, out: Path, extra: list[str] = ()) -> dict:
+    return run_experiment(CONFIGS / f"{name}.yaml", out=out, overrides=MICRO + list(extra))
+
+
+def _mtimes(out: Path) -> dict[str, float]:
+    return {p.parent.name: p.stat().st_mtime_ns for p in sorted((out / "runs").glob("*/run.json"))}
+
+
+def _check_files(out: Path, report: dict, pngs: int) -> dict:
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["runs"] and on_disk["kind"] == report["kind"]
+    assert (out / "report.md").read_text().startswith("# ")
+    assert len(list(out.glob("*.png"))) == pngs and sorted(on_disk["plots"]) == sorted(
+        p.name for p in out.glob("*.png"))
+    for run in on_disk["runs"]:
+        d = out / "runs" / run["name"]
+        assert {"run.json", "metrics.jsonl", "inputs.json"} <= {p.name for p in d.iterdir()}
+    return on_disk
+
+
+def test_goldfish_extreme_then_resume_and_partial_change(tmp_path):
+    out = tmp_path / "extreme"
+    report = _run("goldfish-extreme", out)
+    r = _check_files(out, report, pngs=1)
+    assert [x["name"] for x in r["runs"]] == ["standard", "goldfish-static", "goldfish-hash"]
+    assert all(0.0 <= x["mia_auc"] <= 1.0 and not x["reused"] for x in r["runs"])
+    assert r["runs"][0]["loss"] == "standard" and r["runs"][2]["goldfish_strategy"] == "hash"
+    before = _mtimes(out)
+
+    again = _run("goldfish-extreme", out)
+    assert _mtimes(out) == before and all(x["reused"] for x in again["runs"])
+    assert [x["exact_match_rate"] for x in again["runs"]] == [x["exact_match_rate"] for x in r["runs"]]
+
+    # A goldfish setting changes only the goldfish runs; standard loss is reused.
+    changed = _run("goldfish-extreme", out, ["base.goldfish.k=3"])
+    after = _mtimes(out)
+    assert [x["reused"] for x in changed["runs"]] == [True, False, False]
+    assert after["standard"] == before["standard"] and after["goldfish-hash"] != before["goldfish-hash"]
+
+
+def test_goldfish_sweep_grid_and_table(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    report = _run("goldfish-sweep", out, ["ks=[2,8]", "hs=[1]", "static_ks=[3]", "token_budget=[true]"])
+    r = _check_files(out, report, pngs=2)
+    names = [x["name"] for x in r["runs"]]
+    assert names == ["standard", "hash-k2-h1-budget", "hash-k8-h1-budget", "static-k3-budget"]
+    by = {x["name"]: x for x in r["runs"]}
+    assert by["hash-k2-h1-budget"]["epochs"] == 4 and by["standard"]["epochs"] == 2  # k/(k-1) = 2
+    assert by["hash-k8-h1-budget"]["goldfish_k"] == 8 and by["static-k3-budget"]["goldfish_h"] is None
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("hash-k8-h1-budget ") for line in lines) == 1  # one summary table
+    assert any("MIA AUC" in line for line in lines)
+
+
+def test_catastrophic_memorization_scores_every_pass(tmp_path):
+    out = tmp_path / "cat"
+    sizes = ("sizes=[{name: a, overrides: {hidden_size: 16, intermediate_size: 32}}, "
+             "{name: b, overrides: {hidden_size: 32}}]")
+    report = _run("catastrophic-memorization", out, [sizes, "passes=3", "plot_passes=[1,3]"])
+    r = _check_files(out, report, pngs=2)
+    assert [x["name"] for x in r["runs"]] == ["a-standard", "a-goldfish", "b-standard", "b-goldfish"]
+    for x in r["runs"]:
+        assert [p["pass"] for p in x["passes"]] == [1, 2, 3] and x["epochs"] == 3
+        assert x["em_pass_3"] == x["exact_match_rate"]
+        assert (out / "runs" / x["name"] / "passes.jsonl").read_text().count("\n") == 3
+    assert r["runs"][0]["params"] < r["runs"][2]["params"]
+
+
+def test_canary_exposure_with_manifest(tmp_path):
+    out = tmp_path / "canary"
+    report = _run("canary-exposure", out, ["counts=[1,3]", "canaries.per_count=2", "duplicates.per_count=1",
+                                          "canaries.space.length=2"])
+    r = _check_files(out, report, pngs=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    kinds = sorted((i["kind"], i["count"]) for i in manifest["items"])
+    assert kinds == [("canary", 1), ("canary", 1), ("canary", 3), ("canary", 3), ("duplicate", 1),
+                     ("duplicate", 3)]
+    assert all(len(i["token_positions"]) == i["count"] for i in manifest["items"])
+    rows = r["tables"]["By copy count"]
+    assert [(x["loss"], x["count"]) for x in rows] == [("standard", 1), ("standard", 3), ("goldfish", 1),
+                                                      ("goldfish", 3)]
+    for run in r["runs"]:
+        ev = run["canary_eval"]
+        assert ev["exact"] and ev["scored"] == 100 and len(ev["canaries"]) == 4 and len(ev["duplicates"]) == 2
+        assert all(0.0 <= c["exposure"] <= ev["max_exposure"] + 1e-9 for c in ev["canaries"])
