@@ -5,7 +5,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,6 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
 
 def effective_trainer(cfg: RunConfig):
     """The trainer config, stretched by k/(k-1) when goldfish trains on a supervised-token budget."""
-    from dataclasses import replace
-
     t = cfg.trainer
     g = cfg.goldfish
     if g.enabled and g.token_budget:
@@ -198,7 +196,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
 
         model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
     tcfg = effective_trainer(cfg)
-    tcfg.progress = tcfg.progress and progress
+    tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
     transform = GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled else None
     sinks: list[Any] = []
     wb = None
