@@ -273,8 +273,10 @@ class Trainer:
                 logits = model(input_ids=ids).logits[:, :-1]
             loss_sum, _ = self._ce_sum(logits, tgt)
             (loss_sum / denom).backward()
-            with torch.no_grad():
-                d_sum, d_cnt = self._ce_sum(logits.detach(), dropped_tgt[:, 1:].to(self.device))
+            d_sum = d_cnt = torch.zeros(())
+            if self.label_transform is not None:  # same on every rank: the dropped-token CE is collective
+                with torch.no_grad():
+                    d_sum, d_cnt = self._ce_sum(logits.detach(), dropped_tgt[:, 1:].to(self.device))
             sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)
         if self.grid is not None:
             import axonn
