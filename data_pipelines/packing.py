@@ -1,8 +1,10 @@
 """Token lists -> fixed-length blocks (packed or one document per row), and seeded orderings.
 
-Every token in a `Blocks` remembers the index of the document it came from (`doc_ids`), so evals
-and manifests can say exactly which document each trained token belongs to. Padding is always
-doc id -1 and label -100 (the loss's ignore_index), so padding is never supervised.
+Every token in a `Blocks` remembers the index of the document it came from (`doc_ids`) and its
+offset inside that document (`positions`), so evals and manifests can say exactly which document
+each trained token belongs to, and a label transform such as goldfish sees where a row cuts a
+document. Padding is always doc id -1, position -1 and label -100 (the loss's ignore_index), so
+padding is never supervised.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ class Blocks:
 
     `num_docs` is how many documents the rows were built from (so `unpack` returns one list per
     document even if some left no token); `eos_id` is set by `pack`, whose documents each end
-    with one separator EOS that `unpack` removes.
+    with one separator EOS that `unpack` removes. `positions` (optional; `pack` and
+    `per_document` set it) is each token's offset in its document, -1 on padding: in packed rows
+    a document cut at a row boundary continues at a position > 0 in the next row.
     """
 
     input_ids: torch.Tensor
@@ -32,11 +36,14 @@ class Blocks:
     labels: torch.Tensor
     num_docs: int | None = None
     eos_id: int | None = None
+    positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        shapes = {tuple(t.shape) for t in (self.input_ids, self.doc_ids, self.labels)}
+        tensors = [self.input_ids, self.doc_ids, self.labels]
+        tensors += [self.positions] if self.positions is not None else []
+        shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) != 1 or self.input_ids.dim() != 2:
-            raise ValueError(f"Blocks needs three [N, L] tensors of one shape, got {sorted(shapes)}")
+            raise ValueError(f"Blocks needs [N, L] tensors of one shape, got {sorted(shapes)}")
         if self.num_docs is None:
             self.num_docs = int(self.doc_ids.max()) + 1 if self.doc_ids.numel() else 0
 
@@ -44,10 +51,13 @@ class Blocks:
         return self.input_ids.shape[0]
 
     def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]:
-        """Rows `idx` (int, slice, list or tensor of indices) as a dict of the three tensors."""
+        """Rows `idx` (int, slice, list or tensor of indices) as a dict of the tensors (positions if set)."""
         if isinstance(idx, list):
             idx = torch.as_tensor(idx, dtype=torch.long)
-        return {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "doc_ids": self.doc_ids[idx]}
+        out = {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "doc_ids": self.doc_ids[idx]}
+        if self.positions is not None:
+            out["positions"] = self.positions[idx]
+        return out
 
     @property
     def block_len(self) -> int:
@@ -126,6 +136,7 @@ def pack(token_lists: list[list[int]], block_len: int, eos_id: int, *, drop_last
     ids = torch.tensor([tok for t in token_lists for tok in (*t, eos_id)], dtype=torch.long)
     docs = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     total = ids.numel()
+    positions = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
     rows = total // block_len if drop_last else -(-total // block_len)
     if rows == 0:
         raise fail("block_len", block_len, f"the corpus has only {total} tokens, less than one block; "
@@ -134,9 +145,10 @@ def pack(token_lists: list[list[int]], block_len: int, eos_id: int, *, drop_last
     if pad > 0:
         ids = torch.cat([ids, torch.full((pad,), eos_id, dtype=torch.long)])
         docs = torch.cat([docs, torch.full((pad,), -1, dtype=torch.long)])
-    ids, docs = ids[: rows * block_len].view(rows, block_len), docs[: rows * block_len].view(rows, block_len)
+        positions = torch.cat([positions, torch.full((pad,), -1, dtype=torch.long)])
+    ids, docs, positions = (t[: rows * block_len].view(rows, block_len) for t in (ids, docs, positions))
     labels = ids.masked_fill(docs < 0, IGNORE_INDEX)
-    return Blocks(ids, docs, labels, num_docs=len(token_lists), eos_id=eos_id)
+    return Blocks(ids, docs, labels, num_docs=len(token_lists), eos_id=eos_id, positions=positions)
 
 
 def per_document(token_lists: list[list[int]], block_len: int, pad_id: int) -> Blocks:
@@ -153,7 +165,8 @@ def per_document(token_lists: list[list[int]], block_len: int, pad_id: int) -> B
             ids[i, :k] = torch.as_tensor(toks[:k], dtype=torch.long)
             docs[i, :k] = i
     labels = ids.masked_fill(docs < 0, IGNORE_INDEX)
-    return Blocks(ids, docs, labels, num_docs=n)
+    positions = torch.arange(block_len).expand(n, block_len).masked_fill(docs < 0, -1)
+    return Blocks(ids, docs, labels, num_docs=n, positions=positions)
 
 
 def unpack(blocks: Blocks) -> list[list[int]]:
@@ -213,7 +226,7 @@ def shuffled_indices(n: int, seed: int, epoch: int) -> list[int]:
 
 def batches(blocks: Blocks, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
             drop_last: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-    """Dict batches [B, L] of input_ids, labels and doc_ids, in a seeded per-epoch order."""
+    """Dict batches [B, L] of input_ids, labels, doc_ids (and positions), in a seeded per-epoch order."""
     batch_size = _check_len("batch_size", batch_size)
     order = shuffled_indices(len(blocks), seed, epoch) if shuffle else list(range(len(blocks)))
     stop = len(order) - len(order) % batch_size if drop_last else len(order)

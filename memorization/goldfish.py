@@ -11,7 +11,12 @@ Strategies
   decision whatever its position, packing, batch, rank, device or epoch -- repeated documents never
   leak their dropped tokens. Positions with fewer than h preceding tokens of their own document are
   never dropped, so the context never crosses a document boundary when ``doc_ids`` is given.
-- ``static``: drop every k-th position of a document (offsets k-1, 2k-1, ... within the document).
+  In packed rows a document cut at a row boundary continues in another row without its context;
+  given ``positions`` (each token's offset in its document, as `data_pipelines` blocks carry), a
+  position whose h-token context is cut by the row start is dropped conservatively, so what is
+  supervised is always a subset of what the document alone would supervise, whatever the cut.
+- ``static``: drop every k-th position of a document (offsets k-1, 2k-1, ... within the document;
+  with ``positions`` the offsets count from the document's true start, also across rows).
 - ``hash-table``: the reference implementation's formula, for comparison with published runs:
   table = torch.rand(1_000_003) from a CPU generator seeded 2971215073; key = wrapping int64 product
   of the h ids in the window *ending at* t, mod 1_000_003; drop iff table[key] < 1/k; the first h-1
@@ -135,21 +140,33 @@ def goldfish_mask(
     k: int = 4,
     h: int = 13,
     doc_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Boolean [B, T] mask, True where the goldfish strategy drops the label."""
+    """Boolean [B, T] mask, True where the goldfish strategy drops the label.
+
+    `doc_ids` marks document boundaries inside a row; `positions` (offset of each token in its
+    document, -1 on padding) tells where a row starts mid-document. Without `positions` every row
+    is taken to start its documents at offset 0.
+    """
     check_params(strategy, k, h)
-    ids = input_ids if input_ids.dim() == 2 else input_ids.unsqueeze(0)
-    ids = ids.long()
-    docs = None if doc_ids is None else (doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0))
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else (t if t.dim() == 2 else t.unsqueeze(0))
+
+    ids, docs, pos = rows(input_ids).long(), rows(doc_ids), rows(positions)
+    if pos is not None and pos.shape != ids.shape:
+        raise fail("positions", f"shape {tuple(pos.shape)}", f"must match input_ids {tuple(ids.shape)}")
     if strategy == "hash-table":
         drop = _hash_table_drop(ids, k, h)
     else:
-        offset = _offsets_in_document(tuple(ids.shape), docs, ids.device)
+        in_row = _offsets_in_document(tuple(ids.shape), docs, ids.device)  # context visible in the row
+        offset = in_row if pos is None else pos.to(ids.device).long()
         if strategy == "static":
-            drop = (offset + 1) % k == 0
+            drop = ((offset + 1) % k == 0) & (offset >= 0)
         elif strategy == "hash":
-            drop = _hash_drop(ids, k, h) & (offset >= h)
+            # context wholly in the row: the hash decides; context cut by the row start: drop
+            drop = (offset >= h) & (_hash_drop(ids, k, h) | (in_row < h))
         else:  # random
             noise = torch.rand(ids.shape, generator=generator, device="cpu").to(ids.device)
             drop = noise < 1.0 / k
@@ -164,11 +181,13 @@ def goldfish_labels(
     k: int = 4,
     h: int = 13,
     doc_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Labels (default: input_ids) with the goldfish-dropped positions set to -100."""
     base = input_ids if labels is None else labels
-    drop = goldfish_mask(input_ids, strategy=strategy, k=k, h=h, doc_ids=doc_ids, generator=generator)
+    drop = goldfish_mask(input_ids, strategy=strategy, k=k, h=h, doc_ids=doc_ids, positions=positions,
+                         generator=generator)
     return base.masked_fill(drop, IGNORE_INDEX)
 
 
@@ -184,7 +203,8 @@ class GoldfishTransform:
         """Return the goldfish-masked labels for a batch dict (input_ids, labels, doc_ids)."""
         return goldfish_labels(
             batch["input_ids"], batch.get("labels"), strategy=self.cfg.strategy, k=self.cfg.k,
-            h=self.cfg.h, doc_ids=batch.get("doc_ids"), generator=self._gen,
+            h=self.cfg.h, doc_ids=batch.get("doc_ids"), positions=batch.get("positions"),
+            generator=self._gen,
         )
 
     def state_dict(self) -> dict:

@@ -59,6 +59,9 @@ def test_pack_unpack_round_trip(token_lists, block_len):
     for d, toks in enumerate(token_lists):
         mine = flat_ids[flat_docs == d].tolist()
         assert mine == toks + [EOS]
+        # each token knows its offset in its document, also after a row boundary cut it
+        assert blocks.positions[blocks.doc_ids == d].tolist() == list(range(len(toks) + 1))
+    assert (blocks.positions[~real] == -1).all()
 
 
 @settings(max_examples=40, deadline=None)
@@ -72,6 +75,7 @@ def test_per_document_round_trip(token_lists, block_len):
         assert blocks.doc_ids[i].tolist() == [i] * k + [-1] * (block_len - k)
         assert blocks.labels[i].tolist() == toks[:k] + [IGNORE_INDEX] * (block_len - k)
         assert blocks.input_ids[i].tolist() == toks[:k] + [0] * (block_len - k)
+        assert blocks.positions[i].tolist() == list(range(k)) + [-1] * (block_len - k)
 
 
 def test_getitem_forms_and_dataloader():
@@ -82,7 +86,7 @@ def test_getitem_forms_and_dataloader():
     assert blocks[1:]["input_ids"].shape == (2, 3)
     loader = torch.utils.data.DataLoader(blocks, batch_size=2)
     first = next(iter(loader))
-    assert set(first) == {"input_ids", "labels", "doc_ids"} and first["input_ids"].shape == (2, 3)
+    assert set(first) == {"input_ids", "labels", "doc_ids", "positions"} and first["input_ids"].shape == (2, 3)
 
 
 def test_blocks_rejects_mismatched_shapes():
