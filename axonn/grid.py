@@ -282,5 +282,26 @@ class ProcessGrid:
             elif name == "world":
                 groups[name] = dist.group.WORLD
             else:
-                groups[name] = dist.new_group(self.ranks_in(name), use_local_synchronization=True)
+                groups[name] = _group_for(name, self.ranks_in(name))
         return groups
+
+
+# (role, ranks) -> process group, shared by every grid of this process. Each group holds backend
+# threads and sockets, so a process that builds grids one after another (benchmarks, sweeps, tests)
+# reuses them instead of piling them up. Torch cannot safely destroy and recreate locally
+# synchronised groups (a new group may take a destroyed one's store keys), so they are kept.
+_GROUPS: dict[tuple[str, tuple[int, ...]], Any] = {}
+
+
+def _group_for(role: str, ranks: list[int]) -> Any:
+    key = (role, tuple(ranks))
+    group = _GROUPS.get(key)
+    if group is not None:
+        try:  # still registered with the current default group (not destroyed and re-initialised)
+            if dist.get_process_group_ranks(group) == ranks:
+                return group
+        except (ValueError, RuntimeError, KeyError):
+            pass
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    _GROUPS[key] = group
+    return group

@@ -117,3 +117,35 @@ def test_parse_and_validate_without_collectives() -> None:
                                                                 head_dim=64))
     with pytest.raises(axonn.ConfigError, match=r"^grid="):
         axonn.validate_grid_for_model((1, 1), cfg)
+
+
+
+def _many_grids(rank: int, world: int) -> dict:
+    import os
+
+    import torch
+
+    import axonn
+
+    counts, sums = [], []
+    for dims in [(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)] * 3:
+        grid = axonn.ProcessGrid(*dims)
+        for group in ("x", "y", "z"):
+            t = torch.ones(3) * (rank + 1)
+            grid.comm.all_reduce(t, group)
+            sums.append(t.tolist() if grid.size(group) > 1 else None)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return {"counts": counts, "sums": [s for s in sums if s is not None]}
+
+
+def test_grids_built_one_after_another_reuse_their_process_groups():
+    import os
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs /proc to count threads")
+    for r in run_ranks(_many_grids, 2):
+        assert r.ok, r.traceback
+        v = r.value
+        assert len(v["sums"]) == 9 and all(s == [3.0, 3.0, 3.0] for s in v["sums"])
+        # the second and third rounds of the same three grids add no backend threads
+        assert v["counts"][-1] == v["counts"][2], v["counts"]
