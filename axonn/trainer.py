@@ -251,6 +251,12 @@ class Trainer:
         import axonn
         return axonn.all_reduce_sum(values, self.grid, group="batch")
 
+    def _no_sync(self, active: bool):
+        if active and self.grid is not None:
+            from axonn.engine import no_sync
+            return no_sync(self.model)
+        return contextlib.nullcontext()
+
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor]) -> StepStats:
         """Forward/backward over the micro-batches of one global batch, then one optimizer step."""
@@ -269,10 +275,12 @@ class Trainer:
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
             tgt = self._shard(labels[rows])[:, 1:].to(self.device)
             dropped_tgt = self._shard(torch.where(dropped_mask[rows], base[rows], IGNORE_INDEX))
-            with self._autocast():
-                logits = model(input_ids=ids).logits[:, :-1]
-            loss_sum, _ = self._ce_sum(logits, tgt)
-            (loss_sum / denom).backward()
+            # gradient all-reduces launched during backward wait for the last micro-batch
+            with self._no_sync(m + 1 < cfg.grad_accum):
+                with self._autocast():
+                    logits = model(input_ids=ids).logits[:, :-1]
+                loss_sum, _ = self._ce_sum(logits, tgt)
+                (loss_sum / denom).backward()
             d_sum = d_cnt = torch.zeros(())
             if self.label_transform is not None:  # same on every rank: the dropped-token CE is collective
                 with torch.no_grad():

@@ -52,16 +52,16 @@ def _model():
     return LlamaForCausalLM(cfg)
 
 
-def _losses(grid, goldfish: bool, mode: str = "easy") -> list[float]:
+def _losses(grid, goldfish: bool, mode: str = "easy", options=None, grad_accum: int = 1) -> list[float]:
     import axonn
     from axonn.trainer import Trainer, TrainerConfig
     from memorization.goldfish import GoldfishConfig, GoldfishTransform
 
     model = _model()
     if grid is not None:
-        model = axonn.parallelize(model, grid, mode=mode)
+        model = axonn.parallelize(model, grid, mode=mode, options=options)
     cfg = TrainerConfig(lr=3e-3, warmup_steps=3, batch_size=8, max_steps=STEPS, grad_clip=0.5, seed=1,
-                        progress=False, device="cpu")
+                        progress=False, device="cpu", grad_accum=grad_accum)
     transform = GoldfishTransform(GoldfishConfig(enabled=True, k=3, h=2)) if goldfish else None
     history = Trainer(model, cfg, _data(), label_transform=transform, grid=grid).fit()
     return [m["loss"] for m in history]
@@ -111,3 +111,20 @@ def _run_grids_paired(rank: int, world: int) -> dict:
 
     grid = axonn.ProcessGrid(2, 2, 2, 1)
     return {(2, 2, 2, 1): {"standard": _losses(grid, False, "paired"), "goldfish": _losses(grid, True, "paired")}}
+
+
+def _run_bucketed(rank: int, world: int) -> dict:
+    import axonn
+    from axonn.engine import EngineOptions
+
+    grid = axonn.ProcessGrid(1, 1, 1, 2)
+    opts = EngineOptions(bucket_grads=True, bucket_mb=0.01)  # several buckets, launched in backward
+    return {(1, 1, 1, 2): {name: _losses(grid, name == "goldfish", options=opts, grad_accum=2)
+                           for name in ("standard", "goldfish")}}
+
+
+@pytest.mark.distributed
+def test_trainer_accumulates_micro_batches_with_bucketed_gradient_all_reduce(serial):
+    """Only the last micro-batch launches the backward-time all-reduces (the others run in no_sync)."""
+    results = run_distributed(_run_bucketed, 2, timeout=300)
+    _check(serial, results[0])
