@@ -9,6 +9,8 @@ finished sequences) and lets the cache be preallocated (evals/kv_cache.py).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from evals._errors import fail
@@ -101,15 +103,40 @@ def beam_generate(model: torch.nn.Module, prefixes: torch.LongTensor, max_new_to
     return seqs[:, 0]
 
 
+def _rows_of(cache, rows: torch.Tensor, length: int, *, copy_rows: bool):
+    """The cache restricted to batch `rows` and its first `length` positions (a copy if asked)."""
+    sub = copy.deepcopy(cache) if copy_rows else cache
+    sub.batch_select_indices(rows)
+    extra = sub.get_seq_length() - length
+    if extra > 0:
+        sub.crop(-extra)
+    return sub
+
+
+def _continue(model, cache, last: torch.Tensor, n: int, kw: dict) -> torch.Tensor:
+    """n greedy tokens after `last` ([rows]), decoding one position per step from `cache`."""
+    out = torch.empty(last.shape[0], n, dtype=torch.long, device=last.device)
+    tok = last
+    for t in range(n):
+        step = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True, **kw)
+        cache = step.past_key_values
+        tok = step.logits[:, -1].argmax(dim=-1)
+        out[:, t] = tok
+    return out
+
+
 def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
                     targets: torch.LongTensor) -> torch.LongTensor:
     """Greedy continuation of `prefixes`, using the known `targets` as a speculative draft.
 
-    One forward pass over prefix + target scores every draft position at once. Wherever greedy
-    decoding agrees with the target so far, its context *is* the target, so the argmax at the
-    first disagreement (or everywhere, for a verbatim match) is already the greedy token. Only rows
-    that diverge are decoded further, from prefix + the tokens known so far. The result equals
-    `greedy_generate(model, prefixes, S)`; a memorized suffix costs one forward pass instead of S.
+    The prefix is prefilled once into a KV cache, which gives every row's first greedy token.
+    Rows whose first token already differs from the target (nearly all, for text the model has
+    not memorized) simply go on decoding from that cache: no work is wasted on a draft. Rows that
+    agree score the rest of their target in ONE forward pass over the cached prefix: wherever greedy
+    decoding agrees with the target so far its context *is* the target, so the argmax at the first
+    disagreement (or everywhere, for a verbatim match) is already the greedy token; a row that
+    diverges at position m continues from its cache cut back to prefix + m tokens. The result
+    equals `greedy_generate(model, prefixes, S)`; a memorized suffix costs one pass instead of S.
     """
     _check(prefixes, targets.shape[1] if targets.dim() == 2 else -1)
     device = model_device(model)
@@ -118,18 +145,31 @@ def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
     s = targets.shape[1]
     if s == 0 or batch == 0:
         return targets.clone()
-    seq = torch.cat([prefixes, targets[:, :-1]], dim=1)
-    kw = {"logits_to_keep": s} if accepts_logits_to_keep(model) else {}
+    kw = _step_kwargs(model)
+    out = torch.empty(batch, s, dtype=torch.long, device=device)
     with evaluating(model):
-        logits = model(input_ids=seq, use_cache=False, **kw).logits[:, -s:]
-    pred = logits.argmax(dim=-1)
-    wrong = pred != targets
-    first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1), torch.full_like(wrong[:, 0], s, dtype=torch.long))
-    out = pred.clone()
-    # rows that diverge at position m know tokens 0..m; decode the rest, batched by m
-    for m in sorted(set(first.tolist()) - {s}):
-        rows = (first == m).nonzero().squeeze(1)
-        if m + 1 < s:
-            known = torch.cat([prefixes[rows], pred[rows, :m + 1]], dim=1)
-            out[rows, m + 1:] = greedy_generate(model, known, s - m - 1)
+        step = model(input_ids=prefixes, past_key_values=preallocated_cache(model, p + s), use_cache=True, **kw)
+        cache = step.past_key_values
+        out[:, 0] = step.logits[:, -1].argmax(dim=-1)
+        if s == 1:
+            return out
+        agree = out[:, 0] == targets[:, 0]
+        # (rows, their cache, position of their last known token): decoded on from there
+        pending = []
+        if agree.any():
+            rows = agree.nonzero().squeeze(1)
+            vcache = _rows_of(cache, rows, p, copy_rows=not bool(agree.all()))
+            pred = model(input_ids=targets[rows, :-1], past_key_values=vcache, use_cache=True).logits.argmax(-1)
+            out[rows, 1:] = pred  # pred[:, j] is the greedy token at j + 1 given target[:j + 1]
+            wrong = pred != targets[rows, 1:]
+            first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1) + 1, s)
+            for m in sorted(set(first.tolist()) - {s}):
+                if m + 1 < s:  # the row knows tokens 0..m; its context is the prefix + target[:m]
+                    sel = (first == m).nonzero().squeeze(1)
+                    pending.append((rows[sel], _rows_of(vcache, sel, p + m, copy_rows=True), m))
+        if not agree.all():
+            rows = (~agree).nonzero().squeeze(1)
+            pending.append((rows, _rows_of(cache, rows, p, copy_rows=False), 0))
+        for rows, sub, m in pending:
+            out[rows, m + 1:] = _continue(model, sub, out[rows, m], s - m - 1, kw)
     return out

@@ -202,3 +202,6 @@ def test_verified_greedy_equals_greedy_for_any_draft():
     assert torch.equal(verified_greedy(model, prefixes, drafts), greedy)
     random_drafts = torch.randint(0, 50, (10, 9))
     assert torch.equal(verified_greedy(model, prefixes, random_drafts), greedy)
+    assert torch.equal(verified_greedy(model, prefixes, greedy), greedy)  # every row verbatim
+    assert torch.equal(verified_greedy(model, prefixes, drafts[:, :1]), greedy[:, :1])  # one token
+    assert torch.equal(verified_greedy(model, prefixes[[4]], drafts[[4]]), greedy[[4]])  # one row, m=4
