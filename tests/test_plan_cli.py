@@ -65,7 +65,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_local_profile_reads_the_cache(cache_dir):
-    cal = {"version": 1, "host": "h", "cpus": 2, "matmul_flops": 4e10, "copy_bw": 2e9,
+    cal = {"version": 2, "host": "h", "cpus": 2, "matmul_flops": 4e10, "gemm_half_dim": 6.0, "copy_bw": 2e9,
            "allreduce_bw": 4e8, "allreduce_lat": 1e-4, "memory_bytes": 8 * 2**30,
            "measured_at": "then"}
     path = cache_dir / "plan" / "local.json"
@@ -73,6 +73,7 @@ def test_local_profile_reads_the_cache(cache_dir):
     path.write_text(json.dumps(cal))
     hw = get_hardware("local")
     assert hw.peak_flops == 4e10 and hw.gpus_per_node == 2 and hw.memory_bytes == 4 * 2**30
+    assert hw.gemm_half_dim == 6.0 and not hw.hides_comm  # gloo moves bytes on the compute cores
     assert main(["--model", "tiny", "--gpus", "2", "--hardware", "local", "--seq", "64",
                  "--global-batch", "4"]) == 0
 
@@ -82,3 +83,29 @@ def test_local_calibration_measures(cache_dir):
     hw = get_hardware("local", recalibrate=True)
     assert hw.peak_flops > 1e8 and hw.intra_bw > 1e6
     assert (cache_dir / "plan" / "local.json").is_file()
+
+
+@pytest.mark.parametrize("half", [0.5, 5.0, 32.0, 300.0])
+def test_calibration_recovers_the_gemm_half_dimension(half):
+    from axonn.plan.calibrate import fit_half_dim
+    from axonn.plan.compute import shape_factor
+
+    ratio = shape_factor(16, 256, 256, half) / shape_factor(256, 256, 256, half)
+    assert fit_half_dim(ratio, 256, 16) == pytest.approx(half, rel=1e-6)
+    assert fit_half_dim(1.2, 256, 16) < 0.01  # a thin GEMM as fast as a big one: no penalty
+
+
+def test_overlap_hides_nothing_where_collectives_share_the_compute_cores():
+    import dataclasses
+
+    from axonn.plan.model import predict
+    from axonn.plan.shapes import load_shape
+    from axonn.plan.volumes import Grid
+
+    shape, grid = load_shape("llama-1b"), Grid(2, 2, 2, 1)
+    gpu = get_hardware("h100")
+    cpu_like = dataclasses.replace(gpu, hides_comm=False)
+    hidden = predict(shape, grid, 2048, 8, gpu)
+    exposed = predict(shape, grid, 2048, 8, cpu_like)
+    assert hidden.exposed_comm_s < hidden.comm_s
+    assert exposed.exposed_comm_s == exposed.comm_s and exposed.time_s > hidden.time_s

@@ -1,7 +1,8 @@
 """The `local` hardware profile: a few seconds of measurement on this machine, cached as JSON.
 
-One "GPU" is one single-threaded CPU process (how the gloo tests run): we time an fp32 matmul and
-a tensor copy on one thread, and a 2-rank gloo all-reduce. The cache lives in
+One "GPU" is one single-threaded CPU process (how the gloo tests run): we time fp32 matmuls of a
+large and a thin shape on one thread (their ratio fits the GEMM shape curve's half dimension,
+which on a CPU is far smaller than on tensor cores), a tensor copy, and a 2-rank gloo all-reduce. The cache lives in
 $MEMORIZE_CACHE/plan/local.json (default ~/.cache/memorize/plan/local.json).
 """
 from __future__ import annotations
@@ -15,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from axonn.plan.compute import shape_factor
 from axonn.plan.hardware import Hardware
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 def cache_path() -> Path:
@@ -63,6 +65,27 @@ def _allreduce_worker(rank: int, init_file: str) -> dict:
 
 
 SMALL, LARGE = 256, 4 * 2**20  # fp32 elements
+GEMM_N, GEMM_THIN = 256, 16  # [n, n] x [n, n] and [thin, n] x [n, n]
+
+
+def fit_half_dim(ratio: float, n: int, thin: int) -> float:
+    """The half dimension h for which shape_factor(thin, n, n) / shape_factor(n, n, n) = ratio.
+
+    The ratio falls monotonically as h grows, so bisection finds it; a thin GEMM as fast as the
+    large one (ratio >= 1: no measurable shape penalty) gives the smallest h tried.
+    """
+    def model(h: float) -> float:
+        return shape_factor(thin, n, n, h) / shape_factor(n, n, n, h)
+
+    lo, hi = 1e-3, 4096.0
+    if ratio >= model(lo):
+        return lo
+    if ratio <= model(hi):
+        return hi
+    for _ in range(100):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if model(mid) > ratio else (lo, mid)
+    return (lo * hi) ** 0.5
 
 
 def _measure_allreduce() -> dict:
@@ -92,9 +115,12 @@ def measure() -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        n = 512
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        flops = 2.0 * n**3 / _timed(lambda: a @ b, 0.5)
+        n, thin = GEMM_N, GEMM_THIN
+        a, b, c = torch.randn(n, n), torch.randn(n, n), torch.randn(thin, n)
+        big_flops = 2.0 * n**3 / _timed(lambda: a @ b, 0.5)
+        thin_flops = 2.0 * thin * n * n / _timed(lambda: c @ b, 0.5)
+        half = fit_half_dim(thin_flops / big_flops, n, thin)
+        flops = big_flops / shape_factor(n, n, n, half)  # the curve's ceiling
         big = torch.empty(8 * 2**20)
         copy_bw = 2.0 * big.numel() * 4 / _timed(lambda: big.clone(), 0.3)
     finally:
@@ -104,7 +130,7 @@ def measure() -> dict:
     lat = max(times[str(SMALL)] / 2, 1e-7)
     bw = (4.0 * LARGE) / max(times[str(LARGE)] - 2 * lat, 1e-9)
     return {"version": CACHE_VERSION, "host": platform.node(), "cpus": os.cpu_count() or 1,
-            "matmul_flops": flops, "copy_bw": copy_bw, "allreduce_bw": bw, "allreduce_lat": lat,
+            "matmul_flops": flops, "gemm_half_dim": half, "copy_bw": copy_bw, "allreduce_bw": bw, "allreduce_lat": lat,
             "memory_bytes": _total_memory(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -120,6 +146,7 @@ def hardware_from_calibration(cal: dict) -> Hardware:
     cpus = max(1, int(cal["cpus"]))
     return Hardware(
         name="local", peak_flops=cal["matmul_flops"], gemm_eff=1.0, attn_eff=0.5,
+        gemm_half_dim=cal["gemm_half_dim"], hides_comm=False,
         hbm_bw=cal["copy_bw"], memory_bytes=cal["memory_bytes"] / cpus, gpus_per_node=cpus,
         intra_bw=cal["allreduce_bw"], node_bw=cal["allreduce_bw"],
         intra_lat=cal["allreduce_lat"], inter_lat=cal["allreduce_lat"],

@@ -27,6 +27,9 @@ class Hardware:
     inter_lat: float
     gemm_half_dim: float = 32.0  # GEMM dim at which the shape factor halves (see compute.py)
     launch_s: float = 5e-6  # fixed cost per kernel
+    # Collectives progress while compute runs (GPU copy engines / NICs). False for CPU ranks under
+    # gloo: the transfers and reductions run on the same cores as the GEMMs, so nothing hides them.
+    hides_comm: bool = True
     note: str = ""
 
     def describe(self) -> str:

@@ -91,7 +91,12 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             gpus_per_node: int | None = None, micro_batch: int | None = None,
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
             mode: str | None = None) -> Prediction:
-    """Predict step time, memory and throughput of one valid grid (see volumes.check_grid)."""
+    """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
+
+    `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
+    hides only counts on hardware whose collectives do not run on the compute units
+    (`hw.hides_comm`; the CPU/gloo `local` profile does not). Memory counts the prefetch buffers
+    whenever `overlap` is on."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     gpus = grid.size
@@ -133,7 +138,7 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     micro_comms = timed(comms, n_micro)
     step_comm = sum(t for _, t in timed(step, 1))
     comm_total = sum(by_group.values())
-    if overlap:
+    if overlap and hw.hides_comm:
         buckets = shape.layers + 1
         per_micro = _exposed(micro_comms, wgrad, fwd_c, bwd_c, 0.0, buckets)
         last = _exposed(micro_comms, wgrad, fwd_c, bwd_c, step_comm, buckets)
