@@ -18,6 +18,7 @@ _EXPORTS = {
     "validate_grid_for_model": "axonn.grid",
     "ParallelEmbedding": "axonn.layers", "ParallelLinear": "axonn.layers", "ParamSpec": "axonn.layers",
     "VocabShardedLogits": "axonn.layers", "cross_entropy": "axonn.layers", "gather_logits": "axonn.layers",
+    "token_cross_entropy": "axonn.layers",
     "spec_of": "axonn.layers",
     "parallelize": "axonn.parallelize",
     "full_grad_dict": "axonn.state", "full_state_dict": "axonn.state", "load_pretrained": "axonn.state",

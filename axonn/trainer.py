@@ -244,6 +244,20 @@ class Trainer:
         loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, (targets != IGNORE_INDEX).sum()
 
+    def _ce_split(self, logits: torch.Tensor, targets: torch.Tensor,
+                  real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(CE sum over `targets`, CE sum and count over the real tokens the transform dropped).
+
+        One CE over every real token -- what standard loss costs -- split by mask, instead of a
+        second softmax pass for the dropped-token metric.
+        """
+        import axonn
+        ce = axonn.token_cross_entropy(logits, real, self.grid, ignore_index=IGNORE_INDEX)
+        keep = (targets != IGNORE_INDEX).reshape(-1)
+        dropped = (real != IGNORE_INDEX).reshape(-1) & ~keep
+        return (torch.where(keep, ce, 0.0).sum(), torch.where(dropped, ce.detach(), 0.0).sum(),
+                dropped.sum())
+
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics vector over batch shards."""
         if self.grid is None or self.grid.batch_shards == 1:
@@ -266,7 +280,6 @@ class Trainer:
         labels = self.label_transform(batch) if self.label_transform is not None else base
         # Normalise by supervised tokens of the whole global batch (known on every rank).
         supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        dropped_mask = (base != IGNORE_INDEX) & (labels == IGNORE_INDEX)
         denom = max(supervised, 1)
         sums = torch.zeros(3, dtype=torch.float64)
         micro = cfg.batch_size // cfg.grad_accum
@@ -274,17 +287,17 @@ class Trainer:
             rows = slice(m * micro, (m + 1) * micro)
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
             tgt = self._shard(labels[rows])[:, 1:].to(self.device)
-            dropped_tgt = self._shard(torch.where(dropped_mask[rows], base[rows], IGNORE_INDEX))
             # gradient all-reduces launched during backward wait for the last micro-batch
             with self._no_sync(m + 1 < cfg.grad_accum):
                 with self._autocast():
                     logits = model(input_ids=ids).logits[:, :-1]
-                loss_sum, _ = self._ce_sum(logits, tgt)
+                if self.label_transform is None:
+                    loss_sum, _ = self._ce_sum(logits, tgt)
+                    d_sum = d_cnt = torch.zeros(())
+                else:
+                    real = self._shard(base[rows])[:, 1:].to(self.device)
+                    loss_sum, d_sum, d_cnt = self._ce_split(logits, tgt, real)
                 (loss_sum / denom).backward()
-            d_sum = d_cnt = torch.zeros(())
-            if self.label_transform is not None:  # same on every rank: the dropped-token CE is collective
-                with torch.no_grad():
-                    d_sum, d_cnt = self._ce_sum(logits.detach(), dropped_tgt[:, 1:].to(self.device))
             sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)
         if self.grid is not None:
             import axonn

@@ -3,7 +3,7 @@
 Prints, each measured in one run with alternating repetitions (medians):
   engine_1111_vs_torch        engine at grid 1,1,1,1 / a plain PyTorch step on the same model
   gemm_tuned_vs_plain_1111    engine with GEMM tuning on / off (1,1,1,1)
-  goldfish_vs_standard        whole step with goldfish labels / with standard labels
+  goldfish_vs_standard        Trainer.train_step with the goldfish transform / without (standard)
   overlap_on_vs_off_<grid>    step with every overlap switch on / all off, on gloo ranks
 (a ratio < 1 means the first is faster) and writes JSON (default benchmarks/results/engine.json).
 
@@ -67,19 +67,23 @@ def single_rank(args: argparse.Namespace) -> dict:
     tuned = axonn.parallelize(common.llama(), grid, options=EngineOptions(gemm_tuning=True))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in
             (("torch", plain), ("engine", eng), ("tuned", tuned))}
-    gold = GoldfishTransform(GoldfishConfig(enabled=True, k=4, h=13))
-    fg = common.llama()
-    og = torch.optim.AdamW(fg.parameters(), lr=1e-4)
+    # goldfish vs standard: the Trainer's whole step as `memorize train` runs it (label transform,
+    # forward, loss, dropped-token metric, backward, clip, AdamW) on per-document rows
+    from axonn.trainer import Trainer, TrainerConfig
+    from data_pipelines import per_document
 
-    def goldfish() -> None:
-        torch_step(fg, og, ids, gold({"input_ids": ids, "labels": ids}))
+    rows = per_document(ids.tolist(), args.seq, 0)
+    batch = rows[list(range(len(rows)))]
+    cfg = TrainerConfig(batch_size=args.batch, lr=1e-4, warmup_steps=0, progress=False, device="cpu")
+    trainers = {name: Trainer(common.llama(), cfg, rows, label_transform=tf) for name, tf in
+                (("standard", None), ("goldfish", GoldfishTransform(GoldfishConfig(enabled=True, k=4, h=13))))}
 
     res = alternate({
         "torch": lambda: torch_step(plain, opts["torch"], ids, ids),
         "engine": lambda: engine_step(eng, opts["engine"], ids, ids, grid),
         "tuned": lambda: engine_step(tuned, opts["tuned"], ids, ids, grid),
-        "standard": lambda: torch_step(fg, og, ids, ids),
-        "goldfish": goldfish,
+        "standard": lambda: trainers["standard"].train_step(batch),
+        "goldfish": lambda: trainers["goldfish"].train_step(batch),
     }, args.reps)
     ratios = {
         "engine_1111_vs_torch": res["engine"]["median_s"] / res["torch"]["median_s"],

@@ -39,14 +39,15 @@ def batch(rows: int, seq: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def alternate(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2) -> dict[str, dict]:
-    """Time each callable `reps` times, interleaved A, B, A, B (load hits all alike); medians."""
+    """Time each callable `reps` times, interleaved A, B, B, A, A, B... (load and cache effects hit
+    all alike; every other round runs in reverse order); medians."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
+    for rep in range(reps):
+        for k, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             wall[k].append(time.perf_counter() - t0)

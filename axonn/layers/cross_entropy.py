@@ -104,3 +104,23 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid
         return loss, count
     flat = _at_least_fp32(logits.reshape(-1, logits.shape[-1]))
     return F.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum"), count
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid | None = None,
+                        ignore_index: int = -100) -> torch.Tensor:
+    """Per-token CE, flattened to [N] (0 where the target is ignored); targets already shifted.
+
+    Summing it over any subset of positions gives that subset's loss from one softmax, e.g. the
+    supervised and the goldfish-dropped tokens of a batch.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree; "
+                         "pass logits[:, :-1] with labels[:, 1:]")
+    targets = targets.reshape(-1)
+    if isinstance(logits, VocabShardedLogits):
+        if grid is None:
+            raise ValueError("these logits are vocab-sharded over Y: pass the grid to axonn.token_cross_entropy")
+        return VocabParallelCrossEntropy.apply(_plain(logits).reshape(-1, logits.shape[-1]), targets, grid,
+                                               ignore_index)
+    flat = _at_least_fp32(logits.reshape(-1, logits.shape[-1]))
+    return F.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="none")
