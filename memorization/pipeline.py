@@ -162,11 +162,13 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: Any = None,
                  data: PreparedData | None = None, progress: bool = True,
-                 resume: str | None = None, progress_position: int = 0) -> dict[str, Any]:
+                 resume: str | None = None, progress_position: int = 0,
+                 callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json.
 
     `grid` is an initialised ProcessGrid, a grid spec ("X,Y,Z,D" or "auto"), or None for cfg.grid.
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
+    `callbacks` are Trainer callbacks (on_step_end / on_epoch_end), called on every rank.
     """
     from memorization.parallel import is_main_process, make_grid, wants_grid
 
@@ -210,7 +212,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out, label_transform=transform,
                       grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
-                      name=cfg.name, progress_position=progress_position)
+                      name=cfg.name, progress_position=progress_position, callbacks=callbacks)
     from axonn.watchdog import start_watchdog
 
     dog = start_watchdog(grid, tcfg.collective_timeout_s) if grid is not None else None
