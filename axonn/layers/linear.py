@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from axonn.grid import ProcessGrid
@@ -96,7 +97,12 @@ class ParallelLinear(nn.Module):
             self.scheduler.grad_mode = torch.is_grad_enabled()
         # size-1 axes skip the slice/gather Functions outright (identity ops, one autograd node less)
         split_x, split_y = g.x > 1, g.y > 1
-        if self.style == "row":
+        sched = self.scheduler
+        if not (split_x or split_y or g.z > 1) and (sched is None or not sched.gemm.enabled):
+            # no tensor split and no GEMM tuning: the whole weight is here and nothing is
+            # communicated in the layer, so torch's own linear (and autograd) is the fastest path
+            y = F.linear(x, self.weight)
+        elif self.style == "row":
             y = ParallelMatmul.apply(x, self.weight, comm, "y", "x", rows, self.scheduler, id(self))
             if split_x:
                 y = GatherLastDim.apply(y, comm, "x", g.x_rank)
