@@ -50,14 +50,8 @@ def greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor,
     cache = preallocated_cache(model, prefixes.shape[1] + max_new_tokens)
     with evaluating(model):
         step = model(input_ids=prefixes, past_key_values=cache, use_cache=True, **kw)
-        cache = step.past_key_values
-        for t in range(max_new_tokens):
-            tok = step.logits[:, -1].argmax(dim=-1)
-            out[:, t] = tok
-            if t + 1 == max_new_tokens:
-                break  # the last token needs no forward pass
-            step = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True, **kw)
-            cache = step.past_key_values
+        out[:, 0] = step.logits[:, -1].argmax(dim=-1)
+        out[:, 1:] = _continue(model, step.past_key_values, out[:, 0], max_new_tokens - 1, kw)
     return out
 
 

@@ -91,19 +91,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid | None = None,
                   ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token CE over this rank's non-ignored targets, their count); targets already shifted."""
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree; "
-                         "pass logits[:, :-1] with labels[:, 1:]")
-    targets = targets.reshape(-1)
-    count = (targets != ignore_index).sum()
-    if isinstance(logits, VocabShardedLogits):
-        if grid is None:
-            raise ValueError("these logits are vocab-sharded over Y: pass the grid to axonn.cross_entropy")
-        flat = _plain(logits).reshape(-1, logits.shape[-1])
-        loss = VocabParallelCrossEntropy.apply(flat, targets, grid, ignore_index).sum()
-        return loss, count
-    flat = _at_least_fp32(logits.reshape(-1, logits.shape[-1]))
-    return F.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum"), count
+    loss = token_cross_entropy(logits, targets, grid, ignore_index)
+    return loss.sum(), (targets != ignore_index).sum()
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid | None = None,

@@ -2,8 +2,9 @@
 
 One "GPU" is one single-threaded CPU process (how the gloo tests run): we time fp32 matmuls of a
 large and a thin shape on one thread (their ratio fits the GEMM shape curve's half dimension,
-which on a CPU is far smaller than on tensor cores), a tensor copy, and a 2-rank gloo all-reduce. The cache lives in
-$MEMORIZE_CACHE/plan/local.json (default ~/.cache/memorize/plan/local.json).
+which on a CPU is far smaller than on tensor cores), a tensor copy, and a 2-rank gloo
+all-reduce. The cache lives in $MEMORIZE_CACHE/plan/local.json (default
+~/.cache/memorize/plan/local.json).
 """
 from __future__ import annotations
 
@@ -130,8 +131,9 @@ def measure() -> dict:
     lat = max(times[str(SMALL)] / 2, 1e-7)
     bw = (4.0 * LARGE) / max(times[str(LARGE)] - 2 * lat, 1e-9)
     return {"version": CACHE_VERSION, "host": platform.node(), "cpus": os.cpu_count() or 1,
-            "matmul_flops": flops, "gemm_half_dim": half, "copy_bw": copy_bw, "allreduce_bw": bw, "allreduce_lat": lat,
-            "memory_bytes": _total_memory(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "matmul_flops": flops, "gemm_half_dim": half, "copy_bw": copy_bw, "allreduce_bw": bw,
+            "allreduce_lat": lat, "memory_bytes": _total_memory(),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _total_memory() -> float:

@@ -18,7 +18,7 @@ import torch
 from axonn.config import to_dict
 from axonn.trainer import Trainer
 from memorization.config import RunConfig
-from memorization.pipeline import PreparedData, run_training
+from memorization.pipeline import PreparedData, effective_trainer, run_training
 
 SUMMARY_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")
 
@@ -46,7 +46,9 @@ class PassExtraction:
         stats = summarize(results)
         record = {"pass": epoch, "step": trainer.state.step, **{k: stats[k] for k in SUMMARY_KEYS}}
         self.records.append(record)
-        wb = next((s for s in trainer.sinks if hasattr(s, "log_table")), None)  # the W&B sink
+        from memorization.tracking import WandbSink
+
+        wb = next((s for s in trainer.sinks if isinstance(s, WandbSink)), None)
         if wb is not None:
             wb.log({"step": trainer.state.step, "pass": epoch,
                     "pass_exact_match": record["exact_match_rate"], "pass_rougeL": record["rougeL"]})
@@ -71,7 +73,8 @@ def train_with_passes(cfg: RunConfig, out_dir: Path, data: PreparedData, *, grid
     from memorization.parallel import is_main_process
 
     cfg = replace(cfg, eval=replace(cfg.eval, extraction=True))  # the last pass is the final extraction
-    probe = PassExtraction(cfg, data, eval_passes, final=cfg.trainer.epochs)
+    # the epochs run_training will train (a supervised-token budget lengthens goldfish runs)
+    probe = PassExtraction(cfg, data, eval_passes, final=effective_trainer(cfg).epochs)
     summary = run_training(cfg, out_dir, overwrite=True, grid=grid, data=data,
                            progress=cfg.trainer.progress, callbacks=[probe])
     if not is_main_process():
