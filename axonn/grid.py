@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from axonn.comm import Comm, CommStats
 from axonn.config import fail
+from axonn.pairing import pair_axes
 
 DIMS = ("x", "y", "z", "data")
 # Named groups -> the grid dimensions that vary inside them.  "batch" holds the ranks that see
@@ -85,14 +86,18 @@ def validate_grid_for_model(grid_dims: Any, hf_config: Any, mode: str = "easy") 
         raise fail("mode", mode, "choose easy or paired")
     m = model_dims(hf_config)
     # (grid dim, its size, model field): every Linear splits its input over X and its output over Y
-    # (easy); paired mode flips the second layer of each pair and splits heads over Y.
+    # (easy); paired mode splits the first layer of each pair's input over axis a and its output
+    # (heads, ffn) over b (pair_axes), and transposes the second; embedding and LM head stay X/Y.
     if mode == "easy":
         needs = [("x", x, "hidden_size"), ("y", y, "hidden_size"), ("x", x, "intermediate_size"),
                  ("y", y, "intermediate_size"), ("x", x, "q_size"), ("y", y, "q_size"),
                  ("y", y, "kv_size"), ("y", y, "vocab_size")]
     else:
-        needs = [("x", x, "hidden_size"), ("y", y, "num_attention_heads"),
-                 ("y", y, "num_key_value_heads"), ("y", y, "intermediate_size"), ("y", y, "vocab_size")]
+        size = {"x": x, "y": y}
+        a, b = pair_axes(x, y, m)
+        needs = [("x", x, "hidden_size"), (a, size[a], "hidden_size"),
+                 (b, size[b], "num_attention_heads"), (b, size[b], "num_key_value_heads"),
+                 (b, size[b], "intermediate_size"), ("y", y, "vocab_size")]
     for dim, size, field in needs:
         if m[field] % size:
             raise fail(f"grid.{dim}", size, f"must divide {field}={m[field]} ({mode} mode); "

@@ -5,7 +5,8 @@ easy    every nn.Linear / GPT-2 Conv1D becomes an `easy` ParallelLinear: activat
         Face causal LM built from these layers runs unchanged.
 paired  in Llama-family blocks (q/k/v/o_proj attention, gate/up/down_proj MLP) q, k, v, gate and up
         become `column` layers and o, down `row` layers, so the pair runs without re-layout between
-        them: heads (and the FFN width) are split over Y.  Other linears stay easy.
+        them: heads (and the FFN width) are split over Y, or over X when X > Y (`grid.pair_axes`:
+        the orientation that moves fewer bytes).  Other linears stay easy.
 The LM head becomes a vocab-parallel `head` layer and the input embedding a ParallelEmbedding with the
 same layout, so tied embeddings stay one shared parameter.  A model built on the meta device gets
 empty shards (fill them with `axonn.load_pretrained`); a real model is sliced locally.
@@ -18,11 +19,12 @@ import torch
 from torch import nn
 
 from axonn.config import fail
-from axonn.grid import ProcessGrid, validate_grid_for_model
+from axonn.grid import ProcessGrid, model_dims, validate_grid_for_model
 from axonn.layers.embedding import ParallelEmbedding
 from axonn.layers.linear import ParallelLinear
 from axonn.layers.layout import spec_of
 from axonn.layers.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
+from axonn.pairing import layer_axes, pair_axes
 
 MODES = ("easy", "paired")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
@@ -66,7 +68,16 @@ def _check_divides(grid: ProcessGrid, name: str, size: int, dim: str, what: str)
         raise fail(f"grid.{dim}", n, f"must divide {name}.{what}={size}; choose a {dim} dividing {size}")
 
 
-def _plan(model: nn.Module, grid: ProcessGrid, mode: str) -> list[tuple[str, nn.Module, str]]:
+def model_pair_axes(model: nn.Module, grid: ProcessGrid) -> tuple[str, str]:
+    """The paired blocks' orientation for this model on this grid (`axonn.grid.pair_axes`)."""
+    config = getattr(model, "config", None)
+    if config is None or not (hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads")):
+        return pair_axes(grid.x, grid.y)
+    return pair_axes(grid.x, grid.y, model_dims(config))
+
+
+def _plan(model: nn.Module, grid: ProcessGrid, mode: str,
+          pair: tuple[str, str] = ("x", "y")) -> list[tuple[str, nn.Module, str]]:
     """(name, module, style) for every module to swap; raises ConfigError before touching anything."""
     if not (hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings")):
         raise fail("model", type(model).__name__, "parallelize takes a Hugging Face PreTrainedModel "
@@ -97,7 +108,7 @@ def _plan(model: nn.Module, grid: ProcessGrid, mode: str) -> list[tuple[str, nn.
         elif isinstance(m, nn.Linear) or _is_conv1d(m):
             style = _style(name, paired)
             fin, fout = _features(m)
-            in_dim, out_dim = ("y", "x") if style == "row" else ("x", "y")
+            in_dim, out_dim = layer_axes(style, pair)
             _check_divides(grid, name, fin, in_dim, "in_features")
             _check_divides(grid, name, fout, out_dim, "out_features")
             plan.append((name, m, style))
@@ -185,7 +196,8 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads"):
         validate_grid_for_model(grid, config, mode)
-    plan = _plan(model, grid, mode)  # every check first: errors come before any change
+    pair = model_pair_axes(model, grid)
+    plan = _plan(model, grid, mode, pair)  # every check first: errors come before any change
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
@@ -201,13 +213,15 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
             if style == "head" and tied:
                 weight = new_emb.weight
             new = ParallelLinear(grid, fin, fout, bias=m.bias is not None, style=style, weight=weight,
-                                 bias_value=m.bias, conv1d=_is_conv1d(m), dtype=m.weight.dtype)
+                                 bias_value=m.bias, conv1d=_is_conv1d(m), dtype=m.weight.dtype,
+                                 pair=pair)
         _swap(model, name, new)
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         _materialize_meta(model, grid.device)
     model.to(grid.device)
     model.axonn_grid = grid
     model.axonn_mode = mode
+    model.axonn_pair_axes = pair if mode == "paired" else None
     model.axonn_options = options or EngineOptions()
     model.axonn_scheduler = _schedule(model, grid, model.axonn_options)
     return model

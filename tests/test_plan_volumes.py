@@ -10,11 +10,22 @@ TINY = ModelShape("t", hidden=8, layers=1, heads=2, kv_heads=2, ffn=16, vocab=32
 
 
 def test_x_only_paired_by_hand():
-    # T = 4 tokens; column q,k,v,gate,up: fwd all-reduce T*out over X (32+32+32+64+64 = 224),
-    # bwd all-gather of the dX slices T*in (5 * 32 = 160); row o, down: fwd all-gather T*out
-    # (2 * 32), bwd all-reduce T*in (32 + 64); head: fwd all-reduce T*V = 128, bwd all-gather 32;
-    # embedding: all-gather 32. bf16: x2 bytes.
+    # X = 2 > Y = 1 and X divides the heads: the pair flips (column input over Y, output -- the
+    # heads -- over X), Megatron's split.  T = 4 tokens; column q,k,v,gate,up: nothing forward
+    # (the input is not split), bwd all-reduce of dX T*in over X (5 * 32 = 160); row o, down: fwd
+    # all-reduce of the partial sums T*out over X (32 + 32), nothing backward; head: fwd all-reduce
+    # T*V = 128, bwd all-gather 32; embedding: all-gather 32. bf16: x2 bytes.
     v = collective_volumes(TINY, 4, 1, 2, 1, 1, 1)
+    assert v == {("all_reduce", "x"): 2 * (160 + 64 + 128), ("all_gather", "x"): 2 * (32 + 32)}
+
+
+def test_x_only_paired_unflipped_by_hand():
+    # one head: X = 2 cannot split it, so the pair keeps (X in, Y out).  Column q,k,v,gate,up: fwd
+    # all-reduce T*out over X (32+32+32+64+64 = 224), bwd all-gather of the dX slices T*in
+    # (5 * 32 = 160); row o, down: fwd all-gather T*out (2 * 32), bwd all-reduce T*in (32 + 64);
+    # head: fwd all-reduce T*V = 128, bwd all-gather 32; embedding: all-gather 32.
+    one_head = ModelShape("t1", hidden=8, layers=1, heads=1, kv_heads=1, ffn=16, vocab=32, tied=False)
+    v = collective_volumes(one_head, 4, 1, 2, 1, 1, 1)
     assert v == {("all_reduce", "x"): 2 * (224 + 96 + 128), ("all_gather", "x"): 2 * (160 + 64 + 32 + 32)}
 
 
@@ -42,9 +53,10 @@ def test_data_and_micro_batches():
 def test_checkpointing_repeats_the_forward_collectives():
     plain = collective_counts(TINY, 4, 1, 2, 1, 1, 1)
     ck = collective_counts(TINY, 4, 1, 2, 1, 1, 1, checkpoint=True)
-    # the block's forward: all-reduce 224 (columns), all-gather 64 (rows), once more
-    assert ck[("all_reduce", "x")][1] - plain[("all_reduce", "x")][1] == 2 * 224
-    assert ck[("all_gather", "x")][1] - plain[("all_gather", "x")][1] == 2 * 64
+    # the block's forward (flipped pair, see test_x_only_paired_by_hand): the row layers'
+    # all-reduce 64, once more; it has no all-gather
+    assert ck[("all_reduce", "x")][1] - plain[("all_reduce", "x")][1] == 2 * 64
+    assert ck[("all_gather", "x")][1] == plain[("all_gather", "x")][1]
 
 
 def test_bad_grid_and_micro_batch():

@@ -1,10 +1,12 @@
 """A drop-in replacement for nn.Linear (and GPT-2's Conv1D) whose weight is a 3D shard.
 
-Styles (which collectives wrap the 3D matmul; see docs/engine.md):
+Every layer splits its input over one tensor axis and its output over the other: (X, Y) for easy
+and head layers; for a paired block (a, b) for the first layer and (b, a) for the second, where
+(a, b) = `axonn.grid.pair_axes` is (x, y) unless X > Y and the model's heads divide by X.  Styles (which collectives wrap the 3D matmul; docs/engine.md):
   easy    full-width in, full-width out: split input over X, matmul, all-gather output over Y
-  column  full-width in, output left split over Y (first layer of a paired block)
-  row     input split over Y, full-width out: matmul with the transposed layout, all-gather over X
-  head    the LM head: like column; logits stay vocab-split over Y (see cross_entropy)
+  column  full-width in, output left split over b (first layer of a paired block: heads over b)
+  row     input split over b, full-width out: matmul with the transposed layout, all-gather over a
+  head    the LM head: like column over (X, Y); logits stay vocab-split over Y (see cross_entropy)
 """
 from __future__ import annotations
 
@@ -18,22 +20,27 @@ from axonn.grid import ProcessGrid
 from axonn.layers.cross_entropy import mark_vocab_sharded
 from axonn.layers.functions import GatherLastDim, ParallelMatmul, SplitLastDim
 from axonn.layers.layout import ParamSpec
+from axonn.pairing import layer_axes
 
 STYLES = ("easy", "column", "row", "head")
 
 
+PairAxes = tuple[str, str]
+
+
 def weight_spec(grid: ProcessGrid, out_features: int, in_features: int, style: str,
-                transposed: bool = False) -> ParamSpec:
-    """The layout of a weight [out, in] for one style: rows over Y and cols over X, or flipped for row."""
-    row_dim, col_dim = ("x", "y") if style == "row" else ("y", "x")
-    return ParamSpec(grid, out_features, in_features, row_dim, col_dim, z_split=True,
+                transposed: bool = False, pair: PairAxes = ("x", "y")) -> ParamSpec:
+    """The layout of a weight [out, in] for one style: rows over the output axis, cols over the input."""
+    in_axis, out_axis = layer_axes(style, pair)
+    return ParamSpec(grid, out_features, in_features, out_axis, in_axis, z_split=True,
                      transposed=transposed)
 
 
-def bias_spec(grid: ProcessGrid, out_features: int, style: str) -> ParamSpec | None:
-    """A bias follows the output layout: split over Y where the output stays split, else replicated."""
+def bias_spec(grid: ProcessGrid, out_features: int, style: str,
+              pair: PairAxes = ("x", "y")) -> ParamSpec | None:
+    """A bias follows the output layout: split where the output stays split, else replicated."""
     if style in ("column", "head"):
-        return ParamSpec(grid, out_features, None, "y", None, z_split=False)
+        return ParamSpec(grid, out_features, None, layer_axes(style, pair)[1], None, z_split=False)
     return None
 
 
@@ -62,21 +69,22 @@ class ParallelLinear(nn.Module):
     def __init__(self, grid: ProcessGrid, in_features: int, out_features: int, *, bias: bool,
                  style: str = "easy", weight: torch.Tensor | nn.Parameter | None = None,
                  bias_value: torch.Tensor | None = None, conv1d: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, pair: PairAxes = ("x", "y")) -> None:
         super().__init__()
         if style not in STYLES:
             raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
         self.grid, self.style, self.conv1d = grid, style, conv1d
+        self.in_axis, self.out_axis = layer_axes(style, pair)
         self.scheduler: Any = None  # set by parallelize (axonn.layers.schedule.Scheduler)
         self.in_features, self.out_features = in_features, out_features
-        spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d)
+        spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
         if isinstance(weight, nn.Parameter) and getattr(weight, "_axonn_spec", None) is not None:
             self.weight = weight  # already a shard with this layout (tied LM head)
         else:
             self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
         self.bias: nn.Parameter | None = None
         if bias:
-            bspec = bias_spec(grid, out_features, style)
+            bspec = bias_spec(grid, out_features, style, pair)
             shape = bspec.local_shape if bspec is not None else (out_features,)
             self.bias = _local_param(bias_value, bspec, shape, grid.device, dtype)
 
@@ -96,22 +104,23 @@ class ParallelLinear(nn.Module):
         if self.scheduler is not None:
             self.scheduler.grad_mode = torch.is_grad_enabled()
         # size-1 axes skip the slice/gather Functions outright (identity ops, one autograd node less)
-        split_x, split_y = g.x > 1, g.y > 1
+        ax_in, ax_out = self.in_axis, self.out_axis
+        split_in, split_out = g.size(ax_in) > 1, g.size(ax_out) > 1
         sched = self.scheduler
-        if not (split_x or split_y or g.z > 1) and (sched is None or not sched.gemm.enabled):
+        if not (split_in or split_out or g.z > 1) and (sched is None or not sched.gemm.enabled):
             # no tensor split and no GEMM tuning: the whole weight is here and nothing is
             # communicated in the layer, so torch's own linear (and autograd) is the fastest path
             y = F.linear(x, self.weight)
-        elif self.style == "row":
-            y = ParallelMatmul.apply(x, self.weight, comm, "y", "x", rows, self.scheduler, id(self))
-            if split_x:
-                y = GatherLastDim.apply(y, comm, "x", g.x_rank)
+        elif self.style == "row":  # the input arrives split over ax_in (the column layer's output)
+            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self))
+            if split_out:
+                y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
         else:
-            if split_x:
-                x = SplitLastDim.apply(x, comm, "x", g.x_rank)
-            y = ParallelMatmul.apply(x, self.weight, comm, "x", "y", rows, self.scheduler, id(self))
-            if self.style == "easy" and split_y:
-                y = GatherLastDim.apply(y, comm, "y", g.y_rank)
+            if split_in:
+                x = SplitLastDim.apply(x, comm, ax_in, g.coord(ax_in))
+            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self))
+            if self.style == "easy" and split_out:
+                y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)  # as nn.Linear under autocast: output in the GEMM dtype
         if self.style == "head":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from axonn.plan.hardware import Hardware
 from axonn.plan.shapes import ModelShape
-from axonn.plan.volumes import Grid
+from axonn.plan.volumes import Grid, pair_of
 
 
 def shape_factor(m: int, n: int, k: int, half: float) -> float:
@@ -28,19 +28,21 @@ def gemm_time(m: int, n: int, k: int, hw: Hardware) -> float:
     return max(t_compute, t_memory) + hw.launch_s
 
 
-def head_split(grid: Grid, mode: str) -> int:
-    """How many ways a rank's attention heads (and FFN width) are split: Y in paired mode, else 1."""
-    return grid.y if mode == "paired" else 1
+def head_split(shape: ModelShape, grid: Grid, mode: str) -> int:
+    """How many ways a rank's attention heads (and FFN width) are split: the paired blocks' output
+    axis (Y, or X when the engine flips the pair) in paired mode, else 1."""
+    return grid.dim(pair_of(shape, grid, mode)[1]) if mode == "paired" else 1
 
 
 def attention_flops_fwd(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                         mode: str = "paired") -> float:
     """Causal attention core (QK^T and PV) on the rank's heads: 2*s^2*head_dim per head.
 
-    Paired mode runs heads/Y heads per rank, but Q, K, V are identical on the X ranks, so every X
-    rank repeats that work; easy mode runs all heads on every X and Y rank.
+    Paired mode runs heads/B heads per rank (B: the pair's output axis), but Q, K, V are identical
+    on the ranks of the other axis, which repeat that work; easy mode runs all heads on every X and
+    Y rank.
     """
-    heads = shape.heads // head_split(grid, mode)
+    heads = shape.heads // head_split(shape, grid, mode)
     return 2.0 * seq * seq * shape.head_dim * heads * micro_batch
 
 
@@ -67,7 +69,7 @@ def elementwise_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
     """
     tokens = micro_batch * seq
     qkv = shape.hidden + 2 * shape.kv_dim
-    s = head_split(grid, mode)
+    s = head_split(shape, grid, mode)
     per_token = 2.0 * (12 * shape.hidden + (2 * qkv + 3 * shape.ffn) / s)
     fwd = shape.layers * tokens * per_token / hw.hbm_bw
     loss = 20.0 * tokens * shape.vocab / grid.y / hw.hbm_bw

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from axonn.plan.compute import head_split
 from axonn.plan.shapes import ModelShape
-from axonn.plan.volumes import Grid, default_mode, layer_styles, replicated_params, z_block
+from axonn.plan.volumes import Grid, block_linears, default_mode, replicated_params, z_block
 
 # bf16 weight (2) + bf16 gradient (2) + fp32 master, Adam m and v (12).
 BYTES_PER_PARAM = 16
@@ -13,9 +13,7 @@ def local_params(shape: ModelShape, grid: Grid, mode: str | None = None) -> floa
     """Parameters one rank stores: 1/(x*y*z) of every matrix (rows padded) plus full copies of
     norms, biases and positions."""
     mode = mode or default_mode(shape)
-    mats = sum(z_block(o // grid.dim("x" if s == "row" else "y"),
-                       i // grid.dim("y" if s == "row" else "x"), grid.z)
-               for _, o, i, s in layer_styles(shape, mode)) * shape.layers
+    mats = sum(lin.block(grid) for lin in block_linears(shape, grid, mode)) * shape.layers
     mats += z_block(shape.vocab // grid.y, shape.hidden // grid.x, grid.z) * (1 if shape.tied else 2)
     return mats / grid.z + replicated_params(shape, grid, mode)
 
@@ -25,14 +23,15 @@ def block_activation_bytes(shape: ModelShape, grid: Grid, tokens: int,
     """Bytes one block saves for backward on one rank (bf16).
 
     Both modes: the two norm inputs on the full-width stream (2*H) and each Linear's input slice
-    over X (in/X; a row layer's input is already the Y-split activation). Then the attention side:
-    q/k/v outputs and the attention output, and the MLP's pre-activations and product (gate, up,
-    act*up: 3*F; GPT's fc1 output and GELU: 2*F), split over Y in paired mode and full in easy
-    mode; plus the fp32 flash-attention log-sum-exp per local head.
+    over its input axis (in/A; a row layer's input is already the split activation). Then the
+    attention side: q/k/v outputs and the attention output, and the MLP's pre-activations and
+    product (gate, up, act*up: 3*F; GPT's fc1 output and GELU: 2*F), split over the heads' axis in
+    paired mode and full in easy mode; plus the fp32 flash-attention log-sum-exp per local head.
     """
     mode = mode or default_mode(shape)
-    s = head_split(grid, mode)
-    inputs = sum(i / grid.x for _, _, i, st in layer_styles(shape, mode) if st != "row")
+    s = head_split(shape, grid, mode)
+    inputs = sum(lin.inp / grid.dim(lin.in_axis) for lin in block_linears(shape, grid, mode)
+                 if lin.style != "row")
     qkv = shape.hidden + 2 * shape.kv_dim
     mlp = (3 if shape.gated_mlp else 2) * shape.ffn
     width = 2 * shape.hidden + inputs + (qkv + shape.hidden + mlp) / s

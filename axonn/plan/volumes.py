@@ -2,12 +2,14 @@
 
 Mirrors axonn/layers (docs/planning.md has the derivation). Activations between layers are
 full-width and batch-sharded over Z x data (T = local tokens of a micro-batch). A weight [out, in]
-is cut into a block [out/B, in/A] (A, B = X, Y; Y, X for `row` layers), whose rows are padded to a
-multiple of Z and split over Z; W = z*ceil(rows/z)*cols is the gathered block. Per Linear:
-  fwd: all-gather W over Z; GEMM; all-reduce T*out/B over A;
-       row: all-gather T*out over X; easy: all-gather T*out over Y
+is cut into a block [out/B, in/A] (A, B = the layer's input and output axes: X, Y for easy layers
+and the head; (a, b) for a paired block's `column` layer and (b, a) for its `row` layer, where
+(a, b) = axonn.pairing.pair_axes, i.e. (Y, X) when X > Y and X divides the heads, else (X, Y)), whose
+rows are padded to a multiple of Z and split over Z; W = z*ceil(rows/z)*cols is the gathered block.
+Per Linear:
+  fwd: all-gather W over Z; GEMM; all-reduce T*out/B over A; row and easy: all-gather T*out over B
   bwd: all-gather W over Z; dX GEMM + all-reduce T*in/A over B (overlaps the dW GEMM); dW GEMM +
-       reduce-scatter W over Z; easy/column/head: all-gather the dX slices, T*in, over X
+       reduce-scatter W over Z; easy/column/head: all-gather the dX slices, T*in, over A
 Paired mode makes q/k/v/gate/up `column` and o/down `row` layers; easy mode makes every Linear
 `easy`. Embedding: all-gather W over Z, lookup, all-reduce T*H/X over Y, all-gather T*H over X;
 backward reduce-scatters W over Z. The LM head is a `column`-like `head`; the vocab-parallel loss
@@ -20,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from axonn.config import fail
+from axonn.pairing import layer_axes, pair_axes
 from axonn.plan.shapes import ModelShape, load_shape
 
 MODES = ("paired", "easy")
@@ -78,6 +81,31 @@ def default_mode(shape: ModelShape) -> str:
     return "paired" if shape.pairable else "easy"
 
 
+def pair_of(shape: ModelShape, grid: Grid, mode: str) -> tuple[str, str]:
+    """(input axis, output axis) of a paired block's first layer, as the engine picks them."""
+    if mode != "paired":
+        return "x", "y"
+    return pair_axes(grid.x, grid.y, {"num_attention_heads": shape.heads,
+                                      "num_key_value_heads": shape.kv_heads,
+                                      "intermediate_size": shape.ffn, "hidden_size": shape.hidden})
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """One Linear of a block: features, style and the axes splitting its input and output."""
+
+    name: str
+    out: int
+    inp: int
+    style: str  # easy | column | row | head
+    in_axis: str
+    out_axis: str
+
+    def block(self, grid: Grid) -> int:
+        """Elements of the gathered (Z-padded) weight block."""
+        return z_block(self.out // grid.dim(self.out_axis), self.inp // grid.dim(self.in_axis), grid.z)
+
+
 def rows_per_rank(grid: Grid, global_batch: int) -> int:
     """Sequences the busiest rank holds: data splits the batch evenly, Z possibly unevenly."""
     return -(-(global_batch // grid.data) // grid.z)
@@ -100,8 +128,10 @@ def grid_problems(shape: ModelShape, grid: Grid, global_batch: int, strict: bool
     mode = mode or default_mode(shape)
     bad = []
     if mode == "paired":  # the same checks as axonn.grid.validate_grid_for_model
-        need = [("x", x, "hidden", shape.hidden), ("y", y, "heads", shape.heads),
-                ("y", y, "kv heads", shape.kv_heads), ("y", y, "ffn", shape.ffn)]
+        a, b = pair_of(shape, grid, mode)
+        need = [("x", x, "hidden", shape.hidden), (a, grid.dim(a), "hidden", shape.hidden),
+                (b, grid.dim(b), "heads", shape.heads), (b, grid.dim(b), "kv heads", shape.kv_heads),
+                (b, grid.dim(b), "ffn", shape.ffn)]
     else:
         need = [("x", x, "hidden", shape.hidden), ("y", y, "hidden", shape.hidden),
                 ("x", x, "ffn", shape.ffn), ("y", y, "ffn", shape.ffn),
@@ -126,22 +156,21 @@ def check_grid(shape: ModelShape, grid: Grid, global_batch: int, strict: bool = 
         raise fail("grid", g, f"{bad[0]} ({shape.name}); choose another (x, y, z, data)")
 
 
-def _linear(name: str, out: int, inp: int, style: str, tokens: int, g: Grid, count: int,
+def _linear(lin: Linear, tokens: int, g: Grid, count: int,
             checkpoint: bool) -> tuple[list[Gemm], list[Comm]]:
-    a, b = ("y", "x") if style == "row" else ("x", "y")
+    name, out, inp, style = lin.name, lin.out, lin.inp, lin.style
+    a, b = lin.in_axis, lin.out_axis
     rows, cols = out // g.dim(b), inp // g.dim(a)
-    w = z_block(rows, cols, g.z)
+    w = lin.block(g)
     fwd = [Comm(name, "fwd", "all_gather", "z", w, count, "prefetch"),
            Comm(name, "fwd", "all_reduce", a, tokens * rows, count, "blocking")]
-    if style == "row":
-        fwd.append(Comm(name, "fwd", "all_gather", "x", tokens * out, count, "blocking"))
-    elif style == "easy":
-        fwd.append(Comm(name, "fwd", "all_gather", "y", tokens * out, count, "blocking"))
+    if style in ("row", "easy"):
+        fwd.append(Comm(name, "fwd", "all_gather", b, tokens * out, count, "blocking"))
     bwd = [Comm(name, "bwd", "all_gather", "z", w, count, "prefetch"),
            Comm(name, "bwd", "all_reduce", b, tokens * cols, count, "wgrad"),
            Comm(name, "bwd", "reduce_scatter", "z", w, count, "background")]
     if style != "row":
-        bwd.append(Comm(name, "bwd", "all_gather", "x", tokens * inp, count, "blocking"))
+        bwd.append(Comm(name, "bwd", "all_gather", a, tokens * inp, count, "blocking"))
     gemms = [Gemm(name, "fwd", "fwd", tokens, rows, cols, count),
              Gemm(name, "bwd", "dgrad", tokens, cols, rows, count),
              Gemm(name, "bwd", "wgrad", rows, cols, tokens, count)]
@@ -151,12 +180,16 @@ def _linear(name: str, out: int, inp: int, style: str, tokens: int, g: Grid, cou
     return gemms, fwd + bwd
 
 
-def layer_styles(shape: ModelShape, mode: str) -> list[tuple[str, int, int, str]]:
-    """(name, out, in, style) of one block's Linears."""
+def block_linears(shape: ModelShape, grid: Grid, mode: str) -> list[Linear]:
+    """One block's Linears with the engine's styles and split axes for this grid."""
     if mode not in MODES:
         raise fail("mode", mode, f"choose one of {', '.join(MODES)}")
-    return [(n, o, i, ("row" if tr else "column") if mode == "paired" else "easy")
-            for n, o, i, tr in shape.block_linears()]
+    pair = pair_of(shape, grid, mode)
+    out = []
+    for n, o, i, tr in shape.block_linears():
+        style = ("row" if tr else "column") if mode == "paired" else "easy"
+        out.append(Linear(n, o, i, style, *layer_axes(style, pair)))
+    return out
 
 
 def step_ops(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
@@ -167,11 +200,12 @@ def step_ops(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoi
     h, v = shape.hidden, shape.vocab
     gemms: list[Gemm] = []
     comms: list[Comm] = []
-    for name, out, inp, style in layer_styles(shape, mode):
-        gs, cs = _linear(f"layers.{name}", out, inp, style, tokens, grid, shape.layers, checkpoint)
+    for lin in block_linears(shape, grid, mode):
+        gs, cs = _linear(dataclasses.replace(lin, name=f"layers.{lin.name}"), tokens, grid,
+                         shape.layers, checkpoint)
         gemms += gs
         comms += cs
-    gs, cs = _linear("lm_head", v, h, "head", tokens, grid, 1, False)
+    gs, cs = _linear(Linear("lm_head", v, h, "head", "x", "y"), tokens, grid, 1, False)
     gemms += gs
     comms += cs
     w_emb = z_block(v // grid.y, h // grid.x, grid.z)
@@ -194,9 +228,7 @@ def step_ops(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoi
 def sharded_matrix_params(shape: ModelShape, grid: Grid, mode: str | None = None) -> int:
     """Elements of the Z-split weight pieces one rank owns (padded rows; a tied table once)."""
     z = grid.z
-    n = shape.layers * sum(z_block(o // grid.dim("x" if s == "row" else "y"),
-                                   i // grid.dim("y" if s == "row" else "x"), z)
-                           for _, o, i, s in layer_styles(shape, mode or default_mode(shape)))
+    n = shape.layers * sum(lin.block(grid) for lin in block_linears(shape, grid, mode or default_mode(shape)))
     n += z_block(shape.vocab // grid.y, shape.hidden // grid.x, z) * (1 if shape.tied else 2)
     return n // z
 
@@ -204,13 +236,13 @@ def sharded_matrix_params(shape: ModelShape, grid: Grid, mode: str | None = None
 def replicated_params(shape: ModelShape, grid: Grid, mode: str | None = None) -> int:
     """Elements each rank holds of parameters that are not Z-split (norms, biases, positions).
 
-    Biases of column layers follow their Y-split output; all others are full copies.
+    Biases of column layers follow their split output; all others are full copies.
     """
     mode = mode or default_mode(shape)
     n = shape.norm_params() + shape.positions * shape.hidden
     if shape.bias:
-        for _, o, _, s in layer_styles(shape, mode):
-            n += shape.layers * (o // grid.y if s == "column" else o)
+        for lin in block_linears(shape, grid, mode):
+            n += shape.layers * (lin.out // grid.dim(lin.out_axis) if lin.style == "column" else lin.out)
     return n
 
 
