@@ -123,25 +123,33 @@ def _grid_of(params: list[torch.Tensor]) -> ProcessGrid | None:
 
 
 def _sq_norm(g: torch.Tensor) -> torch.Tensor:
-    # fp64 accumulation without materialising an fp64 copy of the gradient (2x faster on CPU)
-    return torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+    # each piece's norm accumulated in fp32 (fp64 for fp64 gradients; an fp64 reduction of fp32
+    # values is 2.4x slower on CPU), the pieces summed in fp64
+    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(g, dtype=dtype).double() ** 2
+
+
+_TENSOR = ("x", "y", "z")
 
 
 @torch.no_grad()
 def grad_norm(params: Iterable[torch.Tensor], grid: ProcessGrid | None = None) -> float:
-    """Global L2 norm of the gradients over the whole grid, each distinct piece counted once."""
+    """Global L2 norm of the gradients over the whole grid, each distinct piece counted once.
+
+    Call it after `sync_gradients`: data replicas then hold identical gradients, so each replica
+    sums its own tensor group (X x Y x Z) and gets the same bits; no collective over `data`."""
     params = [p for p in _unique(params) if p.grad is not None]
     grid = grid or _grid_of(params)
     if grid is None:
         total = sum((_sq_norm(p.grad) for p in params), torch.zeros((), dtype=torch.float64))
         return float(total.sqrt())
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
+    first = all(grid.coord(d) == 0 for d in _TENSOR)  # counts the replicated parameters
     for p in params:
         spec = spec_of(p)
-        here = spec.counted_here() if spec is not None else grid.rank == 0
-        if here:
+        if (spec.counted_here(_TENSOR) if spec is not None else first):
             total += _sq_norm(p.grad)
-    grid.comm.all_reduce(total, "world")
+    grid.comm.all_reduce(total, "tensor")
     return float(total.sqrt())
 
 

@@ -102,8 +102,8 @@ def _pair_rank(rank: int, world: int, dims: tuple, mode: str, kind: str, rows: i
     ids = common.batch(rows, seq, common.SMALL["vocab_size"])
     from axonn.engine import EngineOptions
 
-    # every overlap switch on (one micro-batch per step, so bucketed hooks need no no_sync)
-    ours = axonn.parallelize(common.llama(), grid, mode=mode, options=EngineOptions(bucket_grads=True))
+    # the engine's defaults: every overlap switch on (bucketed gradient all-reduces included)
+    ours = axonn.parallelize(common.llama(), grid, mode=mode)
     o_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     theirs = torch_parallel(kind, tp=world, dp=world)
     t_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4)

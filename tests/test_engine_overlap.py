@@ -32,8 +32,8 @@ def _train(grid, options, mode: str, tied: bool, ckpt: bool, accum: int) -> dict
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
-    losses, stats = [], []
-    for _ in range(STEPS):
+    losses, stats, views = [], [], []
+    for step in range(STEPS):
         ids = torch.randint(0, 64, (8, 12), generator=g)
         grid.stats.reset()
         rows = axonn.shard_batch(ids, grid)
@@ -47,14 +47,20 @@ def _train(grid, options, mode: str, tied: bool, ckpt: bool, accum: int) -> dict
                 (loss / 88.0).backward()
             losses.append(loss.detach().clone())
         axonn.sync_gradients(model, grid)
+        bucketer = model.axonn_scheduler.bucketer
+        if bucketer is not None:  # the reduced gradients are views into the bucket buffers
+            views.append(all(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+                             for b in bucketer.buckets for p in b.params))
         norm = axonn.clip_grad_norm_(model.parameters(), 0.5, grid)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        # gradients dropped (autograd allocates, the bucket copies in) or kept (accumulated in place)
+        opt.zero_grad(set_to_none=step % 2 == 0)
         losses.append(torch.tensor(norm))
         stats.append(grid.stats.snapshot())
     sched = model.axonn_scheduler
     return {"params": [p.detach().clone() for p in model.parameters()], "losses": losses,
-            "stats": stats, "hits": sched.prefetch_hits, "misses": sched.prefetch_misses}
+            "stats": stats, "hits": sched.prefetch_hits, "misses": sched.prefetch_misses,
+            "views": views}
 
 
 class _Null:
@@ -85,7 +91,7 @@ def _compare(rank: int, world: int) -> list[dict]:
         same_losses = all(torch.equal(a, b) for a, b in zip(off["losses"], on["losses"]))
         # prefetch adds no bytes once the chain is learned; every other count is unchanged
         out.append(dict(dims=dims, params=same_params, losses=same_losses, hits=on["hits"],
-                        misses=on["misses"], off_hits=off["hits"],
+                        misses=on["misses"], off_hits=off["hits"], views=on["views"],
                         same_bytes=off["stats"][-1] == on["stats"][-1]))
     return out
 
@@ -100,14 +106,15 @@ def test_overlap_is_bit_identical(world: int) -> None:
             assert r["off_hits"] == 0
             assert r["hits"] > 0, f"grid {r['dims']}: no prefetch was used"
             assert r["same_bytes"], f"grid {r['dims']}: overlap changed the bytes of a step"
+            assert r["views"] == [True] * STEPS, f"grid {r['dims']}: gradients are not bucket views"
 
 
 def _bucket_misuse(rank: int, world: int) -> str:
     import axonn
-    from axonn.engine import EngineOptions
 
     grid = axonn.ProcessGrid(1, 1, 1, 2)
-    model = axonn.parallelize(_model(True), grid, options=EngineOptions(bucket_grads=True))
+    model = axonn.parallelize(_model(True), grid)  # bucketed gradient all-reduces: the default
+    assert model.axonn_options.bucket_grads
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # two backwards without no_sync: the second must refuse
         try:

@@ -118,9 +118,10 @@ class ParamSpec:
             t = comm.all_gather(t, self.col_dim, dim=1)
         return t.t().contiguous() if self.transposed else t
 
-    def counted_here(self) -> bool:
-        """True on exactly one rank among those holding identical copies (for norms)."""
-        return all(self.grid.coord(d) == 0 for d in ("x", "y", "z", "data") if d not in self.shard_dims)
+    def counted_here(self, dims: tuple[str, ...] = ("x", "y", "z", "data")) -> bool:
+        """True on exactly one rank among those that hold identical copies and differ only along
+        `dims` (default: the whole grid; norms pass the tensor axes)."""
+        return all(self.grid.coord(d) == 0 for d in dims if d not in self.shard_dims)
 
 
 def spec_of(param: torch.Tensor) -> ParamSpec | None:

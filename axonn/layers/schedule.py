@@ -12,7 +12,10 @@
   `.grad` then (tied weights: at the end of backward, so their two contributions are summed first,
   as autograd does); a callback at the end of backward flushes the rest.
 * Bucketed gradient all-reduce (`Bucketer`): gradient hooks start the data / batch all-reduces of a
-  bucket as soon as its last gradient is ready; `axonn.sync_gradients` waits for them.
+  bucket as soon as its last gradient is ready; `axonn.sync_gradients` waits for them.  Each
+  bucket keeps one flat buffer and the gradients become views into it (DDP's
+  `gradient_as_bucket_view`): a gradient autograd allocated is copied in once, the reduced sums
+  need no copy back, and gradients kept between steps (`zero_grad(set_to_none=False)`) no copy at all.
 
 Every switch changes when a collective runs, never what it computes: results are bit-identical.
 """
@@ -23,7 +26,6 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from axonn.comm import Comm
 from axonn.gemm import GemmTuner, default_enabled
@@ -36,7 +38,7 @@ class EngineOptions:
     prefetch: bool = True            # Z all-gather of the next layer's weight during this layer
     async_grad_reduce: bool = True   # weight-gradient reduce-scatter over Z in the background
     overlap_dx: bool = True          # backward dX all-reduce runs behind the dW GEMM
-    bucket_grads: bool = False       # data/batch all-reduces launched by gradient hooks in backward
+    bucket_grads: bool = True        # data/batch all-reduces launched by gradient hooks in backward
     bucket_mb: float = 25.0          # gradient all-reduce bucket size (both sync paths)
     gemm_tuning: bool | str = "auto"  # time NN/NT/TN per GEMM shape; "auto": on CUDA only
 
@@ -173,8 +175,29 @@ class _Bucket:
     group: str
     params: list[nn.Parameter]
     ready: int = 0
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None      # persistent: the gradients are views into it
+    views: list[torch.Tensor] | None = None
     work: Any = None
+
+    def gather(self) -> torch.Tensor:
+        """Make every gradient a view into `flat` (copying in the ones autograd allocated)."""
+        if self.flat is None:
+            p0 = self.params[0]
+            self.flat = torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+            self.views, at = [], 0
+            for p in self.params:
+                self.views.append(self.flat[at:at + p.numel()].view_as(p))
+                at += p.numel()
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is None:  # an unused parameter: every rank still sends the same buffer
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
+                view.copy_(g)
+            else:
+                continue
+            p.grad = view
+        return self.flat
 
 
 def grad_buckets(params: list[nn.Parameter], group_of: Any, sizes: dict[str, int],
@@ -230,23 +253,17 @@ class Bucketer:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        for p in b.params:
-            if p.grad is None:  # an unused parameter: every rank still sends the same buffer
-                p.grad = torch.zeros_like(p)
-        b.flat = _flatten_dense_tensors([p.grad for p in b.params])
-        b.work = self.comm.all_reduce(b.flat, b.group, async_op=True)
+        b.work = self.comm.all_reduce(b.gather(), b.group, async_op=True)
 
     def wait_all(self) -> None:
-        """Launch what backward did not (in bucket order), wait for all, write the sums back."""
+        """Launch what backward did not (in bucket order) and wait for all: the gradients are
+        views into the reduced buffers, so the sums need no copy back."""
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
-            grads = [p.grad for p in b.params]
-            for g, s in zip(grads, _unflatten_dense_tensors(b.flat, grads)):
-                g.copy_(s)
-            b.ready, b.flat, b.work = 0, None, None
+            b.ready, b.work = 0, None
 
     def pending(self) -> Iterator[_Bucket]:
         """Buckets whose all-reduce is in flight."""
