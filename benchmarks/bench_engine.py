@@ -1,11 +1,12 @@
 """Benchmark the engine's whole training step against what a user would run instead.
 
-Prints, each measured in one run with alternating repetitions (medians):
+Prints, each measured in one run with alternating repetitions:
   engine_1111_vs_torch        engine at grid 1,1,1,1 / a plain PyTorch step on the same model
   gemm_tuned_vs_plain_1111    engine with GEMM tuning on / off (1,1,1,1)
   goldfish_vs_standard        Trainer.train_step with the goldfish transform / without (standard)
   overlap_on_vs_off_<grid>    step with every overlap switch on / all off, on gloo ranks
-(a ratio < 1 means the first is faster) and writes JSON (default benchmarks/results/engine.json).
+(a ratio < 1 means the first is faster; the median of the per-round ratios, `common.ratio`) and
+writes JSON (default benchmarks/results/engine.json).
 
     python benchmarks/bench_engine.py [--reps 10] [--seq 128] [--batch 8] [--skip-overlap]
 """
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import common
-from common import alternate, report
+from common import alternate, ratio, report
 
 
 def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -86,9 +87,9 @@ def single_rank(args: argparse.Namespace) -> dict:
         "goldfish": lambda: trainers["goldfish"].train_step(batch),
     }, args.reps)
     ratios = {
-        "engine_1111_vs_torch": res["engine"]["median_s"] / res["torch"]["median_s"],
-        "gemm_tuned_vs_plain_1111": res["tuned"]["median_s"] / res["engine"]["median_s"],
-        "goldfish_vs_standard": res["goldfish"]["median_s"] / res["standard"]["median_s"],
+        "engine_1111_vs_torch": ratio(res, "engine", "torch"),
+        "gemm_tuned_vs_plain_1111": ratio(res, "tuned", "engine"),
+        "goldfish_vs_standard": ratio(res, "goldfish", "standard"),
     }
     # process CPU time too: on a shared machine other jobs inflate wall time unevenly
     for name, (a, b) in {"engine_1111_vs_torch": ("engine", "torch"),
@@ -127,7 +128,7 @@ def overlap(args: argparse.Namespace) -> dict:
                                    max(3, args.reps // 2), timeout=900)
         t = per_rank[0]["times"]
         name = "overlap_on_vs_off_" + "".join(map(str, dims))
-        out[name] = {"ratio": t["on"]["median_s"] / t["off"]["median_s"], "mode": mode, "rank0": per_rank[0]}
+        out[name] = {"ratio": ratio(t, "on", "off"), "mode": mode, "rank0": per_rank[0]}
     return out
 
 

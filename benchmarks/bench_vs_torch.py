@@ -1,7 +1,7 @@
 """Benchmark the engine against PyTorch's own parallelism on gloo CPU ranks (same model, same batch).
 
 Prints `name: ratio` (engine step time / torch step time, < 1 means the engine is faster), each pair
-measured in one spawned world with alternating repetitions (medians):
+measured in one spawned world with alternating repetitions (median of the per-round ratios):
   x2_vs_dtensor_tp        grid 2,1,1,1 (paired)  vs DTensor ColwiseParallel/RowwiseParallel, 2 ranks
   y2_paired_vs_dtensor_tp grid 1,2,1,1 (paired: heads over Y, Megatron's split) vs the same
   z2_vs_fsdp2             grid 1,1,2,1           vs FSDP2 `fully_shard` per decoder layer + root
@@ -23,7 +23,7 @@ import torch
 
 import common
 from bench_engine import engine_step, torch_step
-from common import alternate, report
+from common import alternate, ratio, report
 
 PAIRS = {"x2_vs_dtensor_tp": ((2, 1, 1, 1), "paired", "tp"),
          "y2_paired_vs_dtensor_tp": ((1, 2, 1, 1), "paired", "tp"),
@@ -111,7 +111,8 @@ def _pair_rank(rank: int, world: int, dims: tuple, mode: str, kind: str, rows: i
     clip = None if kind == "ddp" else dtensor_clip
     res = alternate({"engine": lambda: engine_step(ours, o_opt, ids, ids, grid),
                      "torch": lambda: torch_step(theirs, t_opt, t_ids, t_ids, clip)}, reps)
-    return {"times": res, "ratio": res["engine"]["median_s"] / res["torch"]["median_s"]}
+    return {"times": res, "ratio": ratio(res, "engine", "torch"),
+            "ratio_of_medians": res["engine"]["median_s"] / res["torch"]["median_s"]}
 
 
 class ByteCounter:

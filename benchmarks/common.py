@@ -56,6 +56,13 @@ def alternate(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2) -> 
                 "cpu_median_s": statistics.median(cpu[k]), "wall_s": wall[k]} for k in fns}
 
 
+def ratio(res: dict[str, dict], a: str, b: str) -> float:
+    """a / b as the median over rounds of the two times taken side by side in that round: slow
+    drifts of a shared machine (other tenants, thermal) cancel inside a round, unlike in the ratio
+    of the two overall medians, which the JSON keeps too (`res[k]["median_s"]`)."""
+    return statistics.median(x / y for x, y in zip(res[a]["wall_s"], res[b]["wall_s"]))
+
+
 def machine() -> dict[str, Any]:
     """Where and when: host facts, torch version, load average (the machine is shared)."""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
