@@ -14,7 +14,7 @@ at once (the `local` profile is measured with 2 processes on an idle machine).
 Prints `plan_bytes_exact: <fraction of grids>`, `plan_spearman_<local|in_situ>: <rho>`,
 `plan_best_in_top3_<local|in_situ>: 0|1`; writes benchmarks/results/validate_plan.json.
 
-    python benchmarks/validate_plan.py [--seq 64] [--batch 8] [--steps 3]
+    python benchmarks/validate_plan.py [--seq 32] [--batch 8] [--steps 4]
 """
 from __future__ import annotations
 
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     from axonn.plan.shapes import shape_from_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     grids = _grids(args.batch)
