@@ -2,7 +2,8 @@
 
 Every layer splits its input over one tensor axis and its output over the other: (X, Y) for easy
 and head layers; for a paired block (a, b) for the first layer and (b, a) for the second, where
-(a, b) = `axonn.grid.pair_axes` is (x, y) unless X > Y and the model's heads divide by X.  Styles (which collectives wrap the 3D matmul; docs/engine.md):
+(a, b) = `axonn.pairing.pair_axes` is (x, y) unless X > Y and the model's heads divide by X.
+Styles (which collectives wrap the 3D matmul; docs/engine.md):
   easy    full-width in, full-width out: split input over X, matmul, all-gather output over Y
   column  full-width in, output left split over b (first layer of a paired block: heads over b)
   row     input split over b, full-width out: matmul with the transposed layout, all-gather over a
