@@ -3,9 +3,10 @@ engine, its grid validation and the planner alike)."""
 from __future__ import annotations
 
 PAIRED_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+PairAxes = tuple[str, str]  # (axis splitting a layer's input features, axis splitting its output)
 
 
-def pair_axes(x: int, y: int, sizes: dict[str, int] | None = None) -> tuple[str, str]:
+def pair_axes(x: int, y: int, sizes: dict[str, int] | None = None) -> PairAxes:
     """(input axis, output axis) of the first layer of a paired block; the second layer is transposed.
 
     Either orientation is a valid 3D matmul; splitting the first layer's (wider) output over the
@@ -21,7 +22,7 @@ def pair_axes(x: int, y: int, sizes: dict[str, int] | None = None) -> tuple[str,
     return ("x", "y") if sizes["hidden_size"] % y else ("y", "x")
 
 
-def layer_axes(style: str, pair: tuple[str, str] = ("x", "y")) -> tuple[str, str]:
+def layer_axes(style: str, pair: PairAxes = ("x", "y")) -> PairAxes:
     """(axis splitting a layer's input features, axis splitting its output features) for a style:
     `pair` for a paired block's first (column) layer, reversed for its second (row) layer, and
     (x, y) for easy layers, the LM head and the embedding."""

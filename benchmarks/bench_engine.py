@@ -38,14 +38,19 @@ def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 
 
 def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-                labels: torch.Tensor, grid: Any) -> None:
-    """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip)."""
+                labels: torch.Tensor, grid: Any, autocast: str | None = None) -> None:
+    """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip);
+    `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast)."""
+    import contextlib
+
     import axonn
 
     # every rank holds the global batch (as in the Trainer): the token count needs no collective
     count = max(int((labels[:, 1:] != -100).sum()), 1)
     ids, labels = axonn.shard_batch(ids, grid), axonn.shard_batch(labels, grid)
-    logits = model(input_ids=ids).logits[:, :-1]
+    amp = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with amp:
+        logits = model(input_ids=ids).logits[:, :-1]
     loss, _ = axonn.cross_entropy(logits, labels[:, 1:], grid)
     (loss / count).backward()
     axonn.sync_gradients(model, grid)

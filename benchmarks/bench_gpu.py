@@ -20,6 +20,7 @@ import time
 import torch
 
 import common
+from bench_engine import engine_step
 from common import report
 
 
@@ -77,14 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def step() -> None:
-        with torch.autocast(args.device, dtype=torch.bfloat16):
-            logits = model(input_ids=ids).logits[:, :-1]
-        loss, count = axonn.cross_entropy(logits, ids[:, 1:], grid)
-        (loss / count).backward()
-        axonn.sync_gradients(model, grid)
-        axonn.clip_grad_norm_(model.parameters(), 1.0, grid)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        engine_step(model, opt, ids, ids, grid, autocast=args.device)
 
     for _ in range(args.warmup):
         step()

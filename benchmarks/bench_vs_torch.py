@@ -100,8 +100,6 @@ def _pair_rank(rank: int, world: int, dims: tuple, mode: str, kind: str, rows: i
     torch.set_num_threads(1)
     grid = axonn.ProcessGrid(*dims)
     ids = common.batch(rows, seq, common.SMALL["vocab_size"])
-    from axonn.engine import EngineOptions
-
     # the engine's defaults: every overlap switch on (bucketed gradient all-reduces included)
     ours = axonn.parallelize(common.llama(), grid, mode=mode)
     o_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)

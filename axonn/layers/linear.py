@@ -21,12 +21,9 @@ from axonn.grid import ProcessGrid
 from axonn.layers.cross_entropy import mark_vocab_sharded
 from axonn.layers.functions import GatherLastDim, ParallelMatmul, SplitLastDim
 from axonn.layers.layout import ParamSpec
-from axonn.pairing import layer_axes
+from axonn.pairing import PairAxes, layer_axes
 
 STYLES = ("easy", "column", "row", "head")
-
-
-PairAxes = tuple[str, str]
 
 
 def weight_spec(grid: ProcessGrid, out_features: int, in_features: int, style: str,
