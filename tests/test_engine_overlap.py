@@ -48,9 +48,12 @@ def _train(grid, options, mode: str, tied: bool, ckpt: bool, accum: int) -> dict
             losses.append(loss.detach().clone())
         axonn.sync_gradients(model, grid)
         bucketer = model.axonn_scheduler.bucketer
-        if bucketer is not None:  # the reduced gradients are views into the bucket buffers
-            views.append(all(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
-                             for b in bucketer.buckets for p in b.params))
+        if bucketer is not None:  # the reduced gradients are views into one buffer per bucket
+            views.append(all(
+                len({p.grad.untyped_storage().data_ptr() for p in b.params}) == 1
+                and b.params[0].grad.untyped_storage().nbytes()
+                == sum(p.numel() * p.element_size() for p in b.params)
+                for b in bucketer.buckets) and any(len(b.params) > 1 for b in bucketer.buckets))
         norm = axonn.clip_grad_norm_(model.parameters(), 0.5, grid)
         opt.step()
         # gradients dropped (autograd allocates, the bucket copies in) or kept (accumulated in place)

@@ -12,10 +12,10 @@
   `.grad` then (tied weights: at the end of backward, so their two contributions are summed first,
   as autograd does); a callback at the end of backward flushes the rest.
 * Bucketed gradient all-reduce (`Bucketer`): gradient hooks start the data / batch all-reduces of a
-  bucket as soon as its last gradient is ready; `axonn.sync_gradients` waits for them.  Each
-  bucket keeps one flat buffer and the gradients become views into it (DDP's
-  `gradient_as_bucket_view`): a gradient autograd allocated is copied in once, the reduced sums
-  need no copy back, and gradients kept between steps (`zero_grad(set_to_none=False)`) no copy at all.
+  bucket as soon as its last gradient is ready; `axonn.sync_gradients` waits for them.  A
+  bucket's gradients are copied into one flat buffer and become views into it (as with DDP's
+  `gradient_as_bucket_view`), so the reduced sums need no copy back; the buffer is not kept
+  between steps (no memory beyond the gradients' own once `zero_grad` drops them).
 
 Every switch changes when a collective runs, never what it computes: results are bit-identical.
 """
@@ -175,28 +175,23 @@ class _Bucket:
     group: str
     params: list[nn.Parameter]
     ready: int = 0
-    flat: torch.Tensor | None = None      # persistent: the gradients are views into it
-    views: list[torch.Tensor] | None = None
+    flat: torch.Tensor | None = None  # this step's buffer (the gradients are views into it)
     work: Any = None
 
     def gather(self) -> torch.Tensor:
-        """Make every gradient a view into `flat` (copying in the ones autograd allocated)."""
-        if self.flat is None:
-            p0 = self.params[0]
-            self.flat = torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
-            self.views, at = [], 0
-            for p in self.params:
-                self.views.append(self.flat[at:at + p.numel()].view_as(p))
-                at += p.numel()
-        for p, view in zip(self.params, self.views):
-            g = p.grad
-            if g is None:  # an unused parameter: every rank still sends the same buffer
+        """Copy the gradients into one new flat buffer and make each gradient a view into it, so
+        the all-reduced sums need no copy back; the buffer lives as long as the gradients do."""
+        p0 = self.params[0]
+        self.flat = torch.empty(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+        at = 0
+        for p in self.params:
+            view = self.flat[at:at + p.numel()].view_as(p)
+            at += p.numel()
+            if p.grad is None:  # an unused parameter: every rank still sends the same buffer
                 view.zero_()
-            elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
-                view.copy_(g)
             else:
-                continue
-            p.grad = view
+                view.copy_(p.grad)
+            p.grad = view  # frees autograd's tensor: at most one bucket is held twice at a time
         return self.flat
 
 
@@ -263,7 +258,7 @@ class Bucketer:
                 self._launch(b)
         for b in self.buckets:
             b.work.wait()
-            b.ready, b.work = 0, None
+            b.ready, b.flat, b.work = 0, None, None
 
     def pending(self) -> Iterator[_Bucket]:
         """Buckets whose all-reduce is in flight."""
