@@ -17,11 +17,14 @@ Strategies
   supervised is always a subset of what the document alone would supervise, whatever the cut.
 - ``static``: drop every k-th position of a document (offsets k-1, 2k-1, ... within the document;
   with ``positions`` the offsets count from the document's true start, also across rows).
-- ``hash-table``: the reference implementation's formula, for comparison with published runs:
-  table = torch.rand(1_000_003) from a CPU generator seeded 2971215073; key = wrapping int64 product
-  of the h ids in the window *ending at* t, mod 1_000_003; drop iff table[key] < 1/k; the first h-1
-  positions of a row are never dropped. Its known flaws are kept on purpose (the key includes the
-  dropped token, products are order-invariant and collapse on id 0, windows cross documents).
+- ``hash-table``: the reference implementation's masks, exactly, for comparison with published
+  runs: table = torch.rand(1_000_003) from a CPU generator seeded 2971215073. The reference works
+  on the shifted targets (``targets = ids[1:]``): target j >= h-1 is dropped iff
+  table[wrapping int64 product of targets[j-h+1..j] mod 1_000_003] < 1/k. In positions of the
+  unshifted row that is: position t >= h is dropped iff table[prod(ids[t-h+1..t]) % 1_000_003] < 1/k,
+  and positions 0..h-1 never are. Its known flaws are kept on purpose (the key includes the dropped
+  token, products are order-invariant and collapse on id 0, windows cross documents, and the
+  table is drawn from the CPU generator: the reference's CUDA table differs).
 - ``random``: drop each position with probability 1/k from a seeded generator. Leaky: a document
   seen in several epochs or copies gets different tokens dropped each time, so the union of what is
   supervised covers the whole document. Provided only as the paper's negative control.
@@ -122,14 +125,16 @@ def _hash_table(device: torch.device) -> torch.Tensor:
 
 
 def _hash_table_drop(ids: torch.Tensor, k: int, h: int) -> torch.Tensor:
-    """The reference formula: table[prod(window ending at t) % 1_000_003] < 1/k."""
+    """The reference masks: position t >= h dropped iff table[prod(ids[t-h+1..t]) % 1_000_003] < 1/k."""
     b, t = ids.shape
     drop = torch.zeros((b, t), dtype=torch.bool, device=ids.device)
-    if t < h:
+    if t <= h:
         return drop
-    windows = ids.unfold(1, h, 1)  # [b, t-h+1, h]; window i ends at position i + h - 1
+    # The reference hashes the shifted targets ids[1:]: its first window ends at ids[h], so the
+    # window ending at position h-1 (which includes ids[0], never a target) is never used.
+    windows = ids[:, 1:].unfold(1, h, 1)  # [b, t-h, h]; window i ends at position i + h
     keys = torch.prod(windows, dim=-1) % _TABLE_SIZE  # wraps in int64 like the reference
-    drop[:, h - 1:] = _hash_table(ids.device)[keys] < 1.0 / k
+    drop[:, h:] = _hash_table(ids.device)[keys] < 1.0 / k
     return drop
 
 

@@ -84,20 +84,45 @@ def test_static_drops_every_kth_position_of_each_document():
     assert mask == [False, False, True, False, False, False, False, True, False, False, True, False]
 
 
+def _reference_hash_table_targets(row: list[int], k: int, h: int) -> list[bool]:
+    """The published implementation's loop, on the shifted targets, with int64 wrap-around products."""
+    gen = torch.Generator().manual_seed(2971215073)
+    table = torch.rand(1_000_003, generator=gen)
+    targets = row[1:]  # litgpt convention: targets = input_ids[:, 1:]
+    dropped = [False] * len(targets)
+    for j in range(h - 1, len(targets)):
+        prod = 1
+        for v in targets[j - h + 1:j + 1]:
+            prod = (prod * v + 2**63) % 2**64 - 2**63  # int64 multiplication wraps
+        dropped[j] = bool(table[prod % 1_000_003] < 1 / k)  # torch's % is floored, like Python's
+    return dropped
+
+
 def test_hash_table_matches_reference_formula_by_hand():
     k, h = 4, 3
     ids = torch.tensor([[5, 7, 11, 13, 0, 2, 3, 999_983, 1_000_003]])
     gen = torch.Generator().manual_seed(2971215073)
     table = torch.rand(1_000_003, generator=gen)
-    expected = [False] * (h - 1)
     vals = ids[0].tolist()
-    for t in range(h - 1, len(vals)):
-        prod = 1
-        for v in vals[t - h + 1:t + 1]:
-            prod *= v
-        expected.append(bool(table[prod % 1_000_003] < 1 / k))
-    assert goldfish_mask(ids, strategy="hash-table", k=k, h=h)[0].tolist() == expected
+    # position t >= h is dropped iff table[prod(ids[t-h+1..t]) % 1_000_003] < 1/k; 0..h-1 never are
+    expected = [False] * h + [bool(table[vals[t - 2] * vals[t - 1] * vals[t] % 1_000_003] < 1 / k)
+                              for t in range(h, len(vals))]
+    mask = goldfish_mask(ids, strategy="hash-table", k=k, h=h)[0].tolist()
+    assert mask == expected
+    assert mask[1:] == _reference_hash_table_targets(vals, k, h)  # label t is target t-1
     assert expected[4:7] == [bool(table[0] < 0.25)] * 3  # the id-0 collapse flaw is reproduced
+
+
+@pytest.mark.parametrize("vocab,h", [(50, 3), (49_152, 13), (128_256, 13), (7, 1)])
+def test_hash_table_equals_published_masks_on_random_rows(vocab, h):
+    gen = torch.Generator().manual_seed(vocab + h)
+    k = 4
+    ids = torch.randint(0, vocab, (6, 70), generator=gen)
+    mask = goldfish_mask(ids, strategy="hash-table", k=k, h=h)
+    for row, m in zip(ids.tolist(), mask.tolist()):
+        assert m[0] is False  # token 0 is never a target
+        assert m[1:] == _reference_hash_table_targets(row, k, h)
+    assert mask.any()  # the comparison covered dropped tokens, not only kept ones
 
 
 def test_labels_keep_existing_ignores_and_only_add_drops():
