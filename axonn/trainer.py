@@ -91,10 +91,13 @@ class MetricSink(Protocol):
 
 
 class Callback(Protocol):
-    """Optional hooks, called on every rank: on_step_end(trainer, metrics), on_epoch_end(trainer, epoch).
+    """Optional hooks, called on every rank: on_fit_start(trainer), on_step_end(trainer, metrics),
+    on_epoch_end(trainer, epoch).
 
-    A callback may define either hook or both; `epoch` counts completed passes from 1. Hooks run
-    after the step's metrics are emitted, so anything they measure belongs to the model as it is then.
+    A callback may define any of them; `epoch` counts completed passes from 1. on_fit_start runs
+    once before the first step of a fresh run (not on resume), so it sees the untrained model
+    ("pass 0"). Step and epoch hooks run after the step's metrics are emitted, so anything they
+    measure belongs to the model as it is then.
     """
 
 
@@ -369,6 +372,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step", desc=self.name or None,
                    position=self.progress_position, disable=not (cfg.progress and self.is_main),
                    dynamic_ncols=True)
+        if self.state.step == 0:
+            self._call("on_fit_start")
         batches = self._global_batches()
         t0, tokens0 = time.perf_counter(), self.state.tokens
         while self.state.step < self.total_steps:

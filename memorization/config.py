@@ -9,6 +9,7 @@ from axonn.trainer import TrainerConfig
 from memorization.goldfish import GoldfishConfig
 
 PACKING = ("per-document", "packed")
+FORMATS = ("auto", "text", "chat")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -17,9 +18,14 @@ class DataConfig:
     """Which text, which tokenizer, and how it becomes rows."""
 
     corpus: str = "wiki-leads"
+    # text: plain documents, every token supervised; chat: prompt/response or messages JSONL (or a
+    # bundled chat set), only assistant tokens supervised; auto: chat when the corpus looks like one
+    format: str = "auto"
     text_field: str = "text"
     limit: int = 0  # 0 = every document
-    tokenizer: str = "bpe"  # bpe (trained on the corpus), gpt2, or a local tokenizer/model dir
+    # auto: a pretrained model's own tokenizer, else a BPE trained on the corpus; or bpe, gpt2, or a
+    # local tokenizer folder (a pretrained model refuses one whose ids differ from its own)
+    tokenizer: str = "auto"
     vocab_size: int = 4096  # for bpe
     block_len: int = 128
     packing: str = "per-document"  # one document per row (cut to block_len) or packed blocks
@@ -30,6 +36,8 @@ class DataConfig:
 
     def validate(self, prefix: str = "data") -> None:
         """Range checks."""
+        if self.format not in FORMATS:
+            raise fail(f"{prefix}.format", self.format, f"choose one of {', '.join(FORMATS)}")
         if self.packing not in PACKING:
             raise fail(f"{prefix}.packing", self.packing, f"choose one of {', '.join(PACKING)}")
         for name in ("block_len", "vocab_size"):
@@ -48,6 +56,7 @@ class ModelConfig:
 
     name: str = "tiny"
     overrides: dict = field(default_factory=dict)  # HF config fields, e.g. {num_hidden_layers: 2}
+    random_init: bool = False  # a pretrained model's architecture with fresh seeded weights (a control)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The model zoo: Llama-style shapes from YAML (random init), local HF dirs, and SmolLM2-135M."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -41,8 +42,15 @@ def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None 
     model_type = fields.pop("model_type", "llama")
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as e:
-        raise fail("model.overrides", overrides, f"not a valid {model_type} config ({e})") from None
+    except Exception as e:  # transformers/huggingface_hub raise several types for a bad field
+        raise fail("model.overrides", overrides, f"not a valid {model_type} config ({_reason(e)}); "
+                   "fix or drop the override") from None
+
+
+def _reason(e: BaseException) -> str:
+    """The last line of an exception's message (validators nest the useful part at the end)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
 def smollm2_dir() -> Path:
@@ -58,7 +66,7 @@ def smollm2_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF)
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF, torch_dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF, dtype=torch.float32)
     cfg = loaded.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -85,27 +93,114 @@ def resolve_model_dir(name: str) -> Path | None:
 
 
 def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0,
-                overrides: dict | None = None, meta: bool = False) -> torch.nn.Module:
-    """A causal LM: zoo shapes are built from config with seeded random init; dirs are loaded."""
+                overrides: dict | None = None, meta: bool = False,
+                random_init: bool = False) -> torch.nn.Module:
+    """A causal LM: zoo shapes are built from config with seeded random init; dirs are loaded.
+
+    `random_init` builds a pretrained model's architecture with fresh seeded weights instead (the
+    control that separates what pretraining contributes from what the architecture does).
+    """
     from transformers import AutoModelForCausalLM
 
     local = resolve_model_dir(name)
     if local is not None:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(local, torch_dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise fail("model.name", name, f"could not load this model directory ({e})") from None
-        if vocab_size is not None and vocab_size > model.config.vocab_size:
+        config = pretrained_config(name, overrides)
+        if vocab_size is not None and vocab_size > config.vocab_size:
             raise fail("data.tokenizer", vocab_size,
-                       f"tokenizer has {vocab_size} ids but the model only {model.config.vocab_size}; "
-                       "use the model's own tokenizer (data.tokenizer=<model dir>)")
-        return model
+                       f"tokenizer has {vocab_size} ids but the model only {config.vocab_size}; "
+                       "use the model's own tokenizer (data.tokenizer=auto)")
+        if meta or random_init:
+            torch.manual_seed(seed)
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                return AutoModelForCausalLM.from_config(config)
+        try:
+            return AutoModelForCausalLM.from_pretrained(local, config=config, dtype=torch.float32)
+        except Exception as e:  # shape mismatches from overrides, damaged weight files, ...
+            field = "model.overrides" if overrides else "model.name"
+            raise fail(field, overrides if overrides else name,
+                       f"could not load the pretrained weights of {name} ({_reason(e)}); "
+                       + ("drop overrides that change weight shapes" if overrides else
+                          "check the folder holds a complete save_pretrained model")) from None
     cfg = zoo_config(name, vocab_size, overrides)
     torch.manual_seed(seed)
-    if meta:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg)
-    return AutoModelForCausalLM.from_config(cfg)
+    try:
+        if meta:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(cfg)
+        return AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:  # e.g. a negative size passes the config but not the layers
+        raise fail("model.overrides", overrides, f"cannot build a {name} model ({_reason(e)}); "
+                   "fix or drop the override") from None
+
+
+def pretrained_config(name: str, overrides: dict | None = None):
+    """The config of a pretrained model (smollm2-135m or a local HF dir) with overrides applied."""
+    from transformers import AutoConfig
+
+    local = resolve_model_dir(name)
+    if local is None:
+        raise fail("model.name", name, "is a random-init zoo shape, not a pretrained model")
+    try:
+        return AutoConfig.from_pretrained(local, **(overrides or {}))
+    except Exception as e:
+        field = "model.overrides" if overrides else "model.name"
+        raise fail(field, overrides if overrides else name,
+                   f"not a valid config for {name} ({_reason(e)}); fix or drop the override") from None
+
+
+def is_pretrained(name: str) -> bool:
+    """True for models that come with trained weights (smollm2-135m, local HF folders)."""
+    return name == SMOLLM2 or resolve_model_dir(name) is not None
+
+
+def run_tokenizer(tokenizer: str, model_name: str, *, texts: list[str], vocab_size: int = 4096) -> Any:
+    """The tokenizer a run uses: `auto` is the model's own for pretrained models, else the corpus BPE.
+
+    An explicit tokenizer for a pretrained model must be the one it was trained with: a different
+    vocabulary size or different ids would train the embeddings on tokens they never meant, so it
+    is refused before any work starts.
+    """
+    from data_pipelines import load_tokenizer
+
+    local = resolve_model_dir(model_name)
+    if tokenizer == "auto":
+        if local is None:
+            return load_tokenizer("bpe", texts=texts, vocab_size=vocab_size)
+        if not _has_tokenizer(local):
+            raise fail("data.tokenizer", "auto", f"the model folder {local} has no tokenizer files; set "
+                       "data.tokenizer=<the folder of the tokenizer this model was trained with>")
+        return load_tokenizer(str(local))
+    tok = load_tokenizer(tokenizer, texts=texts, vocab_size=vocab_size)
+    if local is not None:
+        check_tokenizer(tok, model_name, spec=tokenizer)
+    return tok
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                                "tokenizer.model"))
+
+
+def check_tokenizer(tok: Any, model_name: str, *, spec: str = "data.tokenizer") -> None:
+    """Refuse a tokenizer whose size or ids differ from the pretrained model's own (no-op for zoo shapes)."""
+    from data_pipelines import load_tokenizer
+
+    local = resolve_model_dir(model_name)
+    if local is None:
+        return
+    fix = "use data.tokenizer=auto (the model's own tokenizer)"
+    vocab = pretrained_config(model_name).vocab_size
+    if len(tok) > vocab:
+        raise fail("data.tokenizer", spec, f"has {len(tok)} ids but the pretrained model {model_name} "
+                   f"has {vocab} embeddings; {fix}")
+    if _has_tokenizer(local):
+        own = load_tokenizer(str(local)).get_vocab()
+        mine = tok.get_vocab()
+        if mine != own:
+            differ = sorted(set(mine.items()) ^ set(own.items()))
+            example = differ[0][0] if differ else "?"
+            raise fail("data.tokenizer", spec, f"does not match the tokenizer of the pretrained model "
+                       f"{model_name} ({len(mine)} vs {len(own)} ids; e.g. {example!r} differs); {fix}")
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -120,4 +215,5 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
             "heads": c.num_attention_heads, "vocab": c.vocab_size}
 
 
-__all__ = ["ConfigError", "build_model", "zoo_names", "zoo_config", "smollm2_dir", "count_params"]
+__all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained", "pretrained_config", "run_tokenizer",
+           "smollm2_dir", "zoo_config", "zoo_names"]

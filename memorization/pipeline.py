@@ -15,7 +15,7 @@ from axonn.config import fail, to_dict
 from axonn.trainer import JsonlSink, Trainer
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
-from memorization.models import build_model, count_params
+from memorization.models import build_model, check_tokenizer, count_params, run_tokenizer
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
 CHECKPOINTS = "checkpoints"
@@ -81,10 +81,11 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     whose corpora differ only by injected items). Held-out documents come from `held_docs`, or from
     the `data.held_out` corpus when that is set.
     """
-    from data_pipelines import load_corpus, load_tokenizer, pack, per_document, tokenize_documents
+    from data_pipelines import load_corpus, pack, per_document, tokenize_documents
 
     d = cfg.data
-    tok = tokenizer or load_tokenizer(d.tokenizer, texts=[doc.text for doc in docs], vocab_size=d.vocab_size)
+    tok = tokenizer or run_tokenizer(d.tokenizer, cfg.model.name, texts=[doc.text for doc in docs],
+                                     vocab_size=d.vocab_size)
     cut = d.block_len if d.packing == "per-document" else None
     tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
     kept = tokens.kept
@@ -176,8 +177,9 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     check_out_dir(out, overwrite or bool(resume))  # bad input fails before anything is written
     ckpt = resolve_resume(resume, out)
     data = data or prepare_data(cfg)
+    check_tokenizer(data.tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
-                        overrides=cfg.model.overrides)
+                        overrides=cfg.model.overrides, random_init=cfg.model.random_init)
     if ckpt is not None:
         _check_resume_fits(ckpt, model)
     spec = cfg.grid if grid is None else grid

@@ -87,14 +87,16 @@ class Config(ExperimentConfig):
 
 def build_corpus(cfg: Config, exp: Experiment):
     """(PreparedData, manifest, duplicated documents' tokens): base corpus + injected items, tokenized."""
-    from data_pipelines import inject, load_tokenizer, record_token_positions, tokenize_documents
+    from data_pipelines import inject, record_token_positions, tokenize_documents
+    from memorization.models import run_tokenizer
     from memorization.pipeline import prepare_documents
 
     b = cfg.base
     docs, held, _ = load_documents(b)
     # The tokenizer never sees the canaries: merges learnt from a secret would shorten it and skew
     # its perplexity (and exposure) before any training.
-    tok = load_tokenizer(b.data.tokenizer, texts=[d.text for d in docs], vocab_size=b.data.vocab_size)
+    tok = run_tokenizer(b.data.tokenizer, b.model.name, texts=[d.text for d in docs],
+                        vocab_size=b.data.vocab_size)
     long_enough = tokenize_documents(docs, tok, min_tokens=b.data.min_tokens).kept
     docs = [docs[i] for i in long_enough]  # min_tokens applies to corpus documents, never to canaries
     injected, manifest = inject(docs, canaries=cfg.canary_spec(), duplicates=cfg.duplicate_spec(),
