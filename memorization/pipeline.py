@@ -265,9 +265,7 @@ def _extraction(cfg: RunConfig, data: PreparedData, trainer: Trainer, out_dir: P
     results = extract(model, data.train_docs, prefix_len=cfg.eval.prefix, suffix_len=cfg.eval.suffix,
                       tokenizer=data.tokenizer, batch_size=cfg.eval.batch_size,
                       num_beams=cfg.eval.num_beams, doc_ids=data.train_doc_ids)
-    with open(out_dir / "extraction.jsonl", "w", encoding="utf-8") as fh:
-        for r in results:
-            fh.write(json.dumps(r.to_dict()) + "\n")
+    write_extraction(out_dir / "extraction.jsonl", results)
     stats = summarize(results)
     if wb is not None:
         tok = data.tokenizer
@@ -277,6 +275,12 @@ def _extraction(cfg: RunConfig, data: PreparedData, trainer: Trainer, out_dir: P
     return {"docs": stats["docs"], "exact_match_rate": stats["exact_match_rate"],
             "rougeL": stats["rougeL"], "token_accuracy": stats["token_accuracy"],
             "lcp_mean": stats["lcp_mean"]}
+
+
+def write_extraction(path: Path, results: list[Any]) -> None:
+    """One JSON line per ExtractionResult (the format of a run's extraction.jsonl)."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r.to_dict()) + "\n" for r in results)
 
 
 def _serial_model(path: Path) -> torch.nn.Module:

@@ -5,6 +5,8 @@ Kinds (configs/experiments/<kind>.yaml):
   goldfish-sweep             k x h grid (+ static, token budget on/off): memorization vs validation loss
   catastrophic-memorization  model sizes x passes: exact match after every pass, standard vs goldfish
   canary-exposure            canaries and duplicated documents: exposure/extraction vs copy count
+  pretrained-memorization    a pretrained model fine-tuned pass by pass: extraction, MIA and utility
+                             from pass 0, standard vs goldfish vs the random-init control
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ KINDS = {
     "goldfish-sweep": "memorization.experiments.goldfish_sweep",
     "catastrophic-memorization": "memorization.experiments.catastrophic",
     "canary-exposure": "memorization.experiments.canary_exposure",
+    "pretrained-memorization": "memorization.experiments.pretrained",
 }
 
 

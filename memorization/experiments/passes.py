@@ -34,7 +34,7 @@ class PassExtraction:
         """Score extraction now (a collective under a grid: every rank gathers the weights)."""
         if epoch == self.final or (self.passes is not None and epoch not in self.passes):
             return  # the final pass is scored by run_training itself
-        model = _serial_model(trainer)
+        model = serial_model(trainer)
         if model is None:
             return
         from evals import extract, summarize
@@ -54,7 +54,7 @@ class PassExtraction:
                     "pass_exact_match": record["exact_match_rate"], "pass_rougeL": record["rougeL"]})
 
 
-def _serial_model(trainer: Trainer) -> torch.nn.Module | None:
+def serial_model(trainer: Trainer) -> torch.nn.Module | None:
     """The model as one serial module on the main rank (None elsewhere)."""
     if trainer.grid is None:
         return trainer.model

@@ -1,0 +1,333 @@
+"""pretrained-memorization: catastrophic memorization on a real pretrained model, pass by pass.
+
+The AxoNN study (SC24) found that large pretrained models memorize their fine-tuning data within
+very few passes. Here a pretrained model (SmolLM2-135M by default) is fine-tuned on one half of a
+corpus (the members) for `passes` passes, with standard loss and with goldfish loss, next to the
+control that isolates pretraining: the same architecture from random init, same data, same
+schedule. Before fine-tuning (pass 0) and after every pass each run is asked the three questions:
+  memorization   greedy extraction of every member from its prefix (exact match, RougeL)
+  membership     MIA on members vs the held-out half (loss, zlib, min-k++, ref_ratio with the
+                 un-fine-tuned base model as reference): ROC AUC, TPR@1%FPR, bootstrap CIs
+  utility        held-out loss on the non-member half and on another domain
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axonn.config import fail, to_dict
+from axonn.trainer import Trainer
+from memorization.config import RunConfig
+from memorization.experiments.passes import serial_model
+from memorization.experiments.reporting import Outputs, Table, figure, save
+from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
+from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
+from memorization.experiments.spec import ExperimentConfig, check_losses, choice_list, int_list
+from memorization.models import build_model, is_pretrained
+from memorization.pipeline import run_training, write_extraction
+
+MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
+
+
+@dataclass
+class Config(ExperimentConfig):
+    """Losses x {pretrained, random-init control}, each fine-tuned for `passes` passes."""
+
+    passes: int = 6
+    losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
+    control: bool = True  # also train the architecture from random init (standard loss)
+    mia_methods: list[str] = field(default_factory=lambda: ["loss", "zlib", "min_k_plus_plus", "ref_ratio"])
+    mia_k: float = 0.2  # fraction of lowest-scoring tokens for min-k / min-k++
+    bootstrap: int = 1000  # resamples for the 95% confidence intervals (0 = none)
+    other_held_out: str = "lee-news"  # a second domain for utility ("" = none)
+    other_held_out_limit: int = 50
+    eval_passes: list[int] = field(default_factory=list)  # [] = every pass (0 is always scored)
+
+    def validate(self, prefix: str = "") -> None:
+        """A pretrained base model, members vs a same-distribution held-out half, sane ranges."""
+        super().validate(prefix)
+        if self.passes < 1:
+            raise fail("passes", self.passes, "must be >= 1")
+        check_losses("losses", self.losses)
+        choice_list("mia_methods", self.mia_methods, MIA_METHODS)
+        if not 0 < self.mia_k <= 1:
+            raise fail("mia_k", self.mia_k, "must be a fraction in (0, 1], e.g. 0.2")
+        if self.bootstrap < 0:
+            raise fail("bootstrap", self.bootstrap, "must be >= 0 (0 = no confidence intervals)")
+        if self.other_held_out_limit < 0:
+            raise fail("other_held_out_limit", self.other_held_out_limit, "must be >= 0 (0 = all)")
+        if self.eval_passes:
+            int_list("eval_passes", self.eval_passes, minimum=1)
+            if max(self.eval_passes) > self.passes:
+                raise fail("eval_passes", self.eval_passes, f"every pass must be <= passes={self.passes}")
+        d = self.base.data
+        if d.held_out or not d.held_out_fraction > 0:
+            raise fail("base.data.held_out_fraction", d.held_out_fraction,
+                       "membership inference needs non-members from the members' distribution: set "
+                       "base.data.held_out='' and base.data.held_out_fraction=0.5")
+        if not is_pretrained(self.base.model.name):
+            raise fail("base.model.name", self.base.model.name, "this experiment fine-tunes a pretrained "
+                       "model: use smollm2-135m or a local Hugging Face model folder")
+
+
+class Evaluator:
+    """The three questions, asked of one model; the reference model's scores are computed once."""
+
+    def __init__(self, cfg: Config, split: SplitData, other: list[list[int]], reference: torch.nn.Module):
+        from evals.mia import score_sequences
+
+        self.cfg, self.split, self.other = cfg, split, other
+        self.members, self.nonmembers = split.prepared.train_docs, split.nonmembers
+        tok = split.prepared.tokenizer
+        self._ref_nll = {}
+        if "ref_ratio" in cfg.mia_methods:
+            for name, seqs in (("members", self.members), ("nonmembers", self.nonmembers)):
+                self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tok, k=cfg.mia_k,
+                                                       batch_size=16)["loss"]
+
+    def __call__(self, model: torch.nn.Module) -> tuple[dict[str, Any], list[Any]]:
+        """(record: extraction, MIA per method and held-out losses of `model`; extraction results)."""
+        from evals import extract, summarize
+        from evals.mia import bootstrap_ci, roc_metrics, score_sequences
+        from evals.perplexity import corpus_loss
+
+        cfg, data = self.cfg, self.split.prepared
+        e = cfg.base.eval
+        results = extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                          tokenizer=data.tokenizer, batch_size=e.batch_size, doc_ids=data.train_doc_ids)
+        stats = summarize(results)
+        scores = {name: score_sequences(model, seqs, tokenizer=data.tokenizer, k=cfg.mia_k, batch_size=16)
+                  for name, seqs in (("members", self.members), ("nonmembers", self.nonmembers))}
+        if self._ref_nll:  # reference NLL minus target NLL (higher = member), as evals.mia defines it
+            for name in scores:
+                scores[name]["ref_ratio"] = self._ref_nll[name] + scores[name]["loss"]
+        mia = {}
+        for method in cfg.mia_methods:
+            m, n = scores["members"][method], scores["nonmembers"][method]
+            roc = roc_metrics(m, n)
+            rec = {"auc": roc["auc"], "tpr_at_1fpr": roc["tpr_at_1pct_fpr"]}
+            if cfg.bootstrap:
+                ci = bootstrap_ci(m, n, resamples=cfg.bootstrap, seed=cfg.base.seed)
+                rec.update(auc_ci=ci["auc_ci"], tpr_at_1fpr_ci=ci["tpr_at_1pct_fpr_ci"])
+            mia[method] = rec
+        record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
+                  "token_accuracy": stats["token_accuracy"],
+                  "val_loss": corpus_loss(model, self.nonmembers, batch_size=16)["loss"],
+                  "other_val_loss": corpus_loss(model, self.other, batch_size=16)["loss"] if self.other else None,
+                  "mia": mia}
+        return record, results
+
+
+class PassEvaluation:
+    """Trainer callback: the Evaluator's record before training (pass 0) and after chosen passes."""
+
+    def __init__(self, evaluate: Evaluator, passes: set[int] | None, last: int):
+        self.evaluate, self.passes, self.last = evaluate, passes, last
+        self.records: list[dict[str, Any]] = []
+        self.last_results: list[Any] = []  # the latest pass's extraction results
+
+    def _score(self, trainer: Trainer, done: int) -> None:
+        model = serial_model(trainer)  # a collective under a grid: every rank takes part
+        if model is None:
+            return
+        record, self.last_results = self.evaluate(model)
+        rec = {"pass": done, "step": trainer.state.step, **record}
+        self.records.append(rec)
+        say(f"{trainer.name} pass {done}: exact match {rec['exact_match_rate']:.0%}, val loss "
+            f"{rec['val_loss']:.3f}, MIA AUC " + ", ".join(f"{m} {v['auc']:.2f}" for m, v in rec["mia"].items()))
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Pass 0: the model before fine-tuning."""
+        self._score(trainer, 0)
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int) -> None:
+        """After pass `epoch` (always after the last)."""
+        if self.passes is None or epoch in self.passes or epoch == self.last:
+            self._score(trainer, epoch)
+
+
+def run_config(cfg: Config, loss: str, pretrained: bool) -> RunConfig:
+    """The RunConfig of one (loss, pretrained?) run: `passes` epochs, goldfish per `loss`."""
+    b = cfg.base
+    name = f"{'pretrained' if pretrained else 'random-init'}-{loss}"
+    return replace(b, name=name, model=replace(b.model, random_init=not pretrained),
+                   trainer=replace(b.trainer, epochs=cfg.passes, max_steps=0),
+                   goldfish=replace(b.goldfish, enabled=loss == "goldfish", token_budget=False),
+                   eval=replace(b.eval, extraction=False))  # every pass is scored by the callback
+
+
+def _other_domain(cfg: Config, tokenizer: Any) -> list[list[int]]:
+    from data_pipelines import load_corpus, tokenize_documents
+
+    if not cfg.other_held_out:
+        return []
+    docs = load_corpus(cfg.other_held_out, limit=cfg.other_held_out_limit or None)
+    return list(tokenize_documents(docs, tokenizer, max_tokens=cfg.base.data.block_len, min_tokens=2))
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Fine-tune every arm with the three questions asked before and after each pass; report per pass."""
+    split = prepare_split(cfg.base)
+    data = split.prepared
+    evaluator = None
+    if exp.is_main:
+        reference = build_model(cfg.base.model.name, overrides=cfg.base.model.overrides)
+        reference.eval()
+        evaluator = Evaluator(cfg, split, _other_domain(cfg, data.tokenizer), reference)
+        del reference
+    arms = [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
+    runs, samples = [], []
+    for loss, pretrained in arms:
+        rc = run_config(cfg, loss, pretrained)
+
+        def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
+            probe = PassEvaluation(evaluator, set(cfg.eval_passes) or None, cfg.passes)
+            summary = run_training(rc, run_dir, overwrite=True, grid=exp.grid, data=data,
+                                   progress=rc.trainer.progress, callbacks=[probe])
+            if exp.is_main:
+                summary["passes"] = probe.records
+                with open(run_dir / "passes.jsonl", "w", encoding="utf-8") as fh:
+                    fh.writelines(json.dumps(r) + "\n" for r in probe.records)
+                write_extraction(run_dir / "extraction.jsonl", probe.last_results)
+                payload = json.loads((run_dir / "run.json").read_text())
+                payload["summary"]["passes"] = probe.records
+                (run_dir / "run.json").write_text(json.dumps(payload, indent=2))
+            return summary
+
+        summary = exp.run(rc, data, train=train, per_run_wandb=cfg.per_run_wandb,
+                          extra_key={"evaluated": "every pass", "mia": cfg.mia_methods, "k": cfg.mia_k,
+                                     "bootstrap": cfg.bootstrap, "other": [cfg.other_held_out,
+                                                                          cfg.other_held_out_limit],
+                                     "eval_passes": cfg.eval_passes})
+        if not exp.is_main:
+            continue
+        runs.append(_run_record(summary, loss, pretrained))
+        samples += extraction_samples(rc.name, exp.run_dir(rc.name), data.tokenizer, min(cfg.samples, 4))
+    if not exp.is_main:
+        return None
+    return _outputs(cfg, runs, split, exp.out, samples)
+
+
+def _run_record(summary: dict[str, Any], loss: str, pretrained: bool) -> dict[str, Any]:
+    passes = summary.get("passes") or []
+    last = passes[-1] if passes else {}
+    return {"name": summary["name"], "loss": loss, "pretrained": pretrained, "params": summary.get("params"),
+            "steps": summary.get("steps"), "train_seconds": summary.get("train_seconds"),
+            "final_train_loss": summary.get("final_train_loss"), "reused": summary.get("reused", False),
+            "exact_match_rate": last.get("exact_match_rate"), "rougeL": last.get("rougeL"),
+            "val_loss": last.get("val_loss"), "other_val_loss": last.get("other_val_loss"),
+            "passes": passes}
+
+
+def _first_pass(run: dict[str, Any], threshold: float) -> int | None:
+    return next((p["pass"] for p in run["passes"] if (p.get("exact_match_rate") or 0) >= threshold), None)
+
+
+def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Path,
+             samples: list[list[Any]]) -> Outputs:
+    methods = cfg.mia_methods
+    summary_rows, pass_rows = [], []
+    for r in runs:
+        last = r["passes"][-1] if r["passes"] else {}
+        first = r["passes"][0] if r["passes"] else {}
+        row = {"run": r["name"], "params": r.get("params"), "em_0": first.get("exact_match_rate"),
+               "em": r["exact_match_rate"], "first_50": _first_pass(r, 0.5), "rougeL": r["rougeL"],
+               "val_0": first.get("val_loss"), "val": r["val_loss"], "other": r["other_val_loss"]}
+        for m in methods:
+            row[f"auc_{m}"] = _fmt_ci(last.get("mia", {}).get(m))
+        summary_rows.append(row)
+        for p in r["passes"]:
+            pr = {"run": r["name"], "pass": p["pass"], "em": p["exact_match_rate"], "rougeL": p["rougeL"],
+                  "val": p["val_loss"], "other": p["other_val_loss"]}
+            for m in methods:
+                pr[f"auc_{m}"] = _fmt_ci(p["mia"].get(m))
+                pr[f"tpr_{m}"] = p["mia"].get(m, {}).get("tpr_at_1fpr")
+            pass_rows.append(pr)
+    cols = [("run", "run", "{}"), ("params", "params", "{:,}"), ("em_0", "EM pass 0", "{:.0%}"),
+            ("em", f"EM pass {cfg.passes}", "{:.0%}"), ("first_50", "first pass EM>=50%", "{}"),
+            ("rougeL", "RougeL", "{:.3f}"), ("val_0", "val loss pass 0", "{:.3f}"), ("val", "val loss", "{:.3f}"),
+            ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
+    cols += [(f"auc_{m}", f"AUC {m} [95% CI]", "{}") for m in methods]
+    pcols = [("run", "run", "{}"), ("pass", "pass", "{}"), ("em", "EM", "{:.0%}"), ("rougeL", "RougeL", "{:.3f}"),
+             ("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
+    pcols += [(f"auc_{m}", f"AUC {m}", "{}") for m in methods]
+    pcols += [(f"tpr_{m}", f"TPR@1%FPR {m}", "{:.2f}") for m in methods]
+    b = cfg.base
+    notes = [
+        f"Model: {b.model.name} ({runs[0].get('params') or 0:,} parameters), its own tokenizer. Members: "
+        f"{len(split.prepared.train_docs)} documents of '{b.data.corpus}' cut to {b.data.block_len} tokens; "
+        f"non-members: {len(split.nonmembers)} documents from {split.held_out_source}.",
+        f"{cfg.passes} passes, lr {b.trainer.lr}, batch {b.trainer.batch_size}, warmup {b.trainer.warmup_steps}, "
+        f"cosine to {b.trainer.min_lr_ratio} x lr; every arm from the same seed. Pass 0 = before fine-tuning.",
+        f"Extraction: greedy {b.eval.suffix} tokens from the first {b.eval.prefix} of every member (exact match "
+        "= all of them right).",
+        f"MIA: members vs non-members; higher score = member; min-k fraction {cfg.mia_k}; ref_ratio uses the "
+        f"un-fine-tuned {b.model.name} as the reference; 95% CIs from {cfg.bootstrap} stratified bootstrap "
+        "resamples. With this few documents an AUC CI is wide: read the trend, not the third decimal.",
+        f"Utility: token-weighted held-out loss (nats/token) on the non-members and on '{cfg.other_held_out}'.",
+        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}. The random-init control is the "
+        "same architecture with fresh seeded weights, standard loss.",
+    ]
+    plots = [_plot_em(runs, out / "pretrained-exact-match.png"), _plot_mia(runs, methods, out / "pretrained-mia.png"),
+             _plot_utility(runs, cfg.other_held_out, out / "pretrained-utility.png")]
+    return Outputs(title="Memorization of a pretrained model, pass by pass", kind=cfg.kind, runs=runs,
+                   tables=[Table("Summary", summary_rows, tuple(cols)), Table("Per pass", pass_rows, tuple(pcols))],
+                   notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
+                   extra={"passes": cfg.passes, "mia_methods": methods})
+
+
+def _fmt_ci(rec: dict[str, Any] | None) -> str | None:
+    if not rec:
+        return None
+    ci = rec.get("auc_ci")
+    return f"{rec['auc']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{rec['auc']:.2f}"
+
+
+def _style(r: dict[str, Any]) -> dict[str, Any]:
+    return {"linestyle": "-" if r["loss"] == "standard" else "--", "marker": "o" if r["pretrained"] else "x"}
+
+
+def _plot_em(runs: list[dict[str, Any]], path: Path) -> Path:
+    fig, (ax,) = figure(1, width=6.0)
+    for r in runs:
+        ax.plot([p["pass"] for p in r["passes"]], [p["exact_match_rate"] for p in r["passes"]],
+                label=r["name"], **_style(r))
+    ax.set(xlabel="passes over the members", ylabel="exact match (members)", ylim=(-0.02, 1.02),
+           title="Verbatim extraction after each pass")
+    ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def _plot_mia(runs: list[dict[str, Any]], methods: list[str], path: Path) -> Path:
+    fig, axes = figure(len(methods), width=4.2)
+    for ax, m in zip(axes, methods):
+        for r in runs:
+            xs = [p["pass"] for p in r["passes"]]
+            recs = [p["mia"].get(m, {}) for p in r["passes"]]
+            line, = ax.plot(xs, [x.get("auc") for x in recs], label=r["name"], **_style(r))
+            if all(x.get("auc_ci") for x in recs):
+                ax.fill_between(xs, [x["auc_ci"][0] for x in recs], [x["auc_ci"][1] for x in recs],
+                                color=line.get_color(), alpha=0.12)
+        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+        ax.set(xlabel="pass", ylabel="ROC AUC", ylim=(0.3, 1.02), title=f"MIA: {m}")
+    axes[0].legend(fontsize=7)
+    return save(fig, path)
+
+
+def _plot_utility(runs: list[dict[str, Any]], other: str, path: Path) -> Path:
+    fig, axes = figure(2 if other else 1, width=5.0)
+    keys = [("val_loss", "non-member held-out loss")] + ([("other_val_loss", f"{other} loss")] if other else [])
+    for ax, (key, title) in zip(axes, keys):
+        for r in runs:
+            ax.plot([p["pass"] for p in r["passes"]], [p[key] for p in r["passes"]], label=r["name"], **_style(r))
+        ax.set(xlabel="pass", ylabel="nats / token", title=f"Utility: {title}")
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    return save(fig, path)
+
+
+__all__ = ["Config", "Evaluator", "PassEvaluation", "run", "run_config"]

@@ -1,0 +1,90 @@
+"""pretrained-memorization end to end on a micro config: a tiny briefly-trained model stands in for SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memorization.cli import main
+
+BASE = """
+name: base
+data: {corpus: wiki-leads, limit: 20, vocab_size: 320, block_len: 40, min_tokens: 40, held_out: ""}
+model:
+  name: tiny
+  overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
+              num_key_value_heads: 4}
+trainer: {batch_size: 4, max_steps: 3, progress: false}
+eval: {extraction: false}
+wandb: {mode: disabled}
+"""
+
+EXPERIMENT = """
+kind: pretrained-memorization
+name: pm
+passes: 2
+bootstrap: 50
+other_held_out: lee-news
+other_held_out_limit: 6
+samples: 2
+base:
+  data: {{corpus: wiki-leads, limit: 24, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
+  model: {{name: {model}}}
+  trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  wandb: {{mode: disabled}}
+"""
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny model trained for 3 steps and exported: a local 'pretrained' HF folder with its tokenizer."""
+    root = tmp_path_factory.mktemp("base")
+    cfg = root / "base.yaml"
+    cfg.write_text(BASE)
+    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
+    return root / "run" / "model"
+
+
+def test_experiment_end_to_end(pretrained, tmp_path, cache_dir):
+    cfg = tmp_path / "pm.yaml"
+    cfg.write_text(EXPERIMENT.format(model=pretrained))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    names = [r["name"] for r in report["runs"]]
+    assert names == ["pretrained-standard", "pretrained-goldfish", "random-init-standard"]
+    for r in report["runs"]:
+        assert r["loss"] in ("standard", "goldfish") and isinstance(r["pretrained"], bool)
+        assert [p["pass"] for p in r["passes"]] == [0, 1, 2]  # pass 0 first, then every pass
+        for p in r["passes"]:
+            assert 0 <= p["exact_match_rate"] <= 1 and 0 <= p["rougeL"] <= 1
+            assert p["val_loss"] > 0 and p["other_val_loss"] > 0
+            assert set(p["mia"]) == {"loss", "zlib", "min_k_plus_plus", "ref_ratio"}
+            for m in p["mia"].values():
+                lo, hi = m["auc_ci"]
+                assert lo <= m["auc"] <= hi and 0 <= m["tpr_at_1fpr"] <= 1
+    std, gold, control = report["runs"]
+    # pass 0 is the same base model for both pretrained arms; the control starts from other weights
+    assert std["passes"][0]["val_loss"] == pytest.approx(gold["passes"][0]["val_loss"], rel=1e-6)
+    assert control["passes"][0]["val_loss"] != pytest.approx(std["passes"][0]["val_loss"], rel=1e-3)
+    # ref_ratio against the base model is exactly uninformative before fine-tuning: the scores are 0
+    assert std["passes"][0]["mia"]["ref_ratio"]["auc"] == pytest.approx(0.5)
+    assert (out / "report.md").is_file() and (out / "pretrained-mia.png").is_file()
+    assert (out / "runs" / "pretrained-standard" / "passes.jsonl").read_text().count("\n") == 3
+    # a second invocation reuses every finished run
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())
+    assert all(r["reused"] for r in again["runs"])
+    assert again["runs"][0]["passes"] == std["passes"]
+
+
+def test_refuses_a_random_init_base_and_a_foreign_held_out(tmp_path, cache_dir, capsys):
+    cfg = tmp_path / "pm.yaml"
+    cfg.write_text(EXPERIMENT.format(model="tiny"))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert "base.model.name" in capsys.readouterr().err
+    cfg.write_text(EXPERIMENT.format(model="smollm2-135m"))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "o"), "base.data.held_out=lee-news"]) == 2
+    assert "held_out_fraction" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
