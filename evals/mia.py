@@ -131,15 +131,85 @@ def roc_metrics(member_scores: np.ndarray | Sequence[float],
     }
 
 
+def roc_on_resamples(member_scores: np.ndarray | Sequence[float],
+                     nonmember_scores: np.ndarray | Sequence[float], member_idx: np.ndarray,
+                     nonmember_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ROC AUC and TPR@1%FPR of each resample: row b scores members[member_idx[b]] vs nonmembers[nonmember_idx[b]]."""
+    pos = np.asarray(member_scores, dtype=np.float64).ravel()
+    neg = np.asarray(nonmember_scores, dtype=np.float64).ravel()
+    # Rank statistic on the shared sorted unique values: a resample is just a histogram over them,
+    # so B resamples cost B*U work instead of B sklearn calls.
+    values, inverse = np.unique(np.r_[pos, neg], return_inverse=True)
+    u = values.size
+    pos_bin, neg_bin = inverse[:pos.size], inverse[pos.size:]
+    b = member_idx.shape[0]
+    rows = np.arange(b)[:, None] * u
+    hp = np.bincount((rows + pos_bin[member_idx]).ravel(), minlength=b * u).reshape(b, u).astype(np.float64)
+    hn = np.bincount((rows + neg_bin[nonmember_idx]).ravel(), minlength=b * u).reshape(b, u).astype(np.float64)
+    n_p, n_n = member_idx.shape[1], nonmember_idx.shape[1]
+    # Counts at or above each value (score >= threshold is called a member), as roc_curve does.
+    pos_ge = np.cumsum(hp[:, ::-1], axis=1)[:, ::-1]
+    neg_ge = np.cumsum(hn[:, ::-1], axis=1)[:, ::-1]
+    # P(member > non-member) + P(tie)/2: for each non-member value, members strictly above + half the ties.
+    above = pos_ge - hp
+    auc = (hn * (above + 0.5 * hp)).sum(axis=1) / (n_p * n_n)
+    fpr, tpr = neg_ge / n_n, pos_ge / n_p
+    tpr1 = np.where(fpr <= 0.01 + 1e-12, tpr, 0.0).max(axis=1)
+    return auc, tpr1
+
+
+def bootstrap_ci(member_scores: np.ndarray | Sequence[float], nonmember_scores: np.ndarray | Sequence[float],
+                 *, resamples: int = 1000, seed: int = 0,
+                 confidence: float = 0.95) -> dict[str, list[float]]:
+    """Percentile bootstrap CIs of ROC AUC and TPR@1%FPR (members, non-members resampled separately)."""
+    roc_metrics(member_scores, nonmember_scores)  # the same input checks
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise fail("resamples", resamples, "pass an integer >= 1, e.g. 1000")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise fail("seed", seed, "pass an integer seed, e.g. 0")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
+        raise fail("confidence", confidence, "pass a level in (0, 1), e.g. 0.95")
+    pos = np.asarray(member_scores, dtype=np.float64).ravel()
+    neg = np.asarray(nonmember_scores, dtype=np.float64).ravel()
+    rng = np.random.default_rng(seed)
+    # Stratified: each class keeps its size, so every resample has the original class balance.
+    # Chunks bound memory at large score counts; their size depends only on the input sizes.
+    chunk = max(1, min(resamples, 4_000_000 // (pos.size + neg.size)))
+    aucs, tprs = [], []
+    for start in range(0, resamples, chunk):
+        b = min(chunk, resamples - start)
+        a, t = roc_on_resamples(pos, neg, rng.integers(0, pos.size, (b, pos.size)),
+                                rng.integers(0, neg.size, (b, neg.size)))
+        aucs.append(a)
+        tprs.append(t)
+    tail = 100 * (1 - confidence) / 2
+    q = [tail, 100 - tail]
+    return {"auc_ci": [float(x) for x in np.percentile(np.concatenate(aucs), q)],
+            "tpr_at_1pct_fpr_ci": [float(x) for x in np.percentile(np.concatenate(tprs), q)]}
+
+
 def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]],
                          nonmembers: Sequence[Sequence[int]], *, tokenizer: Any = None,
                          ref_model: torch.nn.Module | None = None, k: float = 0.2,
-                         batch_size: int = 8) -> dict[str, dict[str, float]]:
-    """Score members and non-members with every method and return {method: roc_metrics}."""
+                         batch_size: int = 8, bootstrap: int = 0,
+                         seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Score members and non-members with every method: {method: roc_metrics (+ bootstrap CIs)}.
+
+    bootstrap=B > 0 adds `auc_ci` and `tpr_at_1pct_fpr_ci` (95% percentile intervals of B
+    stratified resamples). Every method sees the same resamples (same seed), so their intervals
+    are paired and comparable.
+    """
     if not members or not nonmembers:
         raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)} sequences",
                    "pass at least one member and one non-member sequence")
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+        raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
     kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size)
     m = score_sequences(model, members, **kw)
     n = score_sequences(model, nonmembers, **kw)
-    return {method: roc_metrics(m[method], n[method]) for method in m}
+    out: dict[str, dict[str, Any]] = {}
+    for method in m:
+        out[method] = roc_metrics(m[method], n[method])
+        if bootstrap:
+            out[method].update(bootstrap_ci(m[method], n[method], resamples=bootstrap, seed=seed))
+    return out

@@ -1,10 +1,13 @@
 """Token log-probabilities and held-out loss of a causal LM."""
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from evals._errors import fail
-from evals._model import evaluating, float_logits, model_device
+from evals._model import evaluating, float_logits, model_device, pad_right
 
 
 def _check_ids(field: str, ids: torch.Tensor) -> None:
@@ -53,18 +56,51 @@ def mean_loss(model: torch.nn.Module, rows: torch.LongTensor, labels: torch.Long
         raise fail("labels", shape, f"pass a tensor with the same shape as rows {tuple(rows.shape)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise fail("batch_size", batch_size, "pass an integer >= 1")
-    device = model_device(model)
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
+    total, count = 0.0, 0
     with evaluating(model):
         for b in range(0, rows.shape[0], batch_size):
-            ids = rows[b:b + batch_size].to(device)
-            tgt = labels[b:b + batch_size, 1:].to(device)
-            logits = float_logits(model, ids)[:, :-1]
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum")
-            total += loss.double().cpu()
-            count += int((tgt != -100).sum())
+            t, c = _loss_sum(model, rows[b:b + batch_size], labels[b:b + batch_size])
+            total, count = total + t, count + c
     if count == 0:
         raise fail("labels", "all -100", "no supervised token; leave some labels unmasked")
-    return float(total / count)
+    return total / count
+
+
+def _loss_sum(model: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
+              mask: torch.Tensor | None = None) -> tuple[float, int]:
+    """Summed next-token cross-entropy (float64) and token count over labels != -100 of one batch."""
+    device = model_device(model)
+    ids = rows.to(device)
+    tgt = labels[:, 1:].to(device)
+    logits = float_logits(model, ids, mask.to(device) if mask is not None else None)[:, :-1]
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum")
+    return float(loss.double().cpu()), int((tgt != -100).sum())
+
+
+def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
+                batch_size: int = 8) -> dict[str, float | int]:
+    """Token-weighted mean next-token cross-entropy (nats) and perplexity over ragged sequences.
+
+    Every token after a sequence's first is scored once, so `scored_tokens` = tokens - docs. Returns
+    {docs, tokens, scored_tokens, loss, perplexity}; equals mean_loss on the same rows, unpadded.
+    """
+    seqs = [[int(t) for t in s] for s in seqs]
+    if not seqs:
+        raise fail("seqs", "[]", "pass at least one token sequence")
+    short = [i for i, s in enumerate(seqs) if len(s) < 2]
+    if short:
+        raise fail(f"seqs[{short[0]}]", seqs[short[0]], "every sequence needs at least 2 tokens")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise fail("batch_size", batch_size, "pass an integer >= 1")
+    # Length-sorted batches keep padding (wasted compute) small; the sum does not depend on order.
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    total, count = 0.0, 0
+    with evaluating(model):
+        for b in range(0, len(order), batch_size):
+            ids, mask = pad_right([seqs[i] for i in order[b:b + batch_size]])
+            t, c = _loss_sum(model, ids, ids.masked_fill(mask == 0, -100), mask)
+            total, count = total + t, count + c
+    loss = total / count
+    return {"docs": len(seqs), "tokens": sum(len(s) for s in seqs), "scored_tokens": count,
+            "loss": loss, "perplexity": math.exp(loss)}

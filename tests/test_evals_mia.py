@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from axonn.config import ConfigError
 from evals import membership_inference, min_k_mean, roc_metrics, score_sequences, sequence_logprobs
+from evals.mia import bootstrap_ci, roc_on_resamples
 
 torch.set_num_threads(1)
 
@@ -127,3 +128,76 @@ def test_score_sequences_rejects_bad_input():
         score_sequences(model, [[1, 2, 3], [4]])
     with pytest.raises(ConfigError, match="k=0"):
         score_sequences(model, [[1, 2, 3]], k=0)
+
+
+def test_resample_metrics_equal_sklearn_on_the_data_itself():
+    rng = np.random.default_rng(1)
+    for _ in range(20):  # rounded scores: many ties within and across the classes
+        pos = np.round(rng.normal(0.5, 1, rng.integers(1, 40)), 1)
+        neg = np.round(rng.normal(0, 1, rng.integers(1, 300)), 1)
+        auc, tpr = roc_on_resamples(pos, neg, np.arange(pos.size)[None], np.arange(neg.size)[None])
+        y = np.r_[np.ones(pos.size), np.zeros(neg.size)]
+        assert auc[0] == pytest.approx(roc_auc_score(y, np.r_[pos, neg]), abs=1e-12)
+        assert tpr[0] == pytest.approx(roc_metrics(pos, neg)["tpr_at_1pct_fpr"], abs=1e-12)
+
+
+def test_resample_metrics_equal_a_loop_over_resamples():
+    rng = np.random.default_rng(2)
+    pos, neg = np.round(rng.normal(1, 1, 60), 1), np.round(rng.normal(0, 1, 150), 1)
+    pi, ni = rng.integers(0, 60, (30, 60)), rng.integers(0, 150, (30, 150))
+    auc, tpr = roc_on_resamples(pos, neg, pi, ni)
+    for b in range(30):
+        want = roc_metrics(pos[pi[b]], neg[ni[b]])
+        assert auc[b] == pytest.approx(want["auc"], abs=1e-12)
+        assert tpr[b] == pytest.approx(want["tpr_at_1pct_fpr"], abs=1e-12)
+
+
+def test_bootstrap_ci_is_seeded_and_brackets_the_estimate():
+    rng = np.random.default_rng(3)
+    pos, neg = rng.normal(0.8, 1, 100), rng.normal(0, 1, 100)
+    ci = bootstrap_ci(pos, neg, resamples=1000, seed=7)
+    assert ci == bootstrap_ci(pos, neg, resamples=1000, seed=7)
+    assert ci != bootstrap_ci(pos, neg, resamples=1000, seed=8)
+    point = roc_metrics(pos, neg)
+    lo, hi = ci["auc_ci"]
+    assert lo <= point["auc"] <= hi and hi - lo < 0.3
+    lo, hi = ci["tpr_at_1pct_fpr_ci"]
+    assert 0 <= lo <= point["tpr_at_1pct_fpr"] <= hi <= 1
+    narrow = bootstrap_ci(pos, neg, resamples=1000, seed=7, confidence=0.5)
+    assert ci["auc_ci"][0] <= narrow["auc_ci"][0] <= narrow["auc_ci"][1] <= ci["auc_ci"][1]
+
+
+def test_bootstrap_ci_hand_checked_extremes():
+    # Perfectly separated: every resample separates too.
+    assert bootstrap_ci([5.0, 6.0, 7.0], [1.0, 2.0], resamples=200) == {
+        "auc_ci": [1.0, 1.0], "tpr_at_1pct_fpr_ci": [1.0, 1.0]}
+    # All scores equal: AUC is a coin flip and no threshold admits a member without every non-member.
+    assert bootstrap_ci([1.0] * 4, [1.0] * 6, resamples=200) == {
+        "auc_ci": [0.5, 0.5], "tpr_at_1pct_fpr_ci": [0.0, 0.0]}
+
+
+def test_bootstrap_ci_rejects_bad_input():
+    with pytest.raises(ConfigError, match="resamples=0"):
+        bootstrap_ci([1.0], [0.0], resamples=0)
+    with pytest.raises(ConfigError, match="confidence=1"):
+        bootstrap_ci([1.0], [0.0], confidence=1)
+    with pytest.raises(ConfigError, match="member_scores"):
+        bootstrap_ci([], [0.0])
+
+
+def test_membership_inference_bootstrap_adds_paired_intervals():
+    model, ref = tiny_llama(seed=0), tiny_llama(seed=9)
+    members, nonmembers = ragged(12, 64, seed=10), ragged(15, 64, seed=11)
+    plain = membership_inference(model, members, nonmembers, ref_model=ref)
+    boot = membership_inference(model, members, nonmembers, ref_model=ref, bootstrap=300, seed=4)
+    scores_m = score_sequences(model, members, ref_model=ref)
+    scores_n = score_sequences(model, nonmembers, ref_model=ref)
+    for method, metrics in boot.items():
+        assert set(metrics) == set(plain[method]) | {"auc_ci", "tpr_at_1pct_fpr_ci"}
+        assert {k: metrics[k] for k in plain[method]} == pytest.approx(plain[method])
+        # Each method's interval is bootstrap_ci of its own scores with the shared seed.
+        want = bootstrap_ci(scores_m[method], scores_n[method], resamples=300, seed=4)
+        assert metrics["auc_ci"] == pytest.approx(want["auc_ci"])
+        assert metrics["tpr_at_1pct_fpr_ci"] == pytest.approx(want["tpr_at_1pct_fpr_ci"])
+    with pytest.raises(ConfigError, match="bootstrap=-1"):
+        membership_inference(model, members, nonmembers, bootstrap=-1)
