@@ -55,17 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("out", help="where to write the save_pretrained folder")
     x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
 
-    e = sub.add_parser("eval", help="extraction eval of a saved model on a corpus")
+    e = sub.add_parser("eval", help="extraction, membership inference and perplexity of a saved model")
     e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
-    e.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")
+    e.add_argument("--corpus", default=None, help="extraction corpus: name or file (see data_pipelines.CORPORA)")
+    e.add_argument("--mia", action="store_true", help="membership inference: --members vs --non-members")
+    e.add_argument("--members", default=None, metavar="CORPUS", help="documents the model was trained on")
+    e.add_argument("--non-members", default=None, metavar="CORPUS", help="documents it never saw")
+    e.add_argument("--reference", default=None, metavar="DIR",
+                   help="reference model folder (same tokenizer) for the ref_ratio attack")
+    e.add_argument("--mia-k", type=float, default=0.2, help="Min-K%% fraction k in (0, 1] (default 0.2)")
+    e.add_argument("--bootstrap", type=int, default=1000,
+                   help="bootstrap resamples for 95%% CIs of AUC and TPR@1%%FPR (default 1000, 0 = none)")
+    e.add_argument("--perplexity", nargs="+", default=None, metavar="CORPUS",
+                   help="held-out corpora: token-weighted cross-entropy and perplexity")
     e.add_argument("--prefix", type=int, default=32, help="prefix tokens P (default 32)")
     e.add_argument("--suffix", type=int, default=32, help="suffix tokens S to decode (default 32)")
-    e.add_argument("--max-tokens", type=int, default=0, help="cut documents to this many tokens first")
-    e.add_argument("--limit", type=int, default=0, help="first N documents only")
+    e.add_argument("--max-tokens", type=int, default=None,
+                   help="cut documents to their first N tokens (default 128, or P+S if larger, "
+                        "capped at the model's context)")
+    e.add_argument("--limit", type=int, default=0, help="first N documents of every corpus only")
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--beams", type=int, default=1, help="beam search width (1 = greedy)")
-    e.add_argument("--out", default=None, help="output folder (default: print the summary only)")
-    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples (default 0)")
+    e.add_argument("--out", default=None,
+                   help="write report.json, report.md (and extraction.jsonl) here (default: print JSON only)")
+    e.add_argument("--overwrite", action="store_true", help="replace eval results already in --out")
     return parser
 
 
@@ -116,37 +130,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    """Extraction eval of a saved model; writes OUT/extraction.jsonl and OUT/summary.json."""
-    for name in ("--prefix", "--suffix", "--batch-size", "--beams"):
-        _positive(name, getattr(args, name[2:].replace("-", "_")))
-    from data_pipelines import load_corpus, tokenize_documents
-    from memorization.pipeline import prepare_out_dir
+    """Extraction, membership inference and/or perplexity of a saved model (memorization.evaluate)."""
+    from dataclasses import fields
 
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise fail("--model", args.model, "not a Hugging Face model folder (no config.json); "
-                   "pass OUT/model of a training run")
-    docs = load_corpus(args.corpus, limit=args.limit or None)
-    out = prepare_out_dir(args.out, args.overwrite) if args.out else None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from memorization.evaluate import EvalOptions, run_eval
 
-    from evals import extract, summarize
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokens = tokenize_documents(docs, tok, max_tokens=args.max_tokens or None)
-    kept = tokens.kept
-    results = extract(model, tokens, prefix_len=args.prefix, suffix_len=args.suffix, tokenizer=tok,
-                      batch_size=args.batch_size, num_beams=args.beams, doc_ids=[docs[i].id for i in kept],
-                      progress=True)
-    summary = {"model": str(model_dir), "corpus": args.corpus, "prefix": args.prefix,
-               "suffix": args.suffix, **summarize(results)}
-    if out is not None:
-        with open(out / "extraction.jsonl", "w", encoding="utf-8") as fh:
-            for r in results:
-                fh.write(json.dumps(r.to_dict()) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+    report = run_eval(EvalOptions(**{f.name: getattr(args, f.name) for f in fields(EvalOptions)}))
+    print(json.dumps(report, indent=2))
     return 0
 
 

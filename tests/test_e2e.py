@@ -64,7 +64,7 @@ def test_eval_command_matches_the_training_run(demo_out, tmp_path, capsys):
     for r in rows:
         if r["doc"] in trained:
             assert r["exact_match"] == trained[r["doc"]]
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "report.json").read_text())["extraction"]
     assert summary["docs"] == len(rows)
 
 

@@ -1,0 +1,90 @@
+"""The files of `memorize eval`: the --out check, report.md tables, and an all-at-the-end write."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from axonn.config import fail
+from memorization.pipeline import RESULT_FILES
+
+EVAL_FILES = ("report.json", "report.md", "extraction.jsonl")
+
+
+def check_eval_out(out: str, overwrite: bool) -> Path:
+    """Raise unless --out can take eval results (existing results need --overwrite); create nothing."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise fail("--out", out, "exists and is not a directory; choose another path")
+    # A training run's results count too: an eval must not silently land beside them.
+    taken = [n for n in dict.fromkeys(EVAL_FILES + tuple(RESULT_FILES)) if (path / n).exists()]
+    if taken and not overwrite:
+        raise fail("--out", out, f"already holds results ({', '.join(taken)}); choose a new folder or "
+                   "pass --overwrite")
+    return path
+
+
+def write_files(out: Path, files: dict[str, str], *, replace: tuple[str, ...] = EVAL_FILES) -> None:
+    """Write every file into a scratch folder first, then move them in, dropping stale `replace` files.
+
+    A failure while writing leaves --out as it was; the moves are renames within one folder.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".eval-", dir=out))
+    try:
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        for name in replace:  # an old extraction.jsonl must not sit beside a report without extraction
+            if name not in files and (out / name).exists():
+                (out / name).unlink()
+        for name in files:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _ci(point: float, ci: list[float] | None) -> str:
+    return f"{point:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """report.md: the extraction summary, the MIA table with intervals, and the perplexity table."""
+    parts = [f"# memorize eval: `{report['model']}`",
+             f"Documents cut to their first {report['max_tokens']} tokens; {report['seconds']:.1f} s in all."]
+    ex = report.get("extraction")
+    if ex:
+        how = "Greedy" if ex["beams"] == 1 else f"Beam search ({ex['beams']} beams)"
+        parts += [f"## Extraction: `{ex['corpus']}`",
+                  f"{how} continuation of a {ex['prefix']}-token prefix, scored on the next {ex['suffix']} tokens.",
+                  _table(["docs", "exact match", "token accuracy", "LCP (tokens)", "RougeL"],
+                         [[str(ex["docs"]), f"{ex['exact_match_rate']:.3f}", f"{ex['token_accuracy']:.3f}",
+                           f"{ex['lcp_mean']:.2f}", f"{ex['rougeL']:.3f}"]])]
+    mia = report.get("mia")
+    if mia:
+        c = mia["counts"]
+        level = " [95% CI]" if mia["bootstrap"] else ""
+        note = (f"95% percentile intervals from {mia['bootstrap']} stratified bootstrap resamples "
+                f"(seed {mia['seed']})." if mia["bootstrap"] else "No bootstrap intervals (--bootstrap 0).")
+        rows = [[m, _ci(v["auc"], v.get("auc_ci")), _ci(v["tpr_at_1pct_fpr"], v.get("tpr_at_1pct_fpr_ci")),
+                 f"{v['tpr_at_0.1pct_fpr']:.3f}"] for m, v in mia["methods"].items()]
+        title = (f"## Membership inference: `{mia['members']}` ({c['members']}) vs "
+                 f"`{mia['non_members']}` ({c['non_members']})")
+        parts += [title,
+                  f"Higher score = member; Min-K% k = {mia['k']}"
+                  + (f"; reference model `{mia['reference']}`." if mia["reference"] else ".") + " " + note,
+                  _table(["method", f"AUC{level}", f"TPR@1%FPR{level}", "TPR@0.1%FPR"], rows)]
+    ppl = report.get("perplexity")
+    if ppl:
+        parts += ["## Utility: held-out perplexity",
+                  "Token-weighted mean next-token cross-entropy over every token after a document's first.",
+                  _table(["corpus", "docs", "scored tokens", "loss (nats/token)", "perplexity"],
+                         [[f"`{p['corpus']}`", str(p["docs"]), str(p["scored_tokens"]), f"{p['loss']:.4f}",
+                           f"{p['perplexity']:.2f}"] for p in ppl])]
+    return "\n\n".join(parts) + "\n"
