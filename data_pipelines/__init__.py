@@ -4,6 +4,8 @@ Importing this package pulls in torch only; gensim, transformers and datasets ar
 a function needs them (they cost seconds to import).
 """
 from data_pipelines.canaries import SecretSpace, canary_candidates, render
+from data_pipelines.chat import (CHAT_CORPORA, ChatExample, ChatTokens, chat_blocks, extraction_pairs,
+                                 is_chat_spec, load_chat, render_chat)
 from data_pipelines.corpora import CORPORA, Document, load_corpus
 from data_pipelines.inject import (CanarySpec, DuplicateSpec, InjectedItem, Manifest, inject,
                                    record_token_positions)
@@ -12,8 +14,9 @@ from data_pipelines.packing import (IGNORE_INDEX, Blocks, TokenLists, batches, p
 from data_pipelines.tokenizer import EOT, load_tokenizer
 
 __all__ = [
-    "CORPORA", "EOT", "IGNORE_INDEX", "Blocks", "CanarySpec", "Document", "DuplicateSpec", "InjectedItem",
-    "Manifest", "SecretSpace", "TokenLists", "batches", "canary_candidates", "inject", "load_corpus",
-    "load_tokenizer", "pack", "per_document", "record_token_positions", "render", "shuffled_indices",
-    "split_documents", "tokenize_documents", "unpack",
+    "CHAT_CORPORA", "CORPORA", "EOT", "IGNORE_INDEX", "Blocks", "CanarySpec", "ChatExample", "ChatTokens",
+    "Document", "DuplicateSpec", "InjectedItem", "Manifest", "SecretSpace", "TokenLists", "batches",
+    "canary_candidates", "chat_blocks", "extraction_pairs", "inject", "is_chat_spec", "load_chat",
+    "load_corpus", "load_tokenizer", "pack", "per_document", "record_token_positions", "render",
+    "render_chat", "shuffled_indices", "split_documents", "tokenize_documents", "unpack",
 ]
