@@ -11,7 +11,7 @@ from typing import Any
 _EXPORTS = {
     "metrics": ["token_accuracy", "longest_common_prefix", "exact_match", "rouge_l"],
     "decoding": ["greedy_generate", "beam_generate"],
-    "extraction": ["ExtractionResult", "extract", "summarize", "extractability"],
+    "extraction": ["ExtractionResult", "extract", "summarize", "extractability", "extract_pairs"],
     "perplexity": ["sequence_logprobs", "mean_loss"],
     "mia": ["score_sequences", "roc_metrics", "membership_inference", "min_k_mean"],
     "exposure": ["exposure_rank", "exposure_extrapolated", "sequence_log_perplexity"],

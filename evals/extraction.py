@@ -17,8 +17,8 @@ from evals._errors import fail
 from evals.decoding import beam_generate, greedy_generate, verified_greedy
 from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
 
-__all__ = ["ExtractionResult", "beam_generate", "extract", "extractability", "greedy_generate",
-           "summarize"]
+__all__ = ["ExtractionResult", "beam_generate", "extract", "extract_pairs", "extractability",
+           "greedy_generate", "summarize"]
 
 
 @dataclasses.dataclass
@@ -114,6 +114,48 @@ def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: i
                     target_start=prefix_len, tokenizer=tokenizer, batch_size=batch_size,
                     num_beams=num_beams, progress=progress, desc=f"extract P={prefix_len}",
                     need_field="prefix_len+suffix_len")
+
+
+def _response_text(ids: list[int], tokenizer: Any) -> str:
+    # Chat responses end with end-of-turn special tokens; their literal text ("<|im_end|>") is
+    # not words of the response and would inflate RougeL.
+    return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ids_text(ids)
+
+
+def extract_pairs(model: torch.nn.Module, prompts: list[list[int]], targets: list[list[int]], *,
+                  tokenizer: Any = None, batch_size: int = 32, doc_ids: list | None = None,
+                  progress: bool = False) -> list[ExtractionResult]:
+    """Greedy-continue each prompt for len(target) tokens and score it against the target (chat data).
+
+    Prompts and targets may differ in length from pair to pair: pairs with equal (prompt, target)
+    lengths are decoded together (no padding, so each equals its own greedy decoding) and results
+    come back in input order. `doc` is `doc_ids[i]` or i; RougeL compares decoded texts without
+    special tokens when a tokenizer is given, otherwise the space-joined ids.
+    """
+    if len(prompts) != len(targets):
+        raise fail("targets", f"<{len(targets)} targets>", f"pass one target per prompt ({len(prompts)} prompts)")
+    ids = _check_common(prompts, batch_size, 1, doc_ids)
+    prompts = [[int(t) for t in p] for p in prompts]
+    targets = [[int(t) for t in t_] for t_ in targets]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (p, t) in enumerate(zip(prompts, targets)):
+        if not p or not t:
+            which = "prompts" if not p else "targets"
+            raise fail(f"{which}[{i}]", [], "every prompt and target needs at least one token")
+        groups.setdefault((len(p), len(t)), []).append(i)
+    chunks = [idx[b:b + batch_size] for idx in groups.values() for b in range(0, len(idx), batch_size)]
+    results: list[ExtractionResult | None] = [None] * len(prompts)
+    for chunk in tqdm(chunks, desc="extract pairs", disable=not progress):
+        gen = verified_greedy(model, torch.tensor([prompts[i] for i in chunk], dtype=torch.long),
+                              torch.tensor([targets[i] for i in chunk], dtype=torch.long))
+        for i, g in zip(chunk, gen.tolist()):
+            t = targets[i]
+            results[i] = ExtractionResult(
+                doc=ids[i], prefix_ids=prompts[i], target_ids=t, generated_ids=g,
+                exact_match=exact_match(g, t), token_accuracy=token_accuracy(g, t),
+                lcp=longest_common_prefix(g, t),
+                rougeL=rouge_l(_response_text(g, tokenizer), _response_text(t, tokenizer)))
+    return results  # type: ignore[return-value]  # every index was filled
 
 
 def summarize(results: Sequence[ExtractionResult]) -> dict[str, float]:
