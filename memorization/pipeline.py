@@ -13,6 +13,7 @@ import torch
 
 from axonn.config import fail, to_dict
 from axonn.trainer import JsonlSink, Trainer
+from data_pipelines import split_documents
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.models import build_model, check_tokenizer, count_params, run_tokenizer
@@ -59,13 +60,24 @@ class PreparedData:
     train_docs: list[list[int]]  # the token lists the model was trained on (as cut to block_len)
     train_doc_ids: list[str]
     held_out: Any | None
+    # chat data: the prompt before each training response (the extraction input) and that response
+    # (the extraction target, cut to eval.suffix); None for plain documents
+    prompts: list[list[int]] | None = None
+    responses: list[list[int]] | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        """True when the rows are conversations (only assistant tokens supervised)."""
+        return self.prompts is not None
 
 
 def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
     """Load the configured corpus, build the tokenizer, and cut documents into rows."""
-    from data_pipelines import load_corpus, split_documents
+    from data_pipelines import load_corpus
 
     d = cfg.data
+    if is_chat_data(cfg):
+        return prepare_chat(cfg)
     docs = load_corpus(d.corpus, text_field=d.text_field, limit=d.limit or None)
     held_docs = None
     if not d.held_out and d.held_out_fraction > 0:
@@ -106,6 +118,57 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
         held_tokens = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
         held = per_document(held_tokens, d.block_len, eos)
     return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held)
+
+
+def is_chat_data(cfg: RunConfig) -> bool:
+    """Whether data.corpus is chat data (data.format chat, or auto and the corpus looks like chat)."""
+    from data_pipelines import is_chat_spec
+
+    d = cfg.data
+    return d.format == "chat" or (d.format == "auto" and is_chat_spec(d.corpus))
+
+
+def prepare_chat(cfg: RunConfig) -> PreparedData:
+    """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
+    from data_pipelines import chat_blocks, extraction_pairs, is_chat_spec, load_chat, render_chat
+
+    d = cfg.data
+    examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
+    held_examples = None
+    if not d.held_out and d.held_out_fraction > 0:
+        examples, held_examples = split_documents(examples, d.held_out_fraction, cfg.seed)
+    tok = run_tokenizer(d.tokenizer, cfg.model.name, vocab_size=d.vocab_size,
+                        texts=[m["content"] for ex in examples for m in ex.messages])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    chats = render_chat(examples, tok, max_tokens=d.block_len)
+    prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
+    held = None
+    if d.held_out and is_chat_spec(d.held_out):
+        held_examples = load_chat(d.held_out, limit=d.held_out_limit or None, seed=cfg.seed)
+    if held_examples:
+        held = chat_blocks(render_chat(held_examples, tok, max_tokens=d.block_len), d.block_len, pad)
+    elif d.held_out:  # a plain corpus: loss on every token of its documents
+        from data_pipelines import load_corpus, per_document, tokenize_documents
+
+        held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
+        held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
+                            d.block_len, tok.eos_token_id)
+    return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
+                        [c.id for c in chats], held, prompts, responses)
+
+
+def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
+                       progress: bool = False) -> list[Any]:
+    """Greedy extraction of every training item: prefix -> suffix of documents, prompt -> response of chats."""
+    from evals import extract, extract_pairs
+
+    e = cfg.eval
+    if data.is_chat:
+        return extract_pairs(model, data.prompts, data.responses, tokenizer=data.tokenizer,
+                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, progress=progress)
+    return extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
+                   batch_size=e.batch_size, num_beams=e.num_beams, doc_ids=data.train_doc_ids,
+                   progress=progress)
 
 
 def effective_trainer(cfg: RunConfig):
@@ -257,14 +320,12 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
 
 def _extraction(cfg: RunConfig, data: PreparedData, trainer: Trainer, out_dir: Path, wb) -> dict[str, Any]:
     """Greedy extraction on every training document; write extraction.jsonl."""
-    from evals import extract, summarize
+    from evals import summarize
 
     model = trainer.model
     if trainer.grid is not None:
         model = _serial_model(out_dir / "model")
-    results = extract(model, data.train_docs, prefix_len=cfg.eval.prefix, suffix_len=cfg.eval.suffix,
-                      tokenizer=data.tokenizer, batch_size=cfg.eval.batch_size,
-                      num_beams=cfg.eval.num_beams, doc_ids=data.train_doc_ids)
+    results = extraction_results(model, cfg, data)
     write_extraction(out_dir / "extraction.jsonl", results)
     stats = summarize(results)
     if wb is not None:

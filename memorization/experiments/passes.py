@@ -18,7 +18,7 @@ import torch
 from axonn.config import to_dict
 from axonn.trainer import Trainer
 from memorization.config import RunConfig
-from memorization.pipeline import PreparedData, effective_trainer, run_training
+from memorization.pipeline import PreparedData, effective_trainer, extraction_results, run_training
 
 SUMMARY_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")
 
@@ -37,12 +37,9 @@ class PassExtraction:
         model = serial_model(trainer)
         if model is None:
             return
-        from evals import extract, summarize
+        from evals import summarize
 
-        e = self.cfg.eval
-        results = extract(model, self.data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                          tokenizer=self.data.tokenizer, batch_size=e.batch_size, num_beams=e.num_beams,
-                          doc_ids=self.data.train_doc_ids)
+        results = extraction_results(model, self.cfg, self.data)
         stats = summarize(results)
         record = {"pass": epoch, "step": trainer.state.step, **{k: stats[k] for k in SUMMARY_KEYS}}
         self.records.append(record)

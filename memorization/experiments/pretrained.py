@@ -28,7 +28,7 @@ from memorization.experiments.runner import Experiment, SplitData, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, choice_list, int_list
 from memorization.models import build_model, is_pretrained
-from memorization.pipeline import run_training, write_extraction
+from memorization.pipeline import extraction_results, run_training, write_extraction
 
 MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
 
@@ -91,14 +91,12 @@ class Evaluator:
 
     def __call__(self, model: torch.nn.Module) -> tuple[dict[str, Any], list[Any]]:
         """(record: extraction, MIA per method and held-out losses of `model`; extraction results)."""
-        from evals import extract, summarize
+        from evals import summarize
         from evals.mia import bootstrap_ci, roc_metrics, score_sequences
         from evals.perplexity import corpus_loss
 
         cfg, data = self.cfg, self.split.prepared
-        e = cfg.base.eval
-        results = extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                          tokenizer=data.tokenizer, batch_size=e.batch_size, doc_ids=data.train_doc_ids)
+        results = extraction_results(model, cfg.base, data)
         stats = summarize(results)
         scores = {name: score_sequences(model, seqs, tokenizer=data.tokenizer, k=cfg.mia_k, batch_size=16)
                   for name, seqs in (("members", self.members), ("nonmembers", self.nonmembers))}

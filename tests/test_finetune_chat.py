@@ -1,0 +1,58 @@
+"""Chat fine-tuning through the run pipeline: only responses are supervised, extraction is prompt -> response."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from data_pipelines import IGNORE_INDEX
+from memorization.cli import main
+from memorization.config import load_run_config
+from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.pipeline import prepare_data
+
+CFG = """
+name: chat
+data: {{corpus: {corpus}, limit: 16, vocab_size: 320, block_len: 96, held_out: ""}}
+model:
+  name: tiny
+  overrides: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
+              num_key_value_heads: 4}}
+trainer: {{batch_size: 4, max_steps: 2, progress: false}}
+eval: {{prefix: 16, suffix: 24, batch_size: 8}}
+wandb: {{mode: disabled}}
+"""
+
+
+def _cfg(tmp_path, corpus="private-records"):
+    p = tmp_path / "c.yaml"
+    p.write_text(CFG.format(corpus=corpus))
+    return p
+
+
+def test_chat_rows_supervise_responses_only_with_and_without_goldfish(tmp_path, cache_dir):
+    data = prepare_data(load_run_config(_cfg(tmp_path)))
+    assert data.is_chat and len(data.prompts) == len(data.responses) == len(data.train)
+    rows = data.train
+    for i, (prompt, response) in enumerate(zip(data.prompts, data.responses)):
+        assert rows.input_ids[i, :len(prompt)].tolist() == prompt
+        assert (rows.labels[i, :len(prompt)] == IGNORE_INDEX).all()  # prompt tokens never supervised
+        supervised = rows.labels[i][rows.labels[i] != IGNORE_INDEX].tolist()
+        assert supervised[:len(response)] == response  # the response is (the start of) what is trained
+    gold = GoldfishTransform(GoldfishConfig(enabled=True, strategy="static", k=2))
+    masked = gold(rows[torch.arange(len(rows))])
+    dropped = (masked == IGNORE_INDEX) & (rows.labels != IGNORE_INDEX)
+    assert dropped.any()
+    assert not ((masked != IGNORE_INDEX) & (rows.labels == IGNORE_INDEX)).any()  # adds drops only
+
+
+def test_train_and_extract_on_chat_data(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    assert main(["train", str(_cfg(tmp_path)), "--out", str(out)]) == 0
+    data = prepare_data(load_run_config(_cfg(tmp_path)))
+    lines = [json.loads(x) for x in (out / "extraction.jsonl").read_text().splitlines()]
+    assert [r["prefix_ids"] for r in lines] == data.prompts
+    assert [r["target_ids"] for r in lines] == data.responses
+    assert all(len(r["generated_ids"]) == len(r["target_ids"]) for r in lines)
+    summary = json.loads((out / "run.json").read_text())["summary"]
+    assert summary["docs"] == len(data.prompts)
