@@ -7,6 +7,7 @@ from data_pipelines.canaries import SecretSpace, canary_candidates, render
 from data_pipelines.chat import (CHAT_CORPORA, ChatExample, ChatTokens, chat_blocks, extraction_pairs,
                                  is_chat_spec, load_chat, render_chat)
 from data_pipelines.corpora import CORPORA, Document, load_corpus
+from data_pipelines.dedup import DedupConfig, DedupManifest, Removal, deduplicate
 from data_pipelines.inject import (CanarySpec, DuplicateSpec, InjectedItem, Manifest, inject,
                                    record_token_positions)
 from data_pipelines.packing import (IGNORE_INDEX, Blocks, TokenLists, batches, pack, per_document,
@@ -19,4 +20,5 @@ __all__ = [
     "canary_candidates", "chat_blocks", "extraction_pairs", "inject", "is_chat_spec", "load_chat",
     "load_corpus", "load_tokenizer", "pack", "per_document", "record_token_positions", "render",
     "render_chat", "shuffled_indices", "split_documents", "tokenize_documents", "unpack",
+    "DedupConfig", "DedupManifest", "Removal", "deduplicate",
 ]
