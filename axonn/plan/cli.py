@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory kept free for the allocator, context, NCCL")
     p.add_argument("--mode", choices=["paired", "easy"], default=None,
                    help="engine layout (default: paired for Llama-family/GPT-family shapes)")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="the trainer's precision: bf16 autocast (GPUs, default) or fp32 (CPU)")
     p.add_argument("--strict", action="store_true",
                    help="only grids where z divides every weight shard and z*data the batch")
     p.add_argument("--top", type=int, default=10, help="rows to show")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint=args.checkpoint_activations, overlap=not args.no_overlap,
                     headroom=args.headroom, micro_batch=args.micro_batch,
                     include_unfit=args.all, strict=args.strict,
-                    mode=args.mode)
+                    mode=args.mode, precision=args.precision)
     except ConfigError as e:
         sys.stderr.write(f"axonn-plan: error: {e}\n")
         return 2

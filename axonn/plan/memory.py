@@ -1,12 +1,48 @@
-"""Per-GPU memory: sharded weights, gradients and AdamW states, Z buffers, and activations."""
+"""Per-GPU memory: sharded weights, gradients and AdamW states, Z buffers, and activations.
+
+This is the project's one model of memory: `axonn-plan` applies it to a shape, the dry run
+(`memorize train --dry-run`, memorization/dryrun.py) to the parameter count of the sharded model it
+builds. It describes the trainer as it runs: fp32 parameters (the master copy), fp32 gradients and
+AdamW's two fp32 moments per local parameter -- 16 bytes, whatever the compute precision -- with
+activations in bf16 under autocast ("bf16") or fp32 ("fp32").
+"""
 from __future__ import annotations
 
+import dataclasses
+
+from axonn.config import fail
 from axonn.plan.compute import head_split
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Grid, block_linears, default_mode, replicated_params, z_block
 
-# bf16 weight (2) + bf16 gradient (2) + fp32 master, Adam m and v (12).
-BYTES_PER_PARAM = 16
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Bytes per local parameter (weight, gradient, optimizer state) and per activation element."""
+
+    name: str
+    weight: int
+    grad: int
+    optimizer: int  # AdamW exp_avg + exp_avg_sq, in the parameter dtype
+    activation: int  # saved activations and the Z-gathered weight (cast before the gather)
+
+
+# bf16 = the trainer's autocast on GPUs: parameters stay fp32, matmuls and their saved inputs run in
+# bf16, weight gradients are reduce-scattered in the parameter dtype (docs/engine.md).
+PRECISIONS = {
+    "bf16": Precision("bf16", weight=4, grad=4, optimizer=8, activation=2),
+    "fp32": Precision("fp32", weight=4, grad=4, optimizer=8, activation=4),
+}
+BYTES_PER_PARAM = 16  # weight + gradient + optimizer, the same in both precisions
+
+
+def get_precision(name: str | Precision) -> Precision:
+    """A precision by name (bf16 or fp32)."""
+    if isinstance(name, Precision):
+        return name
+    if name not in PRECISIONS:
+        raise fail("precision", name, f"choose one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
 
 
 def local_params(shape: ModelShape, grid: Grid, mode: str | None = None) -> float:
@@ -19,8 +55,8 @@ def local_params(shape: ModelShape, grid: Grid, mode: str | None = None) -> floa
 
 
 def block_activation_bytes(shape: ModelShape, grid: Grid, tokens: int,
-                           mode: str | None = None) -> float:
-    """Bytes one block saves for backward on one rank (bf16).
+                           mode: str | None = None, act_bytes: int = 2) -> float:
+    """Bytes one block saves for backward on one rank.
 
     Both modes: the two norm inputs on the full-width stream (2*H) and each Linear's input slice
     over its input axis (in/A; a row layer's input is already the split activation). Then the
@@ -35,42 +71,61 @@ def block_activation_bytes(shape: ModelShape, grid: Grid, tokens: int,
     qkv = shape.hidden + 2 * shape.kv_dim
     mlp = (3 if shape.gated_mlp else 2) * shape.ffn
     width = 2 * shape.hidden + inputs + (qkv + shape.hidden + mlp) / s
-    return 2.0 * tokens * width + 4.0 * tokens * shape.heads / s
+    return float(act_bytes) * tokens * width + 4.0 * tokens * shape.heads / s
+
+
+def activation_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
+                     mode: str | None = None, precision: str | Precision = "bf16") -> float:
+    """Peak activation bytes of one micro-batch of `micro_batch` rows per rank.
+
+    Every block's saved tensors, or with checkpointing only each block's full-width input [T, H]
+    plus one re-materialised block; one more block of gradient buffers in flight; and the
+    [T, V/Y] logits with their fp32 softmax and gradient.
+    """
+    a = get_precision(precision).activation
+    tokens = micro_batch * seq
+    block = block_activation_bytes(shape, grid, tokens, mode, a)
+    stored = shape.layers * a * tokens * shape.hidden + block if checkpoint else shape.layers * block
+    logits = (a + 8.0) * tokens * shape.vocab / grid.y
+    return stored + block + logits
+
+
+def z_buffer_bytes(shape: ModelShape, grid: Grid, prefetch: bool = True,
+                   precision: str | Precision = "bf16") -> float:
+    """The largest gathered weight block (twice when the next is prefetched) and its unscattered
+    gradient (in the parameter dtype); 0 without a Z split."""
+    if grid.z == 1:
+        return 0.0
+    p = get_precision(precision)
+    largest = max([o * i for _, o, i, _ in shape.block_linears()] + [shape.vocab * shape.hidden])
+    gathered = largest / (grid.x * grid.y)
+    return gathered * (p.activation * (2 if prefetch else 1) + p.grad)
 
 
 def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                      checkpoint: bool, prefetch: bool = True,
-                     mode: str | None = None) -> dict[str, float]:
+                     mode: str | None = None, *, local: float | None = None,
+                     precision: str | Precision = "bf16") -> dict[str, float]:
     """Peak bytes per GPU by category for one micro-batch of `micro_batch` rows per rank.
 
-    activations: every block's saved tensors, or with checkpointing only each block's full-width
-    input [T, H] plus one re-materialised block; one more block of gradient buffers in flight; and
-    the [T, V/Y] logits (bf16) with their fp32 softmax and gradient. z_buffers: the largest
-    gathered weight block (twice when the next one is prefetched) and its unscattered gradient.
+    `local` is the parameter count of one rank (default: `local_params` of the shape); the dry run
+    passes the count of the sharded model it built.
     """
     mode = mode or default_mode(shape)
-    tokens = micro_batch * seq
-    local = local_params(shape, grid, mode)
-    block = block_activation_bytes(shape, grid, tokens, mode)
-    if checkpoint:
-        stored = shape.layers * 2.0 * tokens * shape.hidden + block
-    else:
-        stored = shape.layers * block
-    logits = 10.0 * tokens * shape.vocab / grid.y
-    largest = max([o * i for _, o, i, _ in shape.block_linears()] + [shape.vocab * shape.hidden])
-    gathered = largest / (grid.x * grid.y)
-    z_buffers = 0.0 if grid.z == 1 else 2.0 * gathered * ((2 if prefetch else 1) + 1)
+    p = get_precision(precision)
+    n = local_params(shape, grid, mode) if local is None else float(local)
     return {
-        "weights": 2.0 * local,
-        "gradients": 2.0 * local,
-        "optimizer": 12.0 * local,
-        "z_buffers": z_buffers,
-        "activations": stored + block + logits,
+        "weights": p.weight * n,
+        "gradients": p.grad * n,
+        "optimizer": p.optimizer * n,
+        "z_buffers": z_buffer_bytes(shape, grid, prefetch, p),
+        "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p),
     }
 
 
 def memory_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
-                 prefetch: bool = True, mode: str | None = None) -> float:
+                 prefetch: bool = True, mode: str | None = None,
+                 precision: str | Precision = "bf16") -> float:
     """Total predicted peak bytes per GPU."""
     return sum(memory_breakdown(shape, grid, seq, micro_batch, checkpoint, prefetch,
-                                mode).values())
+                                mode, precision=precision).values())

@@ -90,13 +90,15 @@ def _exposed(comms: list[tuple[Comm, float]], wgrad: dict[str, float], fwd_compu
 def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hardware, *,
             gpus_per_node: int | None = None, micro_batch: int | None = None,
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
-            mode: str | None = None) -> Prediction:
+            mode: str | None = None, precision: str = "bf16",
+            local: float | None = None) -> Prediction:
     """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
 
     `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
     hides only counts on hardware whose collectives do not run on the compute units
     (`hw.hides_comm`; the CPU/gloo `local` profile does not). Memory counts the prefetch buffers
-    whenever `overlap` is on."""
+    whenever `overlap` is on; `local` overrides the rank's parameter count (the dry run passes the
+    count of the model it sharded) and `precision` the activation bytes (memory.PRECISIONS)."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     gpus = grid.size
@@ -146,9 +148,11 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     else:
         exposed = comm_total
 
-    compute = n_micro * (fwd_c + bwd_c) + optimizer_time(local_params(shape, grid, mode), hw)
+    n_local = local_params(shape, grid, mode) if local is None else local
+    compute = n_micro * (fwd_c + bwd_c) + optimizer_time(n_local, hw)
     time_s = compute + exposed
-    mem = memory_breakdown(shape, grid, seq, mb, checkpoint, prefetch=overlap, mode=mode)
+    mem = memory_breakdown(shape, grid, seq, mb, checkpoint, prefetch=overlap, mode=mode,
+                           local=n_local, precision=precision)
     mem_bytes = sum(mem.values())
     flops = model_flops(shape, seq, global_batch) / time_s
     return Prediction(
