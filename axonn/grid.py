@@ -199,14 +199,7 @@ class ProcessGrid:
             raise fail("grid", f"{x},{y},{z},{data}", "torch.distributed is not initialised; "
                        "call axonn.init(...) instead")
         world = dist.get_world_size()
-        self.x, self.y, self.z, self.data = resolve_dims(x, y, z, data, world)
-        self.world_size = world
-        self.rank = dist.get_rank()
-        r = self.rank
-        self.x_rank = r % self.x
-        self.y_rank = (r // self.x) % self.y
-        self.z_rank = (r // (self.x * self.y)) % self.z
-        self.data_rank = r // (self.x * self.y * self.z)
+        self._place(resolve_dims(x, y, z, data, world), dist.get_rank())
         self.backend = str(dist.get_backend())
         if "nccl" in self.backend and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -215,9 +208,39 @@ class ProcessGrid:
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_rank = local_rank
-        self.sizes = {name: self._size(dims) for name, dims in GROUP_DIMS.items()}
         self.comm = Comm(self._build_groups(), self.sizes)
         self._frozen = True
+
+    @classmethod
+    def virtual(cls, x: int, y: int, z: int, data: int, *, rank: int = 0,
+                device: str | torch.device = "meta") -> "ProcessGrid":
+        """Rank `rank`'s view of an X x Y x Z x data grid with no process group (for dry runs).
+
+        Coordinates, group sizes and layouts are exactly those of the real grid, so `parallelize`
+        shards a (meta) model as that rank would; every collective raises instead of running."""
+        dims = _check_dims((x, y, z, data))
+        world = dims[0] * dims[1] * dims[2] * dims[3]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise fail("rank", rank, f"must be within 0..{world - 1} for a grid of {world} ranks")
+        self = cls.__new__(cls)
+        self._place(dims, rank)
+        self.backend = "virtual"
+        self.device = torch.device(device)
+        self.local_rank = 0
+        self.comm = _VirtualComm(self.sizes)
+        self._frozen = True
+        return self
+
+    def _place(self, dims: Sequence[int], rank: int) -> None:
+        """Set the dimensions, this rank's coordinates and the group sizes."""
+        self.x, self.y, self.z, self.data = dims
+        self.world_size = self.x * self.y * self.z * self.data
+        self.rank = r = rank
+        self.x_rank = r % self.x
+        self.y_rank = (r // self.x) % self.y
+        self.z_rank = (r // (self.x * self.y)) % self.z
+        self.data_rank = r // (self.x * self.y * self.z)
+        self.sizes = {name: self._size(axes) for name, axes in GROUP_DIMS.items()}
 
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_frozen", False):
@@ -289,6 +312,17 @@ class ProcessGrid:
             else:
                 groups[name] = _group_for(name, self.ranks_in(name))
         return groups
+
+
+class _VirtualComm(Comm):
+    """The Comm of a virtual grid: sizes only; a collective is a bug in the caller, so it raises."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        super().__init__({}, sizes)
+
+    def _group(self, group: str) -> Any:
+        raise RuntimeError(f"a virtual grid (dry run) has no process group; a collective over "
+                           f"{group!r} cannot run")
 
 
 # (role, ranks) -> process group, shared by every grid of this process. Each group holds backend
