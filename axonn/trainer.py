@@ -35,6 +35,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     batch_size: int = 8
     grad_accum: int = 1
+    micro_batch: int = 0  # rows per rank per micro-batch (the planner's unit); 0 = batch_size/grad_accum
+    activation_checkpointing: bool = False  # recompute each decoder block's forward in backward
     epochs: int = 1
     max_steps: int = 0  # > 0 overrides epochs
     eval_every: int = 0  # optimizer steps; 0 = only at the end
@@ -47,6 +49,23 @@ class TrainerConfig:
     keep_last: int = 2  # sealed checkpoints kept (0 = all)
     max_bad_steps: int = 5  # consecutive non-finite steps before the run aborts
     collective_timeout_s: float = 60.0  # a silent rank is declared lost after this long
+
+    def accumulation(self, shards: int = 1) -> tuple[int, int]:
+        """(micro-batches per step, rows per rank per micro-batch) when the batch is cut into `shards`
+        (z*data) slices; ConfigError when it does not split evenly."""
+        if self.micro_batch:
+            per_step = self.micro_batch * shards
+            if self.batch_size % per_step:
+                raise fail("trainer.micro_batch", self.micro_batch,
+                           f"micro_batch x the {shards} batch shards of the grid (z*data) = {per_step} "
+                           f"must divide batch_size={self.batch_size}; change either")
+            return self.batch_size // per_step, self.micro_batch
+        micro = self.batch_size // self.grad_accum
+        if micro % shards:
+            raise fail("trainer.batch_size", self.batch_size,
+                       f"batch_size/grad_accum={micro} must be divisible by the {shards} batch shards of "
+                       "the grid (z*data in the engine); raise batch_size")
+        return self.grad_accum, micro // shards
 
     def validate(self, prefix: str = "trainer") -> None:
         """Raise ConfigError on out-of-range values."""
@@ -61,6 +80,11 @@ class TrainerConfig:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
         if self.epochs == 0 and self.max_steps == 0:
             raise fail(f"{prefix}.epochs", 0, "set epochs >= 1 or max_steps >= 1")
+        if self.micro_batch < 0:
+            raise fail(f"{prefix}.micro_batch", self.micro_batch, "must be >= 0 (0: batch_size/grad_accum)")
+        if self.micro_batch and self.grad_accum != 1:
+            raise fail(f"{prefix}.micro_batch", self.micro_batch, f"set either micro_batch (rows per rank) "
+                       f"or grad_accum (={self.grad_accum}), not both")
         if self.batch_size % self.grad_accum:
             raise fail(f"{prefix}.grad_accum", self.grad_accum,
                        f"must divide batch_size={self.batch_size} (micro-batch = batch_size/grad_accum)")
@@ -106,6 +130,23 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder block's forward during backward (Hugging Face models).
+
+    Non-reentrant torch.utils.checkpoint: the recomputed forward runs the same ops on the same
+    inputs, so losses and gradients are bit-identical to running without it; only memory changes.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
+                   "gradient checkpointing; use a Hugging Face causal LM or set it to false")
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -181,12 +222,9 @@ class Trainer:
         # checkpoint_files(dir) lets the caller add files (a tokenizer) to each checkpoint on rank 0
         self.checkpoint_dir, self.checkpoint_files = checkpoint_dir, checkpoint_files
         self.device = grid.device if grid is not None else resolve_device(cfg.device)
-        shards = grid.batch_shards if grid is not None else 1
-        micro = cfg.batch_size // cfg.grad_accum
-        if micro % shards:
-            raise fail("trainer.batch_size", cfg.batch_size,
-                       f"batch_size/grad_accum={micro} must be divisible by the {shards} batch shards of "
-                       "the grid (z*data in the engine); raise batch_size")
+        self.grad_accum, _ = cfg.accumulation(grid.batch_shards if grid is not None else 1)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
         self.model.to(self.device)
         self.optimizer = self._make_optimizer()
         self.steps_per_epoch = max(1, len(train_data) // cfg.batch_size)
@@ -285,13 +323,14 @@ class Trainer:
         supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
         denom = max(supervised, 1)
         sums = torch.zeros(3, dtype=torch.float64)
-        micro = cfg.batch_size // cfg.grad_accum
-        for m in range(cfg.grad_accum):
+        accum = self.grad_accum
+        micro = cfg.batch_size // accum
+        for m in range(accum):
             rows = slice(m * micro, (m + 1) * micro)
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
             tgt = self._shard(labels[rows])[:, 1:].to(self.device)
             # gradient all-reduces launched during backward wait for the last micro-batch
-            with self._no_sync(m + 1 < cfg.grad_accum):
+            with self._no_sync(m + 1 < accum):
                 with self._autocast():
                     logits = model(input_ids=ids).logits[:, :-1]
                 if self.label_transform is None:
