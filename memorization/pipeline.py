@@ -16,7 +16,8 @@ from axonn.trainer import JsonlSink, Trainer
 from data_pipelines import split_documents
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
-from memorization.models import build_model, check_tokenizer, count_params, run_tokenizer
+from memorization.models import (build_model, check_tokenizer, count_params, is_pretrained, resolve_model_dir,
+                                 run_tokenizer)
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
 CHECKPOINTS = "checkpoints"
@@ -241,11 +242,15 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     ckpt = resolve_resume(resume, out)
     data = data or prepare_data(cfg)
     check_tokenizer(data.tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
+    spec = cfg.grid if grid is None else grid
+    # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
+    # model is built on the meta device, so no rank ever holds the whole model.
+    stream = (not isinstance(spec, str) or wants_grid(spec)) and not cfg.model.random_init \
+        and is_pretrained(cfg.model.name)
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
-                        overrides=cfg.model.overrides, random_init=cfg.model.random_init)
+                        overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
     if ckpt is not None:
         _check_resume_fits(ckpt, model)
-    spec = cfg.grid if grid is None else grid
     if isinstance(spec, str):
         grid = make_grid(spec, model.config, seq=cfg.data.block_len, global_batch=cfg.trainer.batch_size,
                          mode=cfg.parallel_mode, timeout_s=cfg.trainer.collective_timeout_s) \
@@ -262,6 +267,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
         import axonn
 
         model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
+        if stream:
+            axonn.load_pretrained(model, resolve_model_dir(cfg.model.name))
     tcfg = effective_trainer(cfg)
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
     transform = GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled else None
