@@ -61,3 +61,23 @@ def test_smollm2_pretrained_loss_and_grid_2221_equals_serial():
     losses = run_distributed(_grid_loss, 8, str(model_dir), ids, timeout=900)
     for loss in losses:
         assert loss == pytest.approx(serial, rel=1e-4)
+
+
+def test_smollm2_finetune_config_uses_its_own_tokenizer_and_learns(tmp_path):
+    """configs/train/smollm2-wiki.yaml, 3 steps: the model's own ids, a pretrained-level loss that falls."""
+    import json
+
+    from memorization.cli import main
+    from memorization.models import smollm2_dir
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "run"
+    assert main(["train", "configs/train/smollm2-wiki.yaml", "--steps", "3", "--out", str(out),
+                 "eval.extraction=false", "data.limit=24", "data.held_out_limit=8", "wandb.mode=disabled",
+                 "trainer.progress=false"]) == 0
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] < 4.0 and losses[-1] < losses[0]  # pretrained on its own ids, then fitting
+    assert AutoTokenizer.from_pretrained(out / "model").get_vocab() == \
+        AutoTokenizer.from_pretrained(smollm2_dir()).get_vocab()
+    summary = json.loads((out / "run.json").read_text())["summary"]
+    assert summary["val_loss"] < 5.0
