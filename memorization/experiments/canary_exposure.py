@@ -48,19 +48,17 @@ class DuplicateKeys:
 
 
 @dataclass
-class Config(ExperimentConfig):
-    """Copy counts shared by canaries and duplicated documents, and the losses compared."""
+class InjectionConfig(ExperimentConfig):
+    """What is injected into the training corpus: canaries and duplicated documents per copy count."""
 
     counts: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     canaries: CanaryKeys = field(default_factory=CanaryKeys)
     duplicates: DuplicateKeys = field(default_factory=DuplicateKeys)
-    losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
 
     def validate(self, prefix: str = "") -> None:
         """Counts, per-count numbers and the canary spec (its own checks name canaries.*)."""
         super().validate(prefix)
         int_list("counts", self.counts, minimum=1)
-        check_losses("losses", self.losses)
         if self.canaries.per_count < 1:
             raise fail("canaries.per_count", self.canaries.per_count, "must be >= 1")
         if self.duplicates.per_count < 0:
@@ -85,7 +83,19 @@ class Config(ExperimentConfig):
         return DuplicateSpec(counts=list(self.counts), per_count=n) if n else None
 
 
-def build_corpus(cfg: Config, exp: Experiment):
+@dataclass
+class Config(InjectionConfig):
+    """Copy counts shared by canaries and duplicated documents, and the losses compared."""
+
+    losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
+
+    def validate(self, prefix: str = "") -> None:
+        """The injection checks and the loss names."""
+        super().validate(prefix)
+        check_losses("losses", self.losses)
+
+
+def build_corpus(cfg: InjectionConfig, exp: Experiment):
     """(PreparedData, manifest, duplicated documents' tokens): base corpus + injected items, tokenized."""
     from data_pipelines import inject, record_token_positions, tokenize_documents
     from memorization.models import run_tokenizer
@@ -120,8 +130,6 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train standard and goldfish on the injected corpus; score canaries and duplicates by copy count."""
     data, manifest, dup_tokens = build_corpus(cfg, exp)
     space = cfg.canary_spec().space
-    canaries = manifest.of_kind("canary")
-    dups = manifest.of_kind("duplicate")
     b = cfg.base
     c = cfg.canaries
     # What was injected decides training; the candidate sample only decides the evaluation.
@@ -129,20 +137,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
            "canaries": {"per_count": c.per_count, "template": c.template, "space": c.space}}
 
     def evaluate(model, run_dir) -> dict[str, Any]:
-        from evals import extract
-
-        scores = canary_scores(model, data.tokenizer, cfg.canaries.template, space,
-                               [it.secret for it in canaries], candidates=c.candidates, seed=b.seed)
-        for item, s in zip(canaries, scores["canaries"]):
-            s.update(id=item.id, count=item.count,
-                     **_secret_mask(item.text, data.tokenizer, scores["secret_start"], b.goldfish))
-        results = extract(model, [dup_tokens[it.id] for it in dups], prefix_len=b.eval.prefix,
-                          suffix_len=b.eval.suffix, tokenizer=data.tokenizer,
-                          doc_ids=[it.id for it in dups]) if dups else []
-        counts = {it.id: it.count for it in dups}
-        scores["duplicates"] = [{"id": r.doc, "count": counts[r.doc], "exact_match": r.exact_match,
-                                 "rougeL": r.rougeL, "token_accuracy": r.token_accuracy} for r in results]
-        return {"canary_eval": scores}
+        return {"canary_eval": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens)}
 
     runs, rows, samples = [], [], []
     for loss in cfg.losses:
@@ -183,6 +178,27 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                    tables=[Table("By copy count", rows, COLUMNS)], notes=notes, plots=plots, samples=samples,
                    sample_columns=SAMPLE_COLUMNS, extra={"max_exposure": ev0["max_exposure"],
                                                          "manifest": "manifest.json"})
+
+
+def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: Any,
+                   dup_tokens: dict[str, list[int]]) -> dict[str, Any]:
+    """Every canary's exposure and extraction, and every duplicated document's greedy extraction."""
+    from evals import extract
+
+    b, c = cfg.base, cfg.canaries
+    canaries, dups = manifest.of_kind("canary"), manifest.of_kind("duplicate")
+    scores = canary_scores(model, tokenizer, c.template, cfg.canary_spec().space,
+                           [it.secret for it in canaries], candidates=c.candidates, seed=b.seed)
+    for item, s in zip(canaries, scores["canaries"]):
+        s.update(id=item.id, count=item.count,
+                 **_secret_mask(item.text, tokenizer, scores["secret_start"], b.goldfish))
+    results = extract(model, [dup_tokens[it.id] for it in dups], prefix_len=b.eval.prefix,
+                      suffix_len=b.eval.suffix, tokenizer=tokenizer,
+                      doc_ids=[it.id for it in dups]) if dups else []
+    counts = {it.id: it.count for it in dups}
+    scores["duplicates"] = [{"id": r.doc, "count": counts[r.doc], "exact_match": r.exact_match,
+                             "rougeL": r.rougeL, "token_accuracy": r.token_accuracy} for r in results]
+    return scores
 
 
 def _secret_mask(text: str, tokenizer: Any, start: int, gold: Any) -> dict[str, int]:

@@ -19,104 +19,68 @@ from typing import Any
 
 import torch
 
-from axonn.config import fail, to_dict
+from axonn.config import fail
 from axonn.trainer import Trainer
 from memorization.config import RunConfig
 from memorization.experiments.passes import serial_model
+from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
-from memorization.experiments.spec import ExperimentConfig, check_losses, choice_list, int_list
+from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
 from memorization.models import build_model, is_pretrained
 from memorization.pipeline import extraction_results, run_training, write_extraction
 
-MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
-
-
 @dataclass
-class Config(ExperimentConfig):
+class Config(ExperimentConfig, MiaSettings):
     """Losses x {pretrained, random-init control}, each fine-tuned for `passes` passes."""
 
     passes: int = 6
     losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
     control: bool = True  # also train the architecture from random init (standard loss)
-    mia_methods: list[str] = field(default_factory=lambda: ["loss", "zlib", "min_k_plus_plus", "ref_ratio"])
-    mia_k: float = 0.2  # fraction of lowest-scoring tokens for min-k / min-k++
-    bootstrap: int = 1000  # resamples for the 95% confidence intervals (0 = none)
-    other_held_out: str = "lee-news"  # a second domain for utility ("" = none)
-    other_held_out_limit: int = 50
     eval_passes: list[int] = field(default_factory=list)  # [] = every pass (0 is always scored)
 
     def validate(self, prefix: str = "") -> None:
         """A pretrained base model, members vs a same-distribution held-out half, sane ranges."""
         super().validate(prefix)
+        self.check()
         if self.passes < 1:
             raise fail("passes", self.passes, "must be >= 1")
         check_losses("losses", self.losses)
-        choice_list("mia_methods", self.mia_methods, MIA_METHODS)
-        if not 0 < self.mia_k <= 1:
-            raise fail("mia_k", self.mia_k, "must be a fraction in (0, 1], e.g. 0.2")
-        if self.bootstrap < 0:
-            raise fail("bootstrap", self.bootstrap, "must be >= 0 (0 = no confidence intervals)")
-        if self.other_held_out_limit < 0:
-            raise fail("other_held_out_limit", self.other_held_out_limit, "must be >= 0 (0 = all)")
         if self.eval_passes:
             int_list("eval_passes", self.eval_passes, minimum=1)
             if max(self.eval_passes) > self.passes:
                 raise fail("eval_passes", self.eval_passes, f"every pass must be <= passes={self.passes}")
-        d = self.base.data
-        if d.held_out or not d.held_out_fraction > 0:
-            raise fail("base.data.held_out_fraction", d.held_out_fraction,
-                       "membership inference needs non-members from the members' distribution: set "
-                       "base.data.held_out='' and base.data.held_out_fraction=0.5")
-        if not is_pretrained(self.base.model.name):
-            raise fail("base.model.name", self.base.model.name, "this experiment fine-tunes a pretrained "
-                       "model: use smollm2-135m or a local Hugging Face model folder")
+        require_pretrained_split(self.base)
+
+
+def require_pretrained_split(base: RunConfig) -> None:
+    """Refuse a random-init base model, or non-members from another distribution than the members."""
+    d = base.data
+    if d.held_out or not d.held_out_fraction > 0:
+        raise fail("base.data.held_out_fraction", d.held_out_fraction,
+                   "membership inference needs non-members from the members' distribution: set "
+                   "base.data.held_out='' and base.data.held_out_fraction=0.5")
+    if not is_pretrained(base.model.name):
+        raise fail("base.model.name", base.model.name, "this experiment fine-tunes a pretrained "
+                   "model: use smollm2-135m or a local Hugging Face model folder")
 
 
 class Evaluator:
-    """The three questions, asked of one model; the reference model's scores are computed once."""
+    """The three questions, asked of one model: extraction here, MIA and utility by PrivacyUtility."""
 
-    def __init__(self, cfg: Config, split: SplitData, other: list[list[int]], reference: torch.nn.Module):
-        from evals.mia import score_sequences
-
-        self.cfg, self.split, self.other = cfg, split, other
-        self.members, self.nonmembers = split.prepared.train_docs, split.nonmembers
-        tok = split.prepared.tokenizer
-        self._ref_nll = {}
-        if "ref_ratio" in cfg.mia_methods:
-            for name, seqs in (("members", self.members), ("nonmembers", self.nonmembers)):
-                self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tok, k=cfg.mia_k,
-                                                       batch_size=16)["loss"]
+    def __init__(self, cfg: Config, split: SplitData, questions: PrivacyUtility):
+        self.cfg, self.split, self.questions = cfg, split, questions
 
     def __call__(self, model: torch.nn.Module) -> tuple[dict[str, Any], list[Any]]:
         """(record: extraction, MIA per method and held-out losses of `model`; extraction results)."""
         from evals import summarize
-        from evals.mia import bootstrap_ci, roc_metrics, score_sequences
-        from evals.perplexity import corpus_loss
 
-        cfg, data = self.cfg, self.split.prepared
-        results = extraction_results(model, cfg.base, data)
+        results = extraction_results(model, self.cfg.base, self.split.prepared)
         stats = summarize(results)
-        scores = {name: score_sequences(model, seqs, tokenizer=data.tokenizer, k=cfg.mia_k, batch_size=16)
-                  for name, seqs in (("members", self.members), ("nonmembers", self.nonmembers))}
-        if self._ref_nll:  # reference NLL minus target NLL (higher = member), as evals.mia defines it
-            for name in scores:
-                scores[name]["ref_ratio"] = self._ref_nll[name] + scores[name]["loss"]
-        mia = {}
-        for method in cfg.mia_methods:
-            m, n = scores["members"][method], scores["nonmembers"][method]
-            roc = roc_metrics(m, n)
-            rec = {"auc": roc["auc"], "tpr_at_1fpr": roc["tpr_at_1pct_fpr"]}
-            if cfg.bootstrap:
-                ci = bootstrap_ci(m, n, resamples=cfg.bootstrap, seed=cfg.base.seed)
-                rec.update(auc_ci=ci["auc_ci"], tpr_at_1fpr_ci=ci["tpr_at_1pct_fpr_ci"])
-            mia[method] = rec
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
-                  "token_accuracy": stats["token_accuracy"],
-                  "val_loss": corpus_loss(model, self.nonmembers, batch_size=16)["loss"],
-                  "other_val_loss": corpus_loss(model, self.other, batch_size=16)["loss"] if self.other else None,
-                  "mia": mia}
+                  "token_accuracy": stats["token_accuracy"], **self.questions.utility(model),
+                  "mia": self.questions.mia(model)}
         return record, results
 
 
@@ -158,24 +122,17 @@ def run_config(cfg: Config, loss: str, pretrained: bool) -> RunConfig:
                    eval=replace(b.eval, extraction=False))  # every pass is scored by the callback
 
 
-def _other_domain(cfg: Config, tokenizer: Any) -> list[list[int]]:
-    from data_pipelines import load_corpus, tokenize_documents
-
-    if not cfg.other_held_out:
-        return []
-    docs = load_corpus(cfg.other_held_out, limit=cfg.other_held_out_limit or None)
-    return list(tokenize_documents(docs, tokenizer, max_tokens=cfg.base.data.block_len, min_tokens=2))
-
-
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Fine-tune every arm with the three questions asked before and after each pass; report per pass."""
     split = prepare_split(cfg.base)
     data = split.prepared
     evaluator = None
     if exp.is_main:
-        reference = build_model(cfg.base.model.name, overrides=cfg.base.model.overrides)
-        reference.eval()
-        evaluator = Evaluator(cfg, split, _other_domain(cfg, data.tokenizer), reference)
+        reference = build_model(cfg.base.model.name, overrides=cfg.base.model.overrides).eval()
+        questions = PrivacyUtility(cfg, data.tokenizer, data.train_docs, split.nonmembers,
+                                   other_domain(cfg, data.tokenizer, cfg.base.data.block_len), reference,
+                                   seed=cfg.base.seed)
+        evaluator = Evaluator(cfg, split, questions)
         del reference
     arms = [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
     runs, samples = [], []
@@ -236,13 +193,13 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
                "em": r["exact_match_rate"], "first_50": _first_pass(r, 0.5), "rougeL": r["rougeL"],
                "val_0": first.get("val_loss"), "val": r["val_loss"], "other": r["other_val_loss"]}
         for m in methods:
-            row[f"auc_{m}"] = _fmt_ci(last.get("mia", {}).get(m))
+            row[f"auc_{m}"] = format_auc(last.get("mia", {}).get(m))
         summary_rows.append(row)
         for p in r["passes"]:
             pr = {"run": r["name"], "pass": p["pass"], "em": p["exact_match_rate"], "rougeL": p["rougeL"],
                   "val": p["val_loss"], "other": p["other_val_loss"]}
             for m in methods:
-                pr[f"auc_{m}"] = _fmt_ci(p["mia"].get(m))
+                pr[f"auc_{m}"] = format_auc(p["mia"].get(m))
                 pr[f"tpr_{m}"] = p["mia"].get(m, {}).get("tpr_at_1fpr")
             pass_rows.append(pr)
     cols = [("run", "run", "{}"), ("params", "params", "{:,}"), ("em_0", "EM pass 0", "{:.0%}"),
@@ -276,13 +233,6 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
                    tables=[Table("Summary", summary_rows, tuple(cols)), Table("Per pass", pass_rows, tuple(pcols))],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"passes": cfg.passes, "mia_methods": methods})
-
-
-def _fmt_ci(rec: dict[str, Any] | None) -> str | None:
-    if not rec:
-        return None
-    ci = rec.get("auc_ci")
-    return f"{rec['auc']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{rec['auc']:.2f}"
 
 
 def _style(r: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+"""Membership inference and utility of one model, as experiments ask them of every run and pass.
+
+`PrivacyUtility` holds what does not change between the models it scores: the member and
+non-member token lists, the other-domain documents, and the reference model's NLL of every
+member and non-member (the reference is scored once, not once per model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from axonn.config import fail
+
+MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
+
+
+@dataclass
+class MiaSettings:
+    """Which MIA scores to compute and how (shared experiment keys)."""
+
+    mia_methods: list[str] = field(default_factory=lambda: ["loss", "zlib", "min_k_plus_plus", "ref_ratio"])
+    mia_k: float = 0.2  # fraction of lowest-scoring tokens for min-k / min-k++
+    bootstrap: int = 1000  # resamples for the 95% confidence intervals (0 = none)
+    other_held_out: str = "lee-news"  # a second domain for utility ("" = none)
+    other_held_out_limit: int = 50
+
+    def check(self) -> None:
+        """Range checks with house-style errors."""
+        from memorization.experiments.spec import choice_list
+
+        choice_list("mia_methods", self.mia_methods, MIA_METHODS)
+        if not 0 < self.mia_k <= 1:
+            raise fail("mia_k", self.mia_k, "must be a fraction in (0, 1], e.g. 0.2")
+        if self.bootstrap < 0:
+            raise fail("bootstrap", self.bootstrap, "must be >= 0 (0 = no confidence intervals)")
+        if self.other_held_out_limit < 0:
+            raise fail("other_held_out_limit", self.other_held_out_limit, "must be >= 0 (0 = all)")
+
+
+def other_domain(settings: MiaSettings, tokenizer: Any, block_len: int) -> list[list[int]]:
+    """Token lists of the other-domain corpus, cut to block_len ([] when none is set)."""
+    from data_pipelines import load_corpus, tokenize_documents
+
+    if not settings.other_held_out:
+        return []
+    docs = load_corpus(settings.other_held_out, limit=settings.other_held_out_limit or None)
+    return list(tokenize_documents(docs, tokenizer, max_tokens=block_len, min_tokens=2))
+
+
+class PrivacyUtility:
+    """MIA (members vs non-members) and held-out losses of any model sharing one tokenizer."""
+
+    def __init__(self, settings: MiaSettings, tokenizer: Any, members: list[list[int]],
+                 nonmembers: list[list[int]], other: list[list[int]], reference: torch.nn.Module | None,
+                 seed: int = 0):
+        from evals.mia import score_sequences
+
+        if len(members) < 2 or len(nonmembers) < 2:
+            raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)}",
+                       "membership inference needs at least 2 members and 2 non-members; use more documents")
+        self.s, self.tok, self.seed = settings, tokenizer, seed
+        self.sets = {"members": members, "nonmembers": nonmembers}
+        self.other = other
+        self._ref_nll: dict[str, Any] = {}
+        if "ref_ratio" in settings.mia_methods:
+            if reference is None:
+                raise fail("mia_methods", settings.mia_methods, "ref_ratio needs a reference model")
+            for name, seqs in self.sets.items():
+                self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tokenizer, k=settings.mia_k,
+                                                       batch_size=16)["loss"]
+
+    def mia(self, model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+        """{method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}} for every configured method."""
+        from evals.mia import bootstrap_ci, roc_metrics, score_sequences
+
+        scores = {name: score_sequences(model, seqs, tokenizer=self.tok, k=self.s.mia_k, batch_size=16)
+                  for name, seqs in self.sets.items()}
+        for name, nll in self._ref_nll.items():  # reference NLL minus target NLL, as evals.mia defines it
+            scores[name]["ref_ratio"] = nll + scores[name]["loss"]
+        out = {}
+        for method in self.s.mia_methods:
+            m, n = scores["members"][method], scores["nonmembers"][method]
+            roc = roc_metrics(m, n)
+            rec = {"auc": roc["auc"], "tpr_at_1fpr": roc["tpr_at_1pct_fpr"]}
+            if self.s.bootstrap:
+                ci = bootstrap_ci(m, n, resamples=self.s.bootstrap, seed=self.seed)
+                rec.update(auc_ci=ci["auc_ci"], tpr_at_1fpr_ci=ci["tpr_at_1pct_fpr_ci"])
+            out[method] = rec
+        return out
+
+    def utility(self, model: torch.nn.Module) -> dict[str, float | None]:
+        """Token-weighted held-out loss on the non-members and on the other domain (nats/token)."""
+        from evals.perplexity import corpus_loss
+
+        return {"val_loss": corpus_loss(model, self.sets["nonmembers"], batch_size=16)["loss"],
+                "other_val_loss": corpus_loss(model, self.other, batch_size=16)["loss"] if self.other else None}
+
+
+def format_auc(rec: dict[str, Any] | None) -> str | None:
+    """'0.73 [0.62, 0.84]' (or '0.73' without a CI) for report tables."""
+    if not rec:
+        return None
+    ci = rec.get("auc_ci")
+    return f"{rec['auc']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{rec['auc']:.2f}"
