@@ -88,3 +88,22 @@ def test_refuses_a_random_init_base_and_a_foreign_held_out(tmp_path, cache_dir, 
     assert main(["run", str(cfg), "--out", str(tmp_path / "o"), "base.data.held_out=lee-news"]) == 2
     assert "held_out_fraction" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_val_loss_from_mia_scores_equals_corpus_loss(pretrained):
+    """The held-out loss derived from the MIA pass equals evals.perplexity.corpus_loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data_pipelines import load_corpus, tokenize_documents
+    from evals.perplexity import corpus_loss
+    from memorization.experiments.questions import MiaSettings, PrivacyUtility
+
+    tok = AutoTokenizer.from_pretrained(pretrained)
+    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    seqs = list(tokenize_documents(load_corpus("lee-news", limit=12), tok, max_tokens=30, min_tokens=2))
+    seqs[8] = seqs[8][:7]  # a ragged non-member: the token weighting matters
+    q = PrivacyUtility(MiaSettings(mia_methods=["loss"], bootstrap=0, other_held_out=""), tok,
+                       seqs[:6], seqs[6:], [], None)
+    got = q(model)
+    assert got["val_loss"] == pytest.approx(corpus_loss(model, seqs[6:])["loss"], rel=1e-5)
+    assert got["other_val_loss"] is None and set(got["mia"]) == {"loss"}

@@ -79,8 +79,7 @@ class Evaluator:
         results = extraction_results(model, self.cfg.base, self.split.prepared)
         stats = summarize(results)
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
-                  "token_accuracy": stats["token_accuracy"], **self.questions.utility(model),
-                  "mia": self.questions.mia(model)}
+                  "token_accuracy": stats["token_accuracy"], **self.questions(model)}
         return record, results
 
 

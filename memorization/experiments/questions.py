@@ -71,15 +71,25 @@ class PrivacyUtility:
                 self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tokenizer, k=settings.mia_k,
                                                        batch_size=16)["loss"]
 
-    def mia(self, model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-        """{method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}} for every configured method."""
+    def __call__(self, model: torch.nn.Module) -> dict[str, Any]:
+        """{"mia": {method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}}, "val_loss", "other_val_loss"}.
+
+        One forward pass over members and non-members gives every MIA score and, from the
+        non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1
+        tokens), so no second pass is needed for utility.
+        """
+        import numpy as np
+
         from evals.mia import bootstrap_ci, roc_metrics, score_sequences
+        from evals.perplexity import corpus_loss
 
         scores = {name: score_sequences(model, seqs, tokenizer=self.tok, k=self.s.mia_k, batch_size=16)
                   for name, seqs in self.sets.items()}
+        scored = np.array([len(x) - 1 for x in self.sets["nonmembers"]], dtype=np.float64)
+        val_loss = float((-scores["nonmembers"]["loss"] * scored).sum() / scored.sum())
         for name, nll in self._ref_nll.items():  # reference NLL minus target NLL, as evals.mia defines it
             scores[name]["ref_ratio"] = nll + scores[name]["loss"]
-        out = {}
+        mia = {}
         for method in self.s.mia_methods:
             m, n = scores["members"][method], scores["nonmembers"][method]
             roc = roc_metrics(m, n)
@@ -87,15 +97,9 @@ class PrivacyUtility:
             if self.s.bootstrap:
                 ci = bootstrap_ci(m, n, resamples=self.s.bootstrap, seed=self.seed)
                 rec.update(auc_ci=ci["auc_ci"], tpr_at_1fpr_ci=ci["tpr_at_1pct_fpr_ci"])
-            out[method] = rec
-        return out
-
-    def utility(self, model: torch.nn.Module) -> dict[str, float | None]:
-        """Token-weighted held-out loss on the non-members and on the other domain (nats/token)."""
-        from evals.perplexity import corpus_loss
-
-        return {"val_loss": corpus_loss(model, self.sets["nonmembers"], batch_size=16)["loss"],
-                "other_val_loss": corpus_loss(model, self.other, batch_size=16)["loss"] if self.other else None}
+            mia[method] = rec
+        other = corpus_loss(model, self.other, batch_size=16)["loss"] if self.other else None
+        return {"mia": mia, "val_loss": val_loss, "other_val_loss": other}
 
 
 def format_auc(rec: dict[str, Any] | None) -> str | None:
