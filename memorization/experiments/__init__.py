@@ -7,6 +7,8 @@ Kinds (configs/experiments/<kind>.yaml):
   canary-exposure            canaries and duplicated documents: exposure/extraction vs copy count
   pretrained-memorization    a pretrained model fine-tuned pass by pass: extraction, MIA and utility
                              from pass 0, standard vs goldfish vs the random-init control
+  mitigations                goldfish vs DP-SGD vs LoRA vs dedup on one fine-tune with canaries and
+                             duplicates: extraction, exposure, MIA, utility and cost per arm
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ KINDS = {
     "catastrophic-memorization": "memorization.experiments.catastrophic",
     "canary-exposure": "memorization.experiments.canary_exposure",
     "pretrained-memorization": "memorization.experiments.pretrained",
+    "mitigations": "memorization.experiments.mitigations",
 }
 
 

@@ -96,7 +96,8 @@ class Config(InjectionConfig):
 
 
 def build_corpus(cfg: InjectionConfig, exp: Experiment):
-    """(PreparedData, manifest, duplicated documents' tokens): base corpus + injected items, tokenized."""
+    """(PreparedData, manifest, duplicated documents' tokens, the injected Documents): base corpus +
+    injected items, tokenized."""
     from data_pipelines import inject, record_token_positions, tokenize_documents
     from memorization.models import run_tokenizer
     from memorization.pipeline import prepare_documents
@@ -123,12 +124,12 @@ def build_corpus(cfg: InjectionConfig, exp: Experiment):
         manifest.to_json(exp.out / "manifest.json")
     dup_tokens = {it.id: tokenize_documents([it.text], tok, max_tokens=b.data.block_len)[0]
                   for it in manifest.of_kind("duplicate")}
-    return data, manifest, dup_tokens
+    return data, manifest, dup_tokens, injected
 
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train standard and goldfish on the injected corpus; score canaries and duplicates by copy count."""
-    data, manifest, dup_tokens = build_corpus(cfg, exp)
+    data, manifest, dup_tokens, _ = build_corpus(cfg, exp)
     space = cfg.canary_spec().space
     b = cfg.base
     c = cfg.canaries

@@ -1,0 +1,335 @@
+"""mitigations: goldfish vs DP-SGD vs LoRA vs deduplication on the same fine-tune, one report.
+
+A pretrained model (SmolLM2-135M by default) is fine-tuned on one half of a corpus into which
+canaries (secrets from a known space) and duplicated documents were injected at several copy
+counts (canary-exposure's injection, with its manifest). Every arm trains on that corpus for the
+same number of passes with one mitigation switched on through ordinary run-config overrides (an
+arm is data, not code), or on the deduplicated corpus. Then every arm is asked:
+  verbatim extraction  greedy suffix from the prefix: on the leads seen once and on the duplicated ones
+  secrets              canary exposure and extraction over the secret space, by copy count
+  membership           MIA (loss, zlib, min-k++, ref_ratio vs the base model) on the leads seen once
+                       vs the held-out half, AUC and TPR@1%FPR with bootstrap CIs
+  utility              held-out loss on the non-member half and on another domain
+  cost                 step time vs the unmitigated arm, peak RSS while training, trainable parameters
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from axonn.config import apply_overrides, build, fail, to_dict
+from data_pipelines import DedupConfig
+from memorization.config import RunConfig
+from memorization.experiments.canary_exposure import InjectionConfig, build_corpus, score_injected
+from memorization.experiments.pretrained import require_pretrained_split
+from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
+from memorization.experiments.reporting import Outputs, Table, figure, save
+from memorization.experiments.runner import Experiment, load_documents, say
+from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
+from memorization.models import build_model
+from memorization.pipeline import PreparedData, run_training
+
+
+@dataclass
+class Arm:
+    """One mitigation: a name, what it is, the run-config overrides that switch it on, dedup or not."""
+
+    name: str = ""
+    mitigation: str = ""
+    overrides: list[str] = field(default_factory=list)  # key=value on the base RunConfig
+    dedup: bool = False  # train on the deduplicated corpus
+
+
+def _default_arms() -> list[Arm]:
+    dp = ["trainer.dp.enabled=true", "trainer.dp.max_grad_norm=1.0", "trainer.dp.delta=1e-5"]
+    lora = ["model.lora.enabled=true", "model.lora.r=8", "trainer.lr=1e-3"]
+    return [Arm("none", "none"),
+            Arm("goldfish", "goldfish", ["goldfish.enabled=true"]),
+            Arm("dp-eps8", "dp-sgd", dp + ["trainer.dp.target_epsilon=8"]),
+            Arm("dp-eps1", "dp-sgd", dp + ["trainer.dp.target_epsilon=1"]),
+            Arm("lora-r8", "lora", lora),
+            Arm("dedup", "dedup", dedup=True),
+            Arm("goldfish+lora", "goldfish+lora", ["goldfish.enabled=true"] + lora)]
+
+
+@dataclass
+class Config(InjectionConfig, MiaSettings):
+    """The injected corpus, the arms, and how long every arm trains."""
+
+    passes: int = 3
+    arms: list[Arm] = field(default_factory=_default_arms)
+    dedup: DedupConfig = field(default_factory=lambda: DedupConfig(enabled=True))
+
+    def validate(self, prefix: str = "") -> None:
+        """Injection and MIA checks, a pretrained base with a same-distribution split, valid arms."""
+        super().validate(prefix)
+        self.check()
+        if self.passes < 1:
+            raise fail("passes", self.passes, "must be >= 1")
+        self.dedup.validate("dedup")
+        require_pretrained_split(self.base)
+        if not self.arms:
+            raise fail("arms", self.arms, "give at least one arm, e.g. [{name: none, mitigation: none}]")
+        names = [a.name for a in self.arms]
+        for i, a in enumerate(self.arms):
+            if not a.name or "/" in a.name:
+                raise fail(f"arms[{i}].name", a.name, "give every arm a plain name (it names its run folder)")
+            arm_config(self, a, f"arms[{i}].overrides")  # every override parses into a valid run config
+        if len(set(names)) != len(names):
+            raise fail("arms", names, "arm names must be distinct")
+
+
+def arm_config(cfg: Config, arm: Arm, where: str = "overrides") -> RunConfig:
+    """The RunConfig of one arm: the base with the arm's overrides, `passes` epochs, our own evals."""
+    base = replace(cfg.base, name=arm.name, data=replace(cfg.base.data, min_tokens=1),
+                   trainer=replace(cfg.base.trainer, epochs=cfg.passes, max_steps=0),
+                   eval=replace(cfg.base.eval, extraction=False))
+    try:
+        rc = build(RunConfig, apply_overrides(to_dict(base), list(arm.overrides)))
+    except ValueError as e:  # ConfigError: say which arm it came from
+        raise fail(where, arm.overrides, f"{e}".rstrip(".")) from None
+    if rc.goldfish.enabled:
+        rc = replace(rc, goldfish=replace(rc.goldfish, token_budget=False))
+    return rc
+
+
+class PeakRSS:
+    """Peak resident memory of this process while a block runs (sampled every 20 ms)."""
+
+    def __enter__(self) -> PeakRSS:
+        import psutil
+
+        self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list, exp: Experiment) -> PreparedData:
+    """The injected corpus after deduplication (manifest in OUT/dedup.json)."""
+    from data_pipelines import deduplicate, per_document, tokenize_documents
+
+    tok, block = data.tokenizer, cfg.base.data.block_len
+    kept, manifest = deduplicate(injected_docs, tokenize_documents(injected_docs, tok), cfg.dedup)
+    if exp.is_main:
+        manifest.save(exp.out / "dedup.json", overwrite=True)
+    say(f"dedup: {len(injected_docs)} -> {len(kept)} documents ({manifest.counts})")
+    cut = [t[:block] for t in kept]
+    rows = per_document(cut, block, tok.eos_token_id)
+    return PreparedData(tok, rows, cut, [injected_docs[i].id for i in kept.kept], data.held_out)
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Train every arm on the injected corpus (or its deduplicated copy); ask each the five questions."""
+    from data_pipelines import tokenize_documents
+
+    data, manifest, dup_tokens, injected_docs = build_corpus(cfg, exp)
+    b = cfg.base
+    injected = {cid for it in manifest.items for cid in it.copy_ids}
+    members = [t for i, t in zip(data.train_doc_ids, data.train_docs) if i not in injected]
+    _, held, _ = load_documents(b)
+    nonmembers = list(tokenize_documents(held, data.tokenizer, max_tokens=b.data.block_len,
+                                         min_tokens=min(b.data.min_tokens, b.data.block_len)))
+    dedup_data = None
+    if any(a.dedup for a in cfg.arms):
+        dedup_data = _deduplicated(cfg, data, injected_docs, exp)
+    questions = None
+    if exp.is_main:
+        reference = build_model(b.model.name, overrides=b.model.overrides).eval()
+        questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
+                                   other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
+        del reference
+    key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
+           "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
+                        "space": cfg.canaries.space}}
+
+    def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
+        from evals import extract, summarize
+
+        e = b.eval
+        seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
+                                      tokenizer=data.tokenizer, batch_size=e.batch_size))
+        return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
+                "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens), **questions(model)}
+
+    arms, samples = [], []
+    for arm in cfg.arms:
+        rc = arm_config(cfg, arm)
+        arm_data = dedup_data if arm.dedup else data
+
+        def train(rc: RunConfig, run_dir: Path, arm_data: PreparedData = arm_data) -> dict[str, Any]:
+            with PeakRSS() as peak:
+                summary = run_training(rc, run_dir, overwrite=True, grid=exp.grid, data=arm_data,
+                                       progress=rc.trainer.progress)
+            _annotate(run_dir, {"peak_rss_bytes": peak.peak})
+            return summary
+
+        extra = {**key, "dedup": to_dict(cfg.dedup) if arm.dedup else None}
+        summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
+                          eval_key={"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
+                                    "candidates": cfg.canaries.candidates,
+                                    "other": [cfg.other_held_out, cfg.other_held_out_limit]},
+                          per_run_wandb=cfg.per_run_wandb)
+        if not exp.is_main:
+            continue
+        arms.append(_arm_record(arm, rc, summary, cfg.counts))
+        samples += extraction_samples(arm.name, exp.run_dir(arm.name), data.tokenizer, min(cfg.samples, 2))
+    if not exp.is_main:
+        return None
+    _relative_cost(arms)
+    return _outputs(cfg, arms, len(members), len(nonmembers), len(data.train_docs),
+                    len(dedup_data.train_docs) if dedup_data else None, exp.out, samples)
+
+
+def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
+    """Add values to a finished run's run.json summary (main rank only)."""
+    import json
+
+    path = run_dir / "run.json"
+    if path.is_file():
+        payload = json.loads(path.read_text())
+        payload["summary"].update(values)
+        path.write_text(json.dumps(payload, indent=2))
+
+
+def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
+    """One arm's numbers under the stable keys documented in docs/mitigations.md."""
+    inj = s["injected"]
+    dups, canaries = inj["duplicates"], inj["canaries"]
+    by_count = {}
+    for n in counts:
+        cs = [c for c in canaries if c["count"] == n]
+        ds = [d for d in dups if d["count"] == n]
+        by_count[str(n)] = {"canary_exposure": _mean([c["exposure"] for c in cs]),
+                            "canary_extracted": _mean([float(c["extracted"]) for c in cs]),
+                            "duplicate_exact_match": _mean([float(d["exact_match"]) for d in ds])}
+    steps = s.get("steps") or 0
+    return {
+        "name": arm.name, "mitigation": arm.mitigation, "overrides": list(arm.overrides), "dedup": arm.dedup,
+        "extraction": {"seen_once": s["seen_once"],
+                       "duplicated": {"docs": len(dups),
+                                      "exact_match_rate": _mean([float(d["exact_match"]) for d in dups]),
+                                      "rougeL": _mean([d["rougeL"] for d in dups])}},
+        "canaries": {"count": len(canaries), "exposure_mean": _mean([c["exposure"] for c in canaries]),
+                     "extracted_rate": _mean([float(c["extracted"]) for c in canaries]),
+                     "max_exposure": inj["max_exposure"]},
+        "by_copy_count": by_count,
+        "mia": s["mia"],
+        "utility": {"val_loss": s["val_loss"], "other_val_loss": s["other_val_loss"]},
+        "privacy": {"epsilon": s.get("epsilon"), "delta": s.get("delta")},
+        "cost": {"steps": steps, "train_seconds": s.get("train_seconds"),
+                 "step_seconds": (s.get("train_seconds") or 0) / steps if steps else None,
+                 "peak_rss_gb": (s.get("peak_rss_bytes") or 0) / 2**30 or None,
+                 "trainable_params": s.get("trainable_params", s.get("params"))},
+        "reused": s.get("reused", False),
+    }
+
+
+def _relative_cost(arms: list[dict[str, Any]]) -> None:
+    """cost.step_time_vs_none: each arm's step time over the unmitigated arm's (None without one)."""
+    ref = next((a["cost"]["step_seconds"] for a in arms if a["mitigation"] == "none"), None)
+    for a in arms:
+        st = a["cost"]["step_seconds"]
+        a["cost"]["step_time_vs_none"] = st / ref if ref and st else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembers: int, n_rows: int,
+             n_dedup: int | None, out: Path, samples: list[list[Any]]) -> Outputs:
+    methods = cfg.mia_methods
+    rows = []
+    for a in arms:
+        row = {"arm": a["name"], "mitigation": a["mitigation"],
+               "em_once": a["extraction"]["seen_once"]["exact_match_rate"],
+               "em_dup": a["extraction"]["duplicated"]["exact_match_rate"],
+               "exposure": a["canaries"]["exposure_mean"], "extracted": a["canaries"]["extracted_rate"],
+               "val": a["utility"]["val_loss"], "other": a["utility"]["other_val_loss"],
+               "time": a["cost"]["step_time_vs_none"], "rss": a["cost"]["peak_rss_gb"],
+               "trainable": a["cost"]["trainable_params"], "eps": a["privacy"]["epsilon"]}
+        for m in methods:
+            row[f"auc_{m}"] = format_auc(a["mia"].get(m))
+        rows.append(row)
+    cols = [("arm", "arm", "{}"), ("mitigation", "mitigation", "{}"), ("em_once", "EM leads seen once", "{:.0%}"),
+            ("em_dup", "EM duplicated leads", "{:.0%}"), ("exposure", "canary exposure (bits)", "{:.2f}"),
+            ("extracted", "secrets extracted", "{:.0%}")]
+    cols += [(f"auc_{m}", f"MIA AUC {m} [95% CI]", "{}") for m in methods]
+    cols += [("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}"),
+             ("time", "step time x", "{:.2f}"), ("rss", "peak RSS GiB", "{:.1f}"),
+             ("trainable", "trainable params", "{:,}"), ("eps", "epsilon", "{:.2f}")]
+    by_count = [{"arm": a["name"], "copies": int(n), **v} for a in arms for n, v in a["by_copy_count"].items()]
+    ccols = [("arm", "arm", "{}"), ("copies", "copies", "{}"), ("canary_exposure", "canary exposure", "{:.2f}"),
+             ("canary_extracted", "secrets extracted", "{:.0%}"),
+             ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}")]
+    b = cfg.base
+    c = cfg.canaries
+    notes = [
+        f"Model: {b.model.name}, its own tokenizer. Training rows: {n_rows} ({n_members} Wikipedia leads seen "
+        f"once, plus {cfg.duplicates.per_count} duplicated leads and {c.per_count} canaries per copy count "
+        f"{cfg.counts}); {cfg.passes} passes, lr {b.trainer.lr} (arms may override it), batch "
+        f"{b.trainer.batch_size}. Non-members: {n_nonmembers} held-out leads.",
+        f"Canaries: {c.template!r} with a secret from {c.space}; exposure in bits over the whole space "
+        "(maximum log2|R|); 'secrets extracted' = the canary beats every never-inserted secret.",
+        "EM: greedy 32-token suffix from the 32-token prefix. MIA on the leads seen once vs the held-out leads; "
+        f"95% CIs from {cfg.bootstrap} bootstrap resamples.",
+        f"Dedup: exact documents + repeated spans of >= {cfg.dedup.min_repeat_tokens} tokens, keep-first"
+        + (f" ({n_rows} -> {n_dedup} rows; manifest dedup.json)." if n_dedup else "."),
+        "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
+        "while the arm trained; trainable parameters (LoRA: adapters only).",
+    ]
+    plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"), _plot_bars(arms, methods, out / "mitigations-bars.png")]
+    return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind, runs=arms,
+                   tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols))],
+                   notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
+                   extra={"arms": arms, "passes": cfg.passes})
+
+
+def _plot_scatter(arms: list[dict[str, Any]], path: Path) -> Path:
+    """Privacy (duplicated-lead exact match) vs utility (held-out loss); marker area = step time."""
+    fig, axes = figure(2, width=5.2)
+    for ax, (key, label) in zip(axes, (("em_dup", "exact match, duplicated leads"), ("auc", "MIA AUC (loss)"))):
+        for a in arms:
+            x = a["extraction"]["duplicated"]["exact_match_rate"] if key == "em_dup" else a["mia"].get("loss", {}).get("auc")
+            y = a["utility"]["val_loss"]
+            size = 80 * (a["cost"]["step_time_vs_none"] or 1.0)
+            ax.scatter([x], [y], s=size, alpha=0.7)
+            ax.annotate(a["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set(xlabel=f"{label} (lower = more private)", ylabel="held-out loss (lower = more useful)",
+               title="privacy vs utility (marker: step time)")
+    return save(fig, path)
+
+
+def _plot_bars(arms: list[dict[str, Any]], methods: list[str], path: Path) -> Path:
+    """One bar chart per metric across arms."""
+    metrics = [("EM duplicated", lambda a: a["extraction"]["duplicated"]["exact_match_rate"]),
+               ("canary exposure (bits)", lambda a: a["canaries"]["exposure_mean"]),
+               ("MIA AUC (best method)", lambda a: max((v["auc"] for v in a["mia"].values()), default=None)),
+               ("held-out loss", lambda a: a["utility"]["val_loss"]),
+               ("step time x", lambda a: a["cost"]["step_time_vs_none"])]
+    fig, axes = figure(len(metrics), width=3.2, height=3.6)
+    names = [a["name"] for a in arms]
+    for ax, (title, get) in zip(axes, metrics):
+        ax.bar(range(len(arms)), [get(a) or 0 for a in arms], color="tab:blue")
+        ax.set_xticks(range(len(arms)), labels=names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    return save(fig, path)
+
+
+__all__ = ["Arm", "Config", "arm_config", "run"]

@@ -1,0 +1,98 @@
+"""mitigations end to end on a micro config: a tiny briefly-trained model stands in for SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memorization.cli import main
+
+BASE = """
+name: base
+data: {corpus: wiki-leads, limit: 20, vocab_size: 320, block_len: 40, min_tokens: 40, held_out: ""}
+model:
+  name: tiny
+  overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
+              num_key_value_heads: 4}
+trainer: {batch_size: 4, max_steps: 2, progress: false}
+eval: {extraction: false}
+wandb: {mode: disabled}
+"""
+
+EXPERIMENT = """
+kind: mitigations
+name: mit
+passes: 1
+counts: [1, 3]
+canaries: {{per_count: 2, template: "the secret access code of the old museum wing is {{secret}}",
+            space: {{kind: digits, length: 2}}, candidates: 0}}
+duplicates: {{per_count: 1}}
+bootstrap: 20
+other_held_out: lee-news
+other_held_out_limit: 4
+samples: 1
+arms: {arms}
+base:
+  data: {{corpus: wiki-leads, limit: 28, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
+  model: {{name: {model}}}
+  trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  wandb: {{mode: disabled}}
+"""
+
+ARMS = ("[{name: none, mitigation: none}, {name: goldfish, mitigation: goldfish, "
+        "overrides: [goldfish.enabled=true]}, {name: dedup, mitigation: dedup, dedup: true}]")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    cfg = root / "base.yaml"
+    cfg.write_text(BASE)
+    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
+    return root / "run" / "model"
+
+
+def _write(tmp_path, model, arms=ARMS):
+    p = tmp_path / "m.yaml"
+    p.write_text(EXPERIMENT.format(model=model, arms=arms))
+    return p
+
+
+def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
+    out = tmp_path / "out"
+    assert main(["run", str(_write(tmp_path, pretrained)), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    arms = report["arms"]
+    assert [a["name"] for a in arms] == ["none", "goldfish", "dedup"]
+    for a in arms:
+        assert set(a) >= {"name", "mitigation", "extraction", "canaries", "by_copy_count", "mia", "utility",
+                          "privacy", "cost"}
+        assert 0 <= a["extraction"]["seen_once"]["exact_match_rate"] <= 1
+        assert a["extraction"]["duplicated"]["docs"] == 2 and a["canaries"]["count"] == 4
+        assert set(a["by_copy_count"]) == {"1", "3"}
+        for m in a["mia"].values():
+            assert m["auc_ci"][0] <= m["auc"] <= m["auc_ci"][1]
+        assert a["utility"]["val_loss"] > 0 and a["cost"]["peak_rss_gb"] > 0
+        assert a["cost"]["trainable_params"] > 0
+    assert arms[0]["cost"]["step_time_vs_none"] == pytest.approx(1.0)
+    dedup = json.loads((out / "dedup.json").read_text())
+    # every injected extra copy (canary x3 -> 2 extra each, duplicate x3 -> 2 extra) is removed
+    assert dedup["counts"]["exact-document"]["documents"] == 2 * 2 + 1 * 2
+    rows = {name: json.loads((out / "runs" / name / "run.json").read_text())["summary"]["steps"]
+            for name in ("none", "dedup")}
+    assert rows["dedup"] < rows["none"]
+    assert (out / "mitigations-tradeoff.png").is_file() and (out / "mitigations-bars.png").is_file()
+
+
+@pytest.mark.parametrize("arms,needle", [
+    ("[{name: a, overrides: [trainer.nope=1]}]", "arms[0].overrides"),
+    ("[{name: a}, {name: a}]", "arms"),
+    ("[]", "arms"),
+])
+def test_bad_arms_are_refused_before_anything_is_written(pretrained, tmp_path, cache_dir, capsys, arms, needle):
+    out = tmp_path / "out"
+    assert main(["run", str(_write(tmp_path, pretrained, arms)), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {needle}"), err
+    assert not out.exists()
