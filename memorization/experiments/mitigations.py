@@ -46,15 +46,8 @@ class Arm:
 
 
 def _default_arms() -> list[Arm]:
-    dp = ["trainer.dp.enabled=true", "trainer.dp.max_grad_norm=1.0", "trainer.dp.delta=1e-5"]
-    lora = ["model.lora.enabled=true", "model.lora.r=8", "trainer.lr=1e-3"]
-    return [Arm("none", "none"),
-            Arm("goldfish", "goldfish", ["goldfish.enabled=true"]),
-            Arm("dp-eps8", "dp-sgd", dp + ["trainer.dp.target_epsilon=8"]),
-            Arm("dp-eps1", "dp-sgd", dp + ["trainer.dp.target_epsilon=1"]),
-            Arm("lora-r8", "lora", lora),
-            Arm("dedup", "dedup", dedup=True),
-            Arm("goldfish+lora", "goldfish+lora", ["goldfish.enabled=true"] + lora)]
+    # The full comparison (DP-SGD, LoRA, dedup, ...) is configs/experiments/mitigations.yaml: arms are data.
+    return [Arm("none", "none"), Arm("goldfish", "goldfish", ["goldfish.enabled=true"])]
 
 
 @dataclass
