@@ -78,9 +78,27 @@ class Watchdog:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(timeout=1)
 
+    def _verdict(self) -> list[int]:
+        """Ranks a peer has already declared lost (empty: none)."""
+        key = f"{self.keys}/lost"
+        return [int(r) for r in self.store.get(key).decode().split(",")] if self.store.check([key]) else []
+
+    def _announce(self, ranks: list[int]) -> None:
+        """Tell the other ranks who is lost, and give them time to read it before this rank exits.
+
+        Under srun rank 0 hosts the store: if it left at once, the others would lose the store
+        before they saw the silent rank and blame rank 0 instead.
+        """
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.keys}/lost", ",".join(map(str, ranks)))
+            time.sleep(2 * self.interval + 0.2)
+
     def _poll(self) -> list[int]:
         """Beat once, read the peers; return the ranks silent for longer than stale_after."""
         self.store.add(f"{self.keys}/hb/{self.rank}", 1)
+        told = self._verdict()
+        if told:
+            return told
         now, silent = time.monotonic(), []
         for r, (count, since) in list(self._seen.items()):
             if self.store.check([f"{self.keys}/bye/{r}"]):
@@ -107,6 +125,7 @@ class Watchdog:
                     self.on_lost(self._store_lost(e))
                 return
             if silent and not self._stop.is_set():
+                self._announce(silent)
                 self.on_lost(self.lost_message(silent, f"no heartbeat for {self.timeout_s:g} s: killed, "
                                                "stopped or hung"))
                 return
@@ -129,6 +148,9 @@ class Watchdog:
         """After a failed collective: the peers whose heartbeat does not move (None: store gone)."""
         window = window_s if window_s is not None else min(self.stale_after, 4 * self.interval + 1.0)
         try:
+            told = self._verdict()
+            if told:
+                return told
             start = {r: self.store.add(f"{self.keys}/hb/{r}", 0) for r in self._seen}
             time.sleep(window)
             return [r for r in start if r in self._seen and not self.store.check([f"{self.keys}/bye/{r}"])
