@@ -22,6 +22,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", default=None, help="X,Y,Z,DATA parallel grid (launch with torchrun), or auto")
 
 
+def _add_dry_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="size and check the job on --world GPUs without running it (memorization/dryrun.py)")
+    p.add_argument("--world", type=int, default=None, metavar="N", help="GPUs of the job (with --dry-run)")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="with --dry-run (default: the hardware preset's)")
+    p.add_argument("--hardware", default=None, help="with --dry-run: axonn-plan preset (default h100)")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+
+
+def _wants_dry_run(args) -> bool:
+    return bool(args.dry_run or args.json or args.hardware or args.world is not None
+                or args.gpus_per_node is not None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = _Parser(prog="memorize", description="Memorization research on a 4D hybrid-parallel trainer.")
@@ -43,12 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from the newest checkpoint in OUT (auto) or from a checkpoint folder")
     t.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(t)
+    _add_dry_run(t)
 
     r = sub.add_parser("run", help="run a research experiment (configs/experiments/NAME.yaml)")
     r.add_argument("config", help="experiment YAML, e.g. configs/experiments/goldfish-extreme.yaml")
     r.add_argument("--out", default=None, help="output folder (default runs/<experiment name>)")
     r.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(r)
+    _add_dry_run(r)
 
     x = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face model folder")
     x.add_argument("checkpoint", help="a checkpoint folder, e.g. OUT/checkpoints/step-00000100")
@@ -105,6 +122,10 @@ def cmd_demo(args) -> int:
 
 def cmd_train(args) -> int:
     """Train one run."""
+    if _wants_dry_run(args):
+        from memorization.dryrun import cli_dry_run
+
+        return cli_dry_run(args, "train")
     from dataclasses import replace
 
     from memorization.config import load_run_config
@@ -180,6 +201,10 @@ def cmd_export(args) -> int:
 
 def cmd_run(args) -> int:
     """Run one experiment config (a sweep skips runs that already finished)."""
+    if _wants_dry_run(args):
+        from memorization.dryrun import cli_dry_run
+
+        return cli_dry_run(args, "run")
     from memorization.experiments import run_experiment
 
     run_experiment(args.config, out=args.out, overrides=args.overrides, overwrite=args.overwrite,

@@ -1,0 +1,353 @@
+"""`memorize train|run CONFIG --dry-run --world N`: prove that a job fits before it is queued.
+
+No process group, no weights, no data. The model is built on the meta device and sharded exactly
+as rank 0 of the requested grid shards it (`axonn.ProcessGrid.virtual` + `axonn.parallelize`); the
+parameter count of that sharded model goes through the planner's memory and performance models
+(`axonn.plan`), so the project has one model of memory. Every check the real run makes before its
+first collective runs here too (`axonn.grid.validate_grid_for_model`, the trainer's batch split),
+plus memory against the hardware preset and, for a local weights folder, the safetensors headers
+against the sharded model. A grid that cannot run is refused with one line (ConfigError).
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from axonn.config import ConfigError, fail
+from memorization.config import RunConfig
+
+GiB = 2**30
+CLUSTERS_FILE = Path(__file__).resolve().parents[1] / "configs" / "clusters.yaml"
+
+
+def model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
+    """(HF config of the model the run builds, its weights folder or None, where the vocab comes from).
+
+    Mirrors memorization.models (build_model, run_tokenizer, check_tokenizer): a zoo shape takes the
+    tokenizer's vocabulary; a pretrained folder keeps its own, and a tokenizer that is not the
+    model's is refused here as it would be before the run loads any weight."""
+    from data_pipelines import load_tokenizer
+    from memorization.models import pretrained_config, resolve_model_dir, run_tokenizer, zoo_config
+
+    name, spec = cfg.model.name, cfg.data.tokenizer
+    local = resolve_model_dir(name)
+    if local is None:
+        if spec in ("auto", "bpe"):  # trained on the corpus at run time: its target size is known
+            vocab, source = cfg.data.vocab_size, "data.vocab_size: the corpus BPE's target size"
+        else:
+            vocab, source = len(load_tokenizer(spec)), f"tokenizer {spec}"
+        return zoo_config(name, vocab, cfg.model.overrides), None, source
+    config = pretrained_config(name, cfg.model.overrides)
+    if spec == "bpe":
+        raise fail("data.tokenizer", spec, f"a corpus BPE never matches the ids {name} was trained with; "
+                   "use data.tokenizer=auto (the model's own tokenizer)")
+    run_tokenizer(spec, name, texts=[], vocab_size=cfg.data.vocab_size)  # refuses a foreign tokenizer
+    return config, None if cfg.model.random_init else local, f"{local}/config.json"
+
+
+def _check_corpus(field: str, spec: str) -> None:
+    """A corpus that is a file path must exist (names and hub ids are resolved at run time)."""
+    if spec and (spec.endswith((".txt", ".jsonl", ".parquet")) or spec.startswith(("/", "./", "~")))\
+            and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
+        raise fail(field, spec, "no such file or folder; pass an existing corpus path or a corpus name")
+
+
+def precision_for(trainer_precision: str, hw: Any) -> str:
+    """The activation precision the run will use: auto is bf16 on GPUs, fp32 on the CPU profile."""
+    if trainer_precision != "auto":
+        return trainer_precision
+    return "fp32" if hw.name.startswith("local") else "bf16"
+
+
+def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int, hw: Any,
+                headroom: float, precision: str) -> tuple[int, int, int, int]:
+    """The predicted-fastest grid that runs this config as written (micro-batch, checkpointing)."""
+    from axonn.grid import validate_grid_for_model
+    from axonn.plan import predict, valid_grids
+
+    t, mode = cfg.trainer, cfg.parallel_mode
+    best, least, reasons = None, None, []
+    for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
+        try:
+            validate_grid_for_model((g.x, g.y, g.z, g.data), hf_config, mode)
+            _, mb = t.accumulation(g.z * g.data)
+        except ConfigError as e:
+            reasons.append(str(e))
+            continue
+        p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
+                    checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
+                    precision=precision)
+        if least is None or p.memory_gb < least.memory_gb:
+            least = p
+        if p.fits and (best is None or p.time_s < best.time_s):
+            best = p
+    if best is not None:
+        return best.grid
+    if least is None:
+        why = reasons[0] if reasons else (f"no (x, y, z, data) of {world} divides the model's heads, "
+                                          f"hidden, FFN and vocab and trainer.batch_size={t.batch_size}")
+        raise fail("--grid", "auto", f"no grid of {world} GPUs can run this config: {why}")
+    raise fail("--grid", "auto", f"no grid of {world} GPUs fits {shape.name} in {hw.name} memory; the "
+               f"smallest needs {least.memory_gb:.1f} GiB at {least.grid} ({_fix(t)})")
+
+
+def _fix(t: Any) -> str:
+    """What to change when memory does not fit."""
+    if not t.activation_checkpointing:
+        return "set trainer.activation_checkpointing=true, lower trainer.micro_batch or add nodes"
+    return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
+
+
+def _meta_model(hf_config: Any) -> torch.nn.Module:
+    """The model with fp32 parameters (as the trainer builds it) and no storage."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        except TypeError:  # transformers 4.x spells it torch_dtype
+            return AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+
+
+def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
+    """Every tensor rank 0 will load is in the folder's safetensors with the serial shape."""
+    from axonn.layers.layout import spec_of
+    from axonn.state import SafetensorsSlices
+
+    files = SafetensorsSlices(folder)
+    seen: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        seen.setdefault(id(t), []).append(key)
+        tensors[id(t)] = t
+    for tid, keys in seen.items():
+        key = next((k for k in keys if k in files.entries), None)
+        if key is None:
+            raise fail("model.name", str(folder), f"{keys[0]} is not in its safetensors files; the "
+                       "weights do not match this model's config.json")
+        spec, t = spec_of(tensors[tid]), tensors[tid]
+        if spec is None:
+            want = list(t.shape)
+        else:
+            want = [spec.rows] if spec.cols is None else [spec.rows, spec.cols]
+            want = want[::-1] if spec.transposed else want
+        if list(files.shape(key)) != want:
+            raise fail("model.name", str(folder), f"{key} is stored as {files.shape(key)} but the model "
+                       f"expects {want}; was it saved from this config?")
+    dtypes = sorted({d for _, d, _, _ in files.entries.values()})
+    return {"folder": str(folder), "tensors": len(files.entries), "files": len({f for f, *_ in
+            files.entries.values()}), "dtypes": dtypes, "checked": len(seen)}
+
+
+def _cluster_for(hw_name: str) -> str:
+    """The cluster in configs/clusters.yaml whose hardware preset this is (else generic)."""
+    import yaml
+
+    if CLUSTERS_FILE.is_file():
+        for name, entry in (yaml.safe_load(CLUSTERS_FILE.read_text()) or {}).items():
+            if isinstance(entry, dict) and entry.get("hardware") == hw_name and name != "generic":
+                return name
+    return "generic"
+
+
+def _launch(command: str, config_path: str, dims: Sequence[int], overrides: Sequence[str], world: int,
+            gpn: int, hw_name: str) -> dict[str, str]:
+    """The exact command lines that start this job."""
+    grid = ",".join(map(str, dims))
+    tail = " ".join(shlex.quote(o) for o in overrides)
+    args = f"{command} {shlex.quote(config_path)} --grid {grid}" + (f" {tail}" if tail else "")
+    nodes = max(1, world // gpn)
+    out = {"srun": f"srun --nodes={nodes} --ntasks-per-node={min(world, gpn)} python -m memorization {args}",
+           "slurm": f"python scripts/slurm.py --cluster {_cluster_for(hw_name)} --nodes {nodes} "
+                    f"--config {shlex.quote(config_path)} --grid {grid}" + (f" -- {tail}" if tail else "")}
+    if world <= gpn:
+        out["torchrun"] = f"torchrun --nproc-per-node {world} -m memorization {args}"
+    return out
+
+
+def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, grid: str | None = None,
+            hardware: Any = "h100", headroom: float = 0.1, command: str = "train",
+            config_path: str = "CONFIG", overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem."""
+    from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
+    from axonn.parallelize import parallelize, trainable
+    from axonn.plan import get_hardware, load_shape, plan, predict
+    from axonn.plan.memory import local_params, memory_breakdown
+    from axonn.plan.search import check_inputs
+    from axonn.plan.volumes import Grid
+
+    hw = get_hardware(hardware)
+    gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
+    t, seq, mode = cfg.trainer, cfg.data.block_len, cfg.parallel_mode
+    check_inputs(world, gpn, seq, t.batch_size, headroom)
+    _check_corpus("data.corpus", cfg.data.corpus)
+    _check_corpus("data.held_out", cfg.data.held_out)
+    hf_config, weights, vocab_source = model_config(cfg)
+    shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
+    precision = precision_for(t.precision, hw)
+    spec = grid if grid is not None else cfg.grid
+    chosen_by = "--grid"
+    if spec == "auto":
+        dims = choose_grid(shape, hf_config, cfg, world, gpn, hw, headroom, precision)
+        chosen_by = f"the performance model ({hw.name})"
+    else:
+        dims = parse_grid(spec)
+        if dims[0] * dims[1] * dims[2] * dims[3] != world:
+            raise fail("--grid", spec, f"x*y*z*data={dims[0] * dims[1] * dims[2] * dims[3]} but the job has "
+                       f"{world} GPUs (--world); make the product {world} or use --grid auto")
+    validate_grid_for_model(dims, hf_config, mode)  # heads, KV heads, hidden, FFN, vocab
+    accum, mb = t.accumulation(dims[2] * dims[3])  # batch over Z x data, micro-batches
+    g = Grid(*dims)
+
+    model = parallelize(_meta_model(hf_config), ProcessGrid.virtual(*dims, rank=0), mode=mode)
+    params = trainable(model)
+    local = sum(p.numel() for p in params)
+    assert all(p.dtype == torch.float32 for p in params), "the trainer keeps fp32 parameters"
+    weights_info = _check_weights(model, weights) if weights is not None else None
+
+    mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision)
+           for ck in (False, True)}
+    used = mem[t.activation_checkpointing]
+    total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
+    if total > usable:
+        raise fail("--grid", ",".join(map(str, dims)), f"needs {total / GiB:.1f} GiB per GPU but "
+                   f"{hw.name} has {usable / GiB:.1f} GiB usable ({hw.memory_bytes / GiB:.0f} GiB, "
+                   f"{headroom:.0%} headroom); {_fix(t)}")
+    p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
+                checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
+                precision=precision, local=local)
+    try:
+        top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
+                   precision=precision)[0]
+        best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
+                "activation_checkpointing": top.checkpoint_activations}
+    except ConfigError:
+        best = None
+    tokens = t.batch_size * seq
+    return {
+        "command": command, "config": config_path, "name": cfg.name,
+        "model": {"name": cfg.model.name, "params": shape.params, "layers": shape.layers,
+                  "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.kv_heads,
+                  "ffn": shape.ffn, "vocab": shape.vocab, "vocab_source": vocab_source, "mode": mode,
+                  "pair_axes": list(model.axonn_pair_axes or ())},
+        "grid": {"x": dims[0], "y": dims[1], "z": dims[2], "data": dims[3], "world": world,
+                 "nodes": max(1, world // gpn), "gpus_per_node": gpn, "chosen_by": chosen_by},
+        "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
+                     "headroom": headroom},
+        "batch": {"global": t.batch_size, "seq": seq, "tokens_per_step": tokens, "micro_batch": mb,
+                  "micro_batches": accum, "rows_per_rank": mb * accum},
+        "precision": precision, "activation_checkpointing": t.activation_checkpointing,
+        "rank0": {"params": local, "planner_params": int(local_params(shape, g, mode)),
+                  "param_bytes": int(used["weights"]), "grad_bytes": int(used["gradients"]),
+                  "optimizer_bytes": int(used["optimizer"]), "z_buffer_bytes": int(used["z_buffers"]),
+                  "activation_bytes": {"checkpointing": int(mem[True]["activations"]),
+                                       "no_checkpointing": int(mem[False]["activations"])},
+                  "total_bytes": int(total), "fits": True},
+        "predicted": {"step_s": p.time_s, "tokens_per_s": tokens / p.time_s, "mfu": p.pct_peak / 100,
+                      "tflops_per_gpu": p.tflops_per_gpu, "exposed_comm_s": p.exposed_comm_s},
+        "planner_best": best, "weights": weights_info,
+        "checks": ["grid product = GPUs", f"grid divides heads, KV heads, hidden, FFN, vocab ({mode})",
+                   f"batch {t.batch_size} = {accum} micro-batches x {mb} rows x {dims[2] * dims[3]} "
+                   "batch shards (z*data)", f"memory fits {hw.name}"]
+        + (["weights: every tensor present with the model's shape"] if weights_info else []),
+        "launch": _launch(command, config_path, dims, overrides, world, gpn, hw.name),
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The dry run as a short human-readable block."""
+    m, g, b, k, p = r["model"], r["grid"], r["batch"], r["rank0"], r["predicted"]
+    ck = r["activation_checkpointing"]
+    lines = [
+        f"dry run: {r['name']} (memorize {r['command']} {r['config']})",
+        f"  model      {m['name']}: {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers, hidden "
+        f"{m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV, FFN {m['ffn']}, vocab {m['vocab']} "
+        f"({m['vocab_source']}); {m['mode']} mode",
+        f"  grid       (x, y, z, data) = ({g['x']}, {g['y']}, {g['z']}, {g['data']}) on {g['world']} GPUs "
+        f"= {g['nodes']} node(s) x {g['gpus_per_node']}; chosen by {g['chosen_by']}",
+        f"  batch      {b['global']} x {b['seq']} tokens; {b['rows_per_rank']} rows per rank = "
+        f"{b['micro_batches']} micro-batch(es) of {b['micro_batch']}; {r['precision']} activations",
+        f"  rank 0     parameters {k['params']:,} ({_gib(k['param_bytes'])}), gradients "
+        f"{_gib(k['grad_bytes'])}, optimizer {_gib(k['optimizer_bytes'])}, Z buffers "
+        f"{_gib(k['z_buffer_bytes'])}",
+        f"             activations {_gib(k['activation_bytes']['checkpointing'])} with checkpointing"
+        f"{' (on)' if ck else ''}, {_gib(k['activation_bytes']['no_checkpointing'])} without"
+        f"{'' if ck else ' (on)'}",
+        f"             total {_gib(k['total_bytes'])} of {_gib(r['hardware']['usable_bytes'])} usable on "
+        f"{r['hardware']['name']}: fits",
+        f"  predicted  {p['step_s']:.3g} s/step, {p['tokens_per_s']:,.0f} tokens/s, MFU "
+        f"{p['mfu']:.1%} ({p['tflops_per_gpu']:.3g} TF/s per GPU)",
+    ]
+    best = r["planner_best"]
+    if best and best["grid"] != [g["x"], g["y"], g["z"], g["data"]]:
+        lines.append(f"  planner    fastest for {g['world']} GPUs: --grid {','.join(map(str, best['grid']))} "
+                     f"trainer.micro_batch={best['micro_batch']} trainer.activation_checkpointing="
+                     f"{str(best['activation_checkpointing']).lower()} ({best['step_s']:.3g} s/step)")
+    if r["weights"]:
+        w = r["weights"]
+        lines.append(f"  weights    {w['folder']}: {w['tensors']} tensors in {w['files']} file(s), "
+                     f"{', '.join(w['dtypes'])}; all {w['checked']} this model needs match")
+    lines.append(f"  checks     {'; '.join(r['checks'])}")
+    for key in ("torchrun", "srun", "slurm"):
+        if key in r["launch"]:
+            lines.append(f"  {key:<10} {r['launch'][key]}")
+    return "\n".join(lines)
+
+
+def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> list[RunConfig]:
+    """The RunConfigs a command would train: the one of `train`, or an experiment's distinct models."""
+    from memorization.config import load_run_config
+
+    if command == "train":
+        return [load_run_config(config_path, list(overrides))]
+    from memorization.experiments import load_experiment
+
+    module, exp = load_experiment(config_path, overrides)
+    runs = [exp.base]
+    if hasattr(module, "size_config"):  # catastrophic-memorization: one model per size
+        runs += [module.size_config(exp, s, "standard") for s in exp.sizes]
+    seen, out = set(), []
+    for rc in runs:
+        key = (rc.model.name, repr(sorted(rc.model.overrides.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(rc)
+    return out
+
+
+def dry_run_command(command: str, config_path: str, overrides: Sequence[str], *, world: int,
+                    gpus_per_node: int | None = None, grid: str | None = None,
+                    hardware: Any = "h100", headroom: float = 0.1) -> list[dict[str, Any]]:
+    """Dry-run every model `memorize <command> CONFIG` would train; ConfigError on the first problem."""
+    return [dry_run(rc, world=world, gpus_per_node=gpus_per_node, grid=grid, hardware=hardware,
+                    headroom=headroom, command=command, config_path=config_path, overrides=overrides)
+            for rc in run_configs(command, config_path, overrides)]
+
+
+def cli_dry_run(args: Any, command: str) -> int:
+    """`memorize train|run CONFIG --dry-run --world N ...`: print the report(s); 0, or ConfigError."""
+    import json
+
+    if not args.dry_run:
+        used = "--world" if args.world is not None else "--gpus-per-node/--hardware/--json"
+        raise fail(used, args.world, "sizes a job without running it; add --dry-run")
+    if args.world is None or args.world < 1:
+        raise fail("--world", args.world, "--dry-run needs the job's GPU count, e.g. --world 64")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise fail("--gpus-per-node", args.gpus_per_node, "must be >= 1")
+    reports = dry_run_command(command, args.config, list(args.overrides), world=args.world,
+                              gpus_per_node=args.gpus_per_node, grid=args.grid,
+                              hardware=args.hardware or "h100")
+    if args.json:
+        print(json.dumps(reports[0] if command == "train" else reports, indent=1))
+    else:
+        print("\n\n".join(format_report(r) for r in reports))
+    return 0
