@@ -173,8 +173,13 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
             hardware: Any = "h100", headroom: float = 0.1, command: str = "train",
             config_path: str = "CONFIG", overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem."""
+    import axonn
     from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
-    from axonn.parallelize import parallelize, trainable
+
+    # resolve the lazy export first: importing the submodule before anything touched the package
+    # attribute would leave `axonn.parallelize` naming the module, not the function, in this process
+    parallelize = axonn.parallelize
+    from axonn.parallelize import trainable
     from axonn.plan import get_hardware, load_shape, plan, predict
     from axonn.plan.memory import local_params, memory_breakdown
     from axonn.plan.search import check_inputs
@@ -183,6 +188,9 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     hw = get_hardware(hardware)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     t, seq, mode = cfg.trainer, cfg.data.block_len, cfg.parallel_mode
+    if isinstance(world, int) and world > gpn > 0 and world % gpn:
+        raise fail("--world", world, f"past one node the job has whole nodes: a multiple of "
+                   f"--gpus-per-node={gpn}")
     check_inputs(world, gpn, seq, t.batch_size, headroom)
     _check_corpus("data.corpus", cfg.data.corpus)
     _check_corpus("data.held_out", cfg.data.held_out)
