@@ -7,6 +7,7 @@ from pathlib import Path
 from axonn.config import ConfigError, apply_overrides, build, fail, load_yaml
 from axonn.trainer import TrainerConfig
 from memorization.goldfish import GoldfishConfig
+from memorization.lora import LoraSettings
 
 PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")
@@ -57,6 +58,7 @@ class ModelConfig:
     name: str = "tiny"
     overrides: dict = field(default_factory=dict)  # HF config fields, e.g. {num_hidden_layers: 2}
     random_init: bool = False  # a pretrained model's architecture with fresh seeded weights (a control)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # train peft LoRA adapters on a frozen base
 
 
 @dataclass
