@@ -16,6 +16,7 @@ from axonn.trainer import JsonlSink, Trainer
 from data_pipelines import split_documents
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
+from memorization.lora import apply_lora, check_lora_grid, check_lora_run, export_lora, trainable_params
 from memorization.models import (build_model, check_tokenizer, count_params, is_pretrained, resolve_model_dir,
                                  run_tokenizer)
 
@@ -243,18 +244,24 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     data = data or prepare_data(cfg)
     check_tokenizer(data.tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     spec = cfg.grid if grid is None else grid
+    lora = cfg.model.lora
+    check_lora_run(cfg, spec)  # a tensor-split grid or an adapter export without a base on disk
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
     stream = (not isinstance(spec, str) or wants_grid(spec)) and not cfg.model.random_init \
-        and is_pretrained(cfg.model.name)
+        and is_pretrained(cfg.model.name) and not lora.enabled
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
+    if lora.enabled:
+        model = apply_lora(model, lora, seed=cfg.seed)
     if ckpt is not None:
         _check_resume_fits(ckpt, model)
     if isinstance(spec, str):
         grid = make_grid(spec, model.config, seq=cfg.data.block_len, global_batch=cfg.trainer.batch_size,
                          mode=cfg.parallel_mode, timeout_s=cfg.trainer.collective_timeout_s) \
             if wants_grid(spec) else None
+    if lora.enabled:
+        check_lora_grid(grid)  # "auto" resolved: still before anything is written
     if resume:  # keep checkpoints and metrics; later results are rewritten
         out_dir = Path(out)
         if is_main:
@@ -263,7 +270,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
                               json.loads((ckpt / "meta.json").read_text())["step"])
     else:
         out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
-    if grid is not None:
+    if grid is not None and not lora.enabled:  # LoRA at 1,1,1,D: data-parallel, unswapped (lora.py)
         import axonn
 
         model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
@@ -295,7 +302,11 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
         history = trainer.fit()
         train_s = time.perf_counter() - t0
         val_loss = trainer.evaluate() if data.held_out is not None else float("nan")
-        trainer.export(out_dir / "model", data.tokenizer)
+        if not lora.enabled:
+            trainer.export(out_dir / "model", data.tokenizer)
+        elif is_main:
+            export_lora(trainer.model, out_dir / "model", lora, tokenizer=data.tokenizer,
+                        base_dir=resolve_model_dir(cfg.model.name), base_name=cfg.model.name)
         if dog is not None:
             import torch.distributed as dist
 
@@ -308,6 +319,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
         "goldfish_k": cfg.goldfish.k if cfg.goldfish.enabled else None,
         "goldfish_h": cfg.goldfish.h if cfg.goldfish.enabled else None,
         "model": cfg.model.name, "params": count_params(trainer.model) if grid is None else None,
+        "trainable_params": trainable_params(trainer.model) if grid is None or lora.enabled else None,
         "steps": trainer.state.step, "epochs": tcfg.epochs, "tokens": trainer.state.tokens,
         "final_train_loss": history[-1]["loss"] if history else None,
         "val_loss": val_loss, "train_seconds": round(train_s, 2),
