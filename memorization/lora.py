@@ -91,7 +91,8 @@ def check_lora_run(cfg: Any, grid: Any) -> None:
         m = cfg.model
         why = ("model.random_init builds fresh weights that are not on disk" if m.random_init
                else "model.overrides change the base that the folder on disk holds" if m.overrides
-               else None if is_pretrained(m.name) else f"{m.name} is a random-init shape with no weights on disk")
+               else None if is_pretrained(m.name)
+               else f"{m.name} is a random-init shape with no weights on disk")
         if why:
             raise fail("model.lora.export", "adapter", f"an adapter folder applies to its base model folder, "
                        f"but {why}; use model.lora.export=merged")
@@ -106,7 +107,8 @@ def check_lora_grid(grid: Any) -> None:
     if x * y * z > 1:
         spec = ",".join(map(str, dims))
         raise fail("--grid", spec, f"LoRA (model.lora.enabled) runs serial or data-parallel only, its "
-                   f"adapters are not sharded over X/Y/Z; use --grid 1,1,1,{x * y * z * data} or turn LoRA off")
+                   "adapters are not sharded over X/Y/Z; "
+                   f"use --grid 1,1,1,{x * y * z * data} or turn LoRA off")
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -151,7 +153,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int = 0)
             return get_peft_model(model, config)
         except (ValueError, TypeError) as e:  # e.g. a matched module of a type peft cannot adapt
             lines = [s.strip() for s in str(e).strip().splitlines() if s.strip()]
-            raise fail(field_name, settings.target_modules, f"peft cannot adapt it ({(lines or ['?'])[-1][:200]}); "
+            why = (lines or ["?"])[-1][:200]
+            raise fail(field_name, settings.target_modules, f"peft cannot adapt it ({why}); "
                        f"target linear layers: {', '.join(linear_names(model))}") from None
 
 

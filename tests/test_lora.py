@@ -5,11 +5,11 @@ import json
 
 import pytest
 import torch
+from distributed import run_distributed
 from safetensors.torch import load_file
 
 from axonn.config import ConfigError, build
 from axonn.trainer import Trainer, TrainerConfig
-from distributed import run_distributed
 from memorization.lora import LoraSettings, apply_lora, check_lora_grid, export_lora, trainable_params
 
 CFG = {"name": "l", "seed": 0,
@@ -22,9 +22,10 @@ LORA = {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_pro
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """A tiny 'pretrained' HF folder (seeded weights, its own tokenizer): adapter exports need a base on disk."""
-    from data_pipelines import load_corpus, load_tokenizer
+    """A tiny 'pretrained' HF folder (seeded weights, own tokenizer): adapter exports need a base on disk."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data_pipelines import load_corpus, load_tokenizer
 
     texts = [d.text for d in load_corpus("wiki-leads", limit=30)]
     tok = load_tokenizer("bpe", texts=texts, vocab_size=320, cache_dir=tmp_path_factory.mktemp("c"))
@@ -91,7 +92,8 @@ def test_only_adapter_parameters_change(trained):
         name = key.replace("q_proj.weight", "q_proj.base_layer.weight").replace("v_proj.weight",
                                                                               "v_proj.base_layer.weight")
         assert torch.equal(named[name], value), key
-    assert all(float(p.detach().abs().max()) > 0 for n, p in model.named_parameters() if ".lora_B." in n)  # B moved off 0
+    lora_b = [p.detach() for n, p in model.named_parameters() if ".lora_B." in n]
+    assert all(float(p.abs().max()) > 0 for p in lora_b)  # B (initialised to 0) moved
     assert trainable_params(model) == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
 
 
@@ -110,7 +112,8 @@ def test_merged_export_equals_base_plus_adapter_delta(trained, tmp_path):
             assert not torch.equal(merged[key], base)
         else:
             assert torch.equal(merged[key], base), key
-    assert json.loads((tmp_path / "m" / "lora.json").read_text())["trainable_params"] == trainable_params(model)
+    note = json.loads((tmp_path / "m" / "lora.json").read_text())
+    assert note["trainable_params"] == trainable_params(model) and note["export"] == "merged"
 
 
 def test_adapter_export_reloads_to_the_same_logits(trained, pretrained, tmp_path):
@@ -169,7 +172,8 @@ def test_lora_with_goldfish_trains(pretrained, tmp_path):
     assert summary["loss"] == "goldfish" and summary["steps"] == 3 and len(lines) == 3
     assert all(m["dropped_tokens"] > 0 for m in lines)  # the mask applies under LoRA too
     assert 0 < summary["trainable_params"] < summary["params"] / 10
-    merged, base = load_file(str(tmp_path / "g" / "model" / "model.safetensors")), _base(pretrained).state_dict()
+    merged = load_file(str(tmp_path / "g" / "model" / "model.safetensors"))
+    base = _base(pretrained).state_dict()
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[key], base[key])  # the adapters learned something
     assert torch.equal(merged["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
