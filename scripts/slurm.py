@@ -161,7 +161,7 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         "# rendezvous: the first node of the allocation hosts rank 0 and the store",
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"export MASTER_PORT={args.port}",
-        *([f"# {args.cluster}: NCCL/RCCL and the network"] if c["env"] else []),
+        *([f"# {args.cluster}: NCCL/RCCL, network and threads (configs/clusters.yaml)"] if c["env"] else []),
         *[f'export {key}="{value}"' for key, value in c["env"].items()],
         "",
         "# runs, caches and W&B's offline files on scratch; afterwards from a login node:",
