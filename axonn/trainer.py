@@ -20,6 +20,44 @@ import torch.nn.functional as F
 from axonn.config import fail
 
 IGNORE_INDEX = -100
+ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
+
+
+@dataclass
+class DPConfig:
+    """DP-SGD settings (memorization.privacy runs them through Opacus; docs/usage.md, "DP-SGD").
+
+    Exactly one of noise_multiplier (sigma: noise std = sigma * max_grad_norm) and target_epsilon
+    (sigma solved for the planned steps) is set. delta must also be below 1/N, checked where the
+    number of training rows N is known.
+    """
+
+    enabled: bool = False
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0  # each row's gradient is clipped to this L2 norm
+    accountant: str = "rdp"  # rdp, prv or gdp
+    poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
+    secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
+
+    def validate(self, prefix: str = "trainer.dp") -> None:
+        """Raise ConfigError on out-of-range values (and, if enabled, unless exactly one of sigma/epsilon)."""
+        p = prefix
+        if self.accountant not in ACCOUNTANTS:
+            raise fail(f"{p}.accountant", self.accountant, f"choose one of {', '.join(ACCOUNTANTS)}")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
+        if not 0 < self.delta < 1:
+            raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
+        if not self.max_grad_norm > 0:
+            raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be > 0 (the per-row clipping bound)")
+        if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            both = "both" if self.noise_multiplier is not None else "neither"
+            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, f"{both} of noise_multiplier and "
+                       "target_epsilon is set; set exactly one (e.g. trainer.dp.target_epsilon=8)")
 
 
 @dataclass
@@ -49,6 +87,7 @@ class TrainerConfig:
     keep_last: int = 2  # sealed checkpoints kept (0 = all)
     max_bad_steps: int = 5  # consecutive non-finite steps before the run aborts
     collective_timeout_s: float = 60.0  # a silent rank is declared lost after this long
+    dp: DPConfig = field(default_factory=DPConfig)  # DP-SGD (needs a Privacy plug-in, see Trainer)
 
     def accumulation(self, shards: int = 1) -> tuple[int, int]:
         """(micro-batches per step, rows per rank per micro-batch) when the batch is cut into `shards`
@@ -98,6 +137,12 @@ class TrainerConfig:
             raise fail(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
+        self.dp.validate(f"{prefix}.dp")
+
+    def planned_steps(self, rows: int) -> tuple[int, int]:
+        """(steps per epoch, total optimizer steps) of a run over `rows` training rows."""
+        per_epoch = max(1, rows // self.batch_size)
+        return per_epoch, self.max_steps or self.epochs * per_epoch
 
 
 class RowDataset(Protocol):
@@ -112,6 +157,29 @@ class MetricSink(Protocol):
 
     def log(self, metrics: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
+
+
+class Privacy(Protocol):
+    """A DP-SGD plug-in (memorization.privacy.OpacusPrivacy): the engine itself never imports Opacus.
+
+    With one, the trainer backpropagates the sum over rows of each row's mean CE over its own
+    supervised tokens, so a row's gradient depends on that row alone (what per-sample clipping
+    bounds), and asks the plug-in for:
+    - attach(model, optimizer, grid): once, in __init__: per-sample gradient hooks on the model.
+    - sample(step, rows) -> row indices of that step's batch (Poisson), or None for the trainer's
+      shuffled fixed-size batch. Padding rows with no supervised token (zero gradient) fill the
+      micro-batches.
+    - accumulate(): after each micro-batch's backward: clip its rows' gradients and add them up.
+    - privatize(step): after the last one, in place of the gradient all-reduce: every p.grad
+      becomes (sum over all ranks of each row's clipped gradient + noise) / batch_size.
+    - metrics(steps) -> what to log after `steps` steps (epsilon, delta).
+    """
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: Any) -> None: ...
+    def sample(self, step: int, rows: int) -> torch.Tensor | None: ...
+    def accumulate(self) -> None: ...
+    def privatize(self, step: int) -> None: ...
+    def metrics(self, steps: int) -> dict[str, Any]: ...
 
 
 class Callback(Protocol):
@@ -211,6 +279,7 @@ class Trainer:
         checkpoint_files: Callable[[Path], None] | None = None,
         name: str = "",
         progress_position: int = 0,
+        privacy: Privacy | None = None,
     ):
         cfg.validate()
         self.name, self.progress_position = name, progress_position  # progress bar label and row
@@ -227,8 +296,13 @@ class Trainer:
             enable_activation_checkpointing(model)
         self.model.to(self.device)
         self.optimizer = self._make_optimizer()
-        self.steps_per_epoch = max(1, len(train_data) // cfg.batch_size)
-        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.privacy = privacy
+        if cfg.dp.enabled and privacy is None:  # never train "with DP" without it
+            raise fail("trainer.dp.enabled", True, "DP-SGD needs a privacy plug-in: pass "
+                       "privacy=memorization.privacy.OpacusPrivacy(cfg, len(train_data)) or set it false")
+        if privacy is not None:
+            privacy.attach(self.model, self.optimizer, grid)
+        self.steps_per_epoch, self.total_steps = cfg.planned_steps(len(train_data))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_lambda(s, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
@@ -264,9 +338,19 @@ class Trainer:
                 # advance before yielding, so the state always names the *next* batch (what a
                 # checkpoint taken after this step must resume from)
                 self.state.batch_in_epoch += 1
-                yield self.train_data[order[start:start + bs]]
+                drawn = self.privacy.sample(self.state.step, n) if self.privacy is not None else None
+                yield self.train_data[order[start:start + bs]] if drawn is None else self._padded(drawn)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
+
+    def _padded(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows `idx` plus unsupervised copies of row 0 up to whole micro-batches (at least one)."""
+        micro = self.cfg.batch_size // self.grad_accum  # rows per micro-batch over all shards
+        pad = (-len(idx)) % micro if len(idx) else micro
+        batch = self.train_data[torch.cat([idx.long(), torch.zeros(pad, dtype=torch.long)])]
+        labels = batch.get("labels", batch["input_ids"]).clone()
+        labels[len(idx):] = IGNORE_INDEX  # no supervised token: a zero gradient, clipped to zero
+        return {**batch, "labels": labels}
 
     def _shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous slice of a (micro-)batch along rows."""
@@ -287,7 +371,8 @@ class Trainer:
 
     def _ce_split(self, logits: torch.Tensor, targets: torch.Tensor,
                   real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(CE sum over `targets`, CE sum and count over the real tokens the transform dropped).
+        """(per-token CE over `targets`, 0 elsewhere; CE sum and count over the real tokens the
+        transform dropped).
 
         One CE over every real token -- what standard loss costs -- split by mask, instead of a
         second softmax pass for the dropped-token metric.
@@ -296,8 +381,13 @@ class Trainer:
         ce = axonn.token_cross_entropy(logits, real, self.grid, ignore_index=IGNORE_INDEX)
         keep = (targets != IGNORE_INDEX).reshape(-1)
         dropped = (real != IGNORE_INDEX).reshape(-1) & ~keep
-        return (torch.where(keep, ce, 0.0).sum(), torch.where(dropped, ce.detach(), 0.0).sum(),
-                dropped.sum())
+        return torch.where(keep, ce, 0.0), torch.where(dropped, ce.detach(), 0.0).sum(), dropped.sum()
+
+    @staticmethod
+    def _rows_loss(kept: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """DP's objective: sum over rows of each row's mean CE over its own supervised tokens."""
+        count = (targets != IGNORE_INDEX).sum(1).clamp(min=1)
+        return (kept.view(targets.shape).sum(1) / count).sum()
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics vector over batch shards."""
@@ -323,8 +413,8 @@ class Trainer:
         supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
         denom = max(supervised, 1)
         sums = torch.zeros(3, dtype=torch.float64)
-        accum = self.grad_accum
-        micro = cfg.batch_size // accum
+        micro = cfg.batch_size // self.grad_accum
+        accum = batch["input_ids"].shape[0] // micro  # grad_accum, unless a DP-sampled batch differs
         for m in range(accum):
             rows = slice(m * micro, (m + 1) * micro)
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
@@ -333,15 +423,23 @@ class Trainer:
             with self._no_sync(m + 1 < accum):
                 with self._autocast():
                     logits = model(input_ids=ids).logits[:, :-1]
-                if self.label_transform is None:
+                if self.label_transform is None and self.privacy is None:
                     loss_sum, _ = self._ce_sum(logits, tgt)
                     d_sum = d_cnt = torch.zeros(())
+                    objective = loss_sum / denom
                 else:
-                    real = self._shard(base[rows])[:, 1:].to(self.device)
-                    loss_sum, d_sum, d_cnt = self._ce_split(logits, tgt, real)
-                (loss_sum / denom).backward()
+                    real = tgt if self.label_transform is None else \
+                        self._shard(base[rows])[:, 1:].to(self.device)
+                    kept, d_sum, d_cnt = self._ce_split(logits, tgt, real)
+                    loss_sum = kept.sum()
+                    objective = loss_sum / denom if self.privacy is None else self._rows_loss(kept, tgt)
+                objective.backward()
+                if self.privacy is not None:
+                    self.privacy.accumulate()  # per-row gradients clipped and summed, then freed
             sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)
-        if self.grid is not None:
+        if self.privacy is not None:
+            self.privacy.privatize(self.state.step)  # replaces the all-reduce: clip, sum, noise
+        elif self.grid is not None:
             import axonn
             axonn.sync_gradients(model, self.grid)
         if self.grid is not None:
@@ -434,6 +532,8 @@ class Trainer:
             if stats.dropped:
                 metrics["dropped_loss"] = stats.dropped_loss_sum / stats.dropped
                 metrics["dropped_tokens"] = stats.dropped
+            if self.privacy is not None:
+                metrics.update(self.privacy.metrics(self.state.step))
             if cfg.eval_every and self.state.step % cfg.eval_every == 0 and self.eval_data is not None:
                 metrics["val_loss"] = self.evaluate()
             self._emit(metrics)
