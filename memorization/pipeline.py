@@ -19,6 +19,7 @@ from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, check_lora_grid, check_lora_run, export_lora, trainable_params
 from memorization.models import (build_model, check_tokenizer, count_params, is_pretrained, resolve_model_dir,
                                  run_tokenizer)
+from memorization.privacy import OpacusPrivacy, check_dp_grid
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
 CHECKPOINTS = "checkpoints"
@@ -246,10 +247,11 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     spec = cfg.grid if grid is None else grid
     lora = cfg.model.lora
     check_lora_run(cfg, spec)  # a tensor-split grid or an adapter export without a base on disk
+    check_dp_grid(cfg.trainer.dp, spec)  # DP-SGD: serial or 1,1,1,D only
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
     stream = (not isinstance(spec, str) or wants_grid(spec)) and not cfg.model.random_init \
-        and is_pretrained(cfg.model.name) and not lora.enabled
+        and is_pretrained(cfg.model.name) and not lora.enabled and not cfg.trainer.dp.enabled
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
     if lora.enabled:
@@ -262,6 +264,9 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
             if wants_grid(spec) else None
     if lora.enabled:
         check_lora_grid(grid)  # "auto" resolved: still before anything is written
+    # DP-SGD (Opacus): delta vs N, the grid and the budget are checked before anything is written
+    privacy = OpacusPrivacy(effective_trainer(cfg), len(data.train), grid=grid) \
+        if cfg.trainer.dp.enabled else None
     if resume:  # keep checkpoints and metrics; later results are rewritten
         out_dir = Path(out)
         if is_main:
@@ -270,7 +275,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
                               json.loads((ckpt / "meta.json").read_text())["step"])
     else:
         out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
-    if grid is not None and not lora.enabled:  # LoRA at 1,1,1,D: data-parallel, unswapped (lora.py)
+    # LoRA and DP-SGD at 1,1,1,D: data-parallel, unswapped (lora.py, privacy.py)
+    if grid is not None and not lora.enabled and privacy is None:
         import axonn
 
         model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
@@ -291,7 +297,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out, label_transform=transform,
                       grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
-                      name=cfg.name, progress_position=progress_position, callbacks=callbacks)
+                      name=cfg.name, progress_position=progress_position, callbacks=callbacks,
+                      privacy=privacy)
     from axonn.watchdog import start_watchdog
 
     dog = start_watchdog(grid, tcfg.collective_timeout_s) if grid is not None else None
@@ -326,6 +333,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     }
     if grid is not None:
         summary["grid"] = ",".join(map(str, grid.dims))
+    if privacy is not None:
+        summary.update(privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
     if cfg.eval.extraction and is_main:
         summary.update(_extraction(cfg, data, trainer, out_dir, wb))
     if is_main:

@@ -1,0 +1,238 @@
+"""DP-SGD through Opacus: the Trainer's privacy plug-in (`trainer.dp`, docs/usage.md "DP-SGD").
+
+What one step does (Abadi et al. 2016, as Opacus implements it):
+1. Sampling: every training row joins the step's batch independently with probability
+   q = batch_size / N (Poisson, Opacus' UniformWithReplacementSampler), from a generator seeded by
+   (trainer.seed, step): the same rows on every rank and after a resume. The batch is padded with
+   unsupervised rows to whole micro-batches; such rows have a zero gradient.
+2. Per-sample gradients: Opacus' GradSampleHooks on the unwrapped model (its own grad samplers for
+   nn.Linear and nn.Embedding, functorch for layers it has none for, e.g. LlamaRMSNorm; tied
+   embeddings are summed over their two uses). Row i's loss is l_i = (sum of CE over row i's
+   supervised tokens) / (their number): the trainer's token-normalised loss, taken per row, so a row's
+   gradient depends on that row alone. Labels -100 (padding, chat prompts, goldfish drops) are not
+   supervised, so goldfish composes: the clipped quantity is the gradient of the goldfish loss.
+3. Clipping and noise: Opacus' DPOptimizer scales each row's whole gradient g_i to norm at most
+   C = max_grad_norm and sums (after every micro-batch's backward, so per-row gradients never
+   outlive their micro-batch), adds N(0, (sigma C)^2) per coordinate once, and the plug-in divides by
+   the expected batch size B = batch_size (not the drawn size, which would leak it):
+   grad = (sum_i g_i min(1, C/|g_i|) + noise) / B. With sigma = 0 and C large this is the mean over the
+   batch's rows of their mean-token-CE gradients: the plain step when every row has as many
+   supervised tokens (the plain step weighs rows by their token counts).
+4. Accounting: the Sampled Gaussian Mechanism with (sigma, q) for `steps` steps, through Opacus'
+   accountant (rdp default, prv or gdp); target_epsilon solves sigma with Opacus'
+   get_noise_multiplier for the planned steps. Every step logs `epsilon` and `delta`.
+
+Data parallel (grid 1,1,1,D): the model is not handed to the engine (nothing is split). Each rank
+clips its own rows; Opacus' DistributedDPOptimizer adds the noise on rank 0 only and all-reduces
+the clipped sums, so the result is the serial step's (same rows, same noise, tested). Grids that
+split weights over X, Y or Z are refused: no rank sees a row's whole gradient, so it cannot clip it.
+
+The global trainer.grad_clip still applies to the private gradient afterwards (post-processing:
+no privacy cost; with AdamW it barely matters; set it to 0 to turn it off).
+
+Noise is drawn from a generator seeded by (trainer.seed, step), so runs are reproducible; the
+guarantee then holds only against someone who does not know the seed. `secure_rng` draws noise
+and batches from torchcsprng (Opacus secure_mode) instead: not reproducible, no seed to keep.
+
+Cost: Opacus keeps every parameter's per-sample gradient ([rows, *shape], fp32) and each hooked
+layer's input activations until the micro-batch's rows are clipped and summed: about rows per
+micro-batch x 4 bytes x params on top of a plain step, e.g. 4.3 GB for SmolLM2-135M at 8 rows
+(trainer.micro_batch or grad_accum cut it; the sum of clipped rows lives across micro-batches).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from axonn.config import fail
+from axonn.trainer import TrainerConfig
+
+_SAMPLE, _NOISE = 1, 2  # salts: the batch and the noise of a step come from different streams
+
+
+def check_dp_grid(dp: Any, grid: Any) -> None:
+    """Refuse grids splitting weights (X, Y or Z > 1) under DP; `grid`: a spec, a ProcessGrid or None."""
+    if not dp.enabled or grid is None:
+        return
+    if isinstance(grid, str):
+        from memorization.parallel import SERIAL
+
+        if grid in SERIAL or grid == "auto":  # "auto" is checked once resolved
+            return
+        from axonn.grid import parse_grid
+
+        grid = parse_grid(grid)
+    dims = tuple(getattr(grid, "dims", grid))
+    x, y, z, data = dims
+    if x * y * z > 1:
+        raise fail("trainer.dp.enabled", True, f"DP-SGD runs serial or data-parallel (grid 1,1,1,D); grid "
+                   f"{','.join(map(str, dims))} splits weights over X/Y/Z, so no rank can clip a row's whole "
+                   f"gradient: use --grid 1,1,1,{x * y * z * data} or turn DP off")
+
+
+def _seed(seed: int, step: int, salt: int) -> int:
+    return (seed * 1_000_003 + step * 4 + salt) % (2 ** 63)
+
+
+class OpacusPrivacy:
+    """The Trainer's Privacy plug-in: Poisson batches, Opacus per-sample clipping + noise, accounting.
+
+    Build it before anything is written (it validates delta against N, the grid and the budget);
+    pass it to Trainer(privacy=...).
+    """
+
+    def __init__(self, cfg: TrainerConfig, rows: int, *, grid: Any = None):
+        dp = cfg.dp
+        dp.validate("trainer.dp")
+        check_dp_grid(dp, grid)
+        if not dp.enabled:
+            raise fail("trainer.dp.enabled", False, "set it true to train with DP-SGD")
+        if cfg.activation_checkpointing:
+            raise fail("trainer.activation_checkpointing", True, "recomputed blocks run their forward twice, "
+                       "which Opacus' per-sample hooks cannot follow; turn it off with DP-SGD")
+        if cfg.batch_size > rows:
+            raise fail("trainer.batch_size", cfg.batch_size, f"DP-SGD samples each row with probability "
+                       f"batch_size/N, so it must be <= N={rows} training rows")
+        if dp.delta >= 1.0 / rows:
+            raise fail("trainer.dp.delta", dp.delta, f"must be < 1/N = {1.0 / rows:.3g} for N={rows} "
+                       "training rows (else leaking a whole row fits the budget); use e.g. "
+                       f"{_below(0.1 / rows)}")
+        self.cfg, self.dp, self.rows = cfg, dp, rows
+        self.batch_size = cfg.batch_size
+        self.sample_rate = cfg.batch_size / rows
+        self.planned_steps = cfg.planned_steps(rows)[1]
+        self.noise_multiplier = (dp.noise_multiplier if dp.noise_multiplier is not None
+                                 else self._solve_sigma(dp.target_epsilon))
+        self._secure = self._secure_generator() if dp.secure_rng else None
+        self._optimizer: Any = None
+        self._rdp_step: Any = None
+        self._eps_cache: dict[int, float] = {}
+
+    # -- setup -------------------------------------------------------------------------------
+    def _solve_sigma(self, target: float) -> float:
+        """sigma reaching `target` epsilon at delta after the planned steps (Opacus' binary search)."""
+        from opacus.accountants.utils import get_noise_multiplier
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return float(get_noise_multiplier(target_epsilon=target, target_delta=self.dp.delta,
+                                                  sample_rate=self.sample_rate, steps=self.planned_steps,
+                                                  accountant=self.dp.accountant))
+        except ValueError as e:
+            raise fail("trainer.dp.target_epsilon", target, f"unreachable with q={self.sample_rate:.3g} "
+                       f"over {self.planned_steps} steps ({e}); raise it, raise delta or train fewer "
+                       "steps") from None
+
+    @staticmethod
+    def _secure_generator() -> Any:
+        try:
+            import torchcsprng  # type: ignore[import-not-found]
+        except ImportError:
+            raise fail("trainer.dp.secure_rng", True, "needs torchcsprng (Opacus secure_mode); install it or "
+                       "set it false for seeded, reproducible noise") from None
+        return torchcsprng.create_random_device_generator("/dev/urandom")
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: Any) -> None:
+        """Opacus' per-sample gradient hooks on `model`; its clipping and noise on `optimizer`'s params."""
+        from opacus.grad_sample import GradSampleHooks
+        from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+
+        check_dp_grid(self.dp, grid)
+        # the embedding's input (token ids) needs no gradient; torch says so on every backward
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+        # loss_reduction="sum": the trainer backpropagates sum_i l_i, so the captured per-sample
+        # gradients are the gradients of each l_i, unscaled; the division by B happens in privatize.
+        self._hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
+        distributed = grid is not None and grid.dims[3] > 1
+        cls = DistributedDPOptimizer if distributed else DPOptimizer
+        self._optimizer = cls(optimizer, noise_multiplier=self.noise_multiplier,
+                              max_grad_norm=self.dp.max_grad_norm, expected_batch_size=self.batch_size,
+                              loss_reduction="sum", generator=self._secure, secure_mode=self.dp.secure_rng)
+        self._distributed = distributed
+
+    # -- one step ----------------------------------------------------------------------------
+    def sample(self, step: int, rows: int) -> torch.Tensor | None:
+        """Row indices of step `step`'s Poisson batch (None without poisson_sampling)."""
+        if not self.dp.poisson_sampling:
+            return None
+        from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+        gen = self._secure or torch.Generator().manual_seed(_seed(self.cfg.seed, step, _SAMPLE))
+        sampler = UniformWithReplacementSampler(num_samples=rows, sample_rate=self.sample_rate, generator=gen,
+                                                steps=1)
+        return torch.tensor(next(iter(sampler)), dtype=torch.long)
+
+    def accumulate(self) -> None:
+        """After a micro-batch's backward: clip each of its rows' gradients to C and add them to the sum."""
+        opt = self._optimizer
+        opt.clip_and_accumulate()  # p.summed_grad += sum_i g_i min(1, C / |g_i|)
+        for p in opt.params:
+            p.grad_sample = None  # per-row gradients live for one micro-batch only (memory)
+
+    def privatize(self, step: int) -> None:
+        """p.grad = (sum over ranks of clipped per-row gradients + N(0, (sigma C)^2)) / batch_size."""
+        opt = self._optimizer
+        if self._secure is None:
+            device = opt.params[0].device if opt.params else torch.device("cpu")
+            opt.generator = torch.Generator(device).manual_seed(_seed(self.cfg.seed, step, _NOISE))
+        opt.add_noise()  # p.grad = summed_grad + noise (only rank 0 adds it when distributed)
+        if self._distributed:
+            opt.reduce_gradients()  # sum the clipped sums (and rank 0's noise) over the data ranks
+        for p in opt.params:
+            p.grad /= self.batch_size  # the expected batch size: the drawn size would leak
+            p.summed_grad = None
+
+    # -- accounting --------------------------------------------------------------------------
+    def epsilon(self, steps: int) -> float:
+        """Epsilon spent at `delta` after `steps` steps, from Opacus' accountant (inf without noise)."""
+        if steps <= 0:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        if steps not in self._eps_cache:
+            self._eps_cache = {steps: self._epsilon(steps)}  # a step's value is read twice at most
+        return self._eps_cache[steps]
+
+    def _epsilon(self, steps: int) -> float:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if self.dp.accountant == "rdp":
+                # RDP composes linearly over identical steps: Opacus' per-step RDP, computed once,
+                # times `steps` is what RDPAccountant computes for history [(sigma, q, steps)].
+                from opacus.accountants import RDPAccountant
+                from opacus.accountants.analysis import rdp
+
+                orders = RDPAccountant.DEFAULT_ALPHAS
+                if self._rdp_step is None:
+                    self._rdp_step = rdp.compute_rdp(q=self.sample_rate, steps=1, orders=orders,
+                                                     noise_multiplier=self.noise_multiplier)
+                eps, _ = rdp.get_privacy_spent(orders=orders, rdp=self._rdp_step * steps, delta=self.dp.delta)
+                return float(eps)
+            from opacus.accountants import create_accountant
+
+            accountant = create_accountant(mechanism=self.dp.accountant)
+            accountant.history = [(self.noise_multiplier, self.sample_rate, steps)]
+            return float(accountant.get_epsilon(delta=self.dp.delta))
+
+    def metrics(self, steps: int) -> dict[str, Any]:
+        """Per-step metrics: epsilon and delta spent so far."""
+        return {"epsilon": self.epsilon(steps), "delta": self.dp.delta}
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        """What run.json records about the guarantee and its settings."""
+        return {"epsilon": self.epsilon(steps), "delta": self.dp.delta,
+                "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.dp.max_grad_norm,
+                "sample_rate": self.sample_rate, "accountant": self.dp.accountant,
+                "poisson_sampling": self.dp.poisson_sampling}
+
+
+def _below(x: float) -> str:
+    """A round delta below x (a power of ten)."""
+    return f"{10 ** math.floor(math.log10(x) - 1e-12):.0e}"
+
+
+__all__ = ["OpacusPrivacy", "check_dp_grid"]
