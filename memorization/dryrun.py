@@ -95,8 +95,11 @@ def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int
                f"smallest needs {least.memory_gb:.1f} GiB at {least.grid} ({_fix(t)})")
 
 
-def _fix(t: Any) -> str:
-    """What to change when memory does not fit."""
+def _fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
+    """What to change when memory does not fit (`state`: weights + gradients + optimizer bytes)."""
+    if state > usable:
+        return (f"the parameters, gradients and optimizer state alone need {state / GiB:.1f} GiB: split "
+                "them over more GPUs (a larger x*y*z) or add nodes")
     if not t.activation_checkpointing:
         return "set trainer.activation_checkpointing=true, lower trainer.micro_batch or add nodes"
     return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
@@ -224,7 +227,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     if total > usable:
         raise fail("--grid", ",".join(map(str, dims)), f"needs {total / GiB:.1f} GiB per GPU but "
                    f"{hw.name} has {usable / GiB:.1f} GiB usable ({hw.memory_bytes / GiB:.0f} GiB, "
-                   f"{headroom:.0%} headroom); {_fix(t)}")
+                   f"{headroom:.0%} headroom); "
+                   f"{_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
                 precision=precision, local=local)
