@@ -209,7 +209,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         dims = parse_grid(spec)
         if dims[0] * dims[1] * dims[2] * dims[3] != world:
             raise fail("--grid", spec, f"x*y*z*data={dims[0] * dims[1] * dims[2] * dims[3]} but the job has "
-                       f"{world} GPUs (--world); make the product {world} or use --grid auto")
+                       f"{world} GPUs (nodes x GPUs per node); make the product {world} or use --grid auto")
     validate_grid_for_model(dims, hf_config, mode)  # heads, KV heads, hidden, FFN, vocab
     accum, mb = t.accumulation(dims[2] * dims[3])  # batch over Z x data, micro-batches
     g = Grid(*dims)

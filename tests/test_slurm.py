@@ -173,6 +173,7 @@ def test_standin_srun_trains_like_serial(tmp_path, capsys, bin_dir, monkeypatch)
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~1 min on 2 cores; default runs cover the verdict (test_watchdog_scale) and exits (test_faults)
 def test_standin_srun_lost_task_ends_every_task(tmp_path, capsys, bin_dir):
     limit = 6.0
     out = tmp_path / "lost"
