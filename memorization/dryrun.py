@@ -216,8 +216,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
 
     model = parallelize(_meta_model(hf_config), ProcessGrid.virtual(*dims, rank=0), mode=mode)
     params = trainable(model)
-    local = sum(p.numel() for p in params)
-    assert all(p.dtype == torch.float32 for p in params), "the trainer keeps fp32 parameters"
+    local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (_meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
 
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision)
