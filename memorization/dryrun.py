@@ -269,6 +269,10 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     }
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -279,11 +283,11 @@ def format_report(r: dict[str, Any]) -> str:
     ck = r["activation_checkpointing"]
     lines = [
         f"dry run: {r['name']} (memorize {r['command']} {r['config']})",
-        f"  model      {m['name']}: {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers, hidden "
+        f"  model      {m['name']}: {_count(m['params'])} parameters, {m['layers']} layers, hidden "
         f"{m['hidden']}, {m['heads']} heads / {m['kv_heads']} KV, FFN {m['ffn']}, vocab {m['vocab']} "
         f"({m['vocab_source']}); {m['mode']} mode",
         f"  grid       (x, y, z, data) = ({g['x']}, {g['y']}, {g['z']}, {g['data']}) on {g['world']} GPUs "
-        f"= {g['nodes']} node(s) x {g['gpus_per_node']}; chosen by {g['chosen_by']}",
+        f"= {g['nodes']} node(s) x {min(g['world'], g['gpus_per_node'])}; chosen by {g['chosen_by']}",
         f"  batch      {b['global']} x {b['seq']} tokens; {b['rows_per_rank']} rows per rank = "
         f"{b['micro_batches']} micro-batch(es) of {b['micro_batch']}; {r['precision']} activations",
         f"  rank 0     parameters {k['params']:,} ({_gib(k['param_bytes'])}), gradients "
