@@ -326,7 +326,7 @@ def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> lis
     from memorization.experiments import load_experiment
 
     module, exp = load_experiment(config_path, overrides)
-    runs = [exp.base]
+    runs = [dataclasses.replace(exp.base, name=exp.name)]  # names the job and its folder
     if hasattr(module, "size_config"):  # catastrophic-memorization: one model per size
         runs += [module.size_config(exp, s, "standard") for s in exp.sizes]
     seen, out = set(), []
