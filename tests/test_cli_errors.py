@@ -125,8 +125,18 @@ def test_tokenizer_larger_than_model_vocab(capsys, tmp_path, cfg):
 
     tiny_model(vocab=64).save_pretrained(tmp_path / "m")
     out = tmp_path / "out"
-    _refused(capsys, ["train", cfg, "--out", out, f"model.name={tmp_path / 'm'}"], "data.tokenizer", "64",
-             strict=False)
+    _refused(capsys, ["train", cfg, "--out", out, f"model.name={tmp_path / 'm'}", "data.tokenizer=bpe"],
+             "data.tokenizer", "64", strict=False)
+    assert not out.exists()
+
+
+def test_auto_tokenizer_for_a_folder_without_one(capsys, tmp_path, cfg):
+    from test_trainer import tiny_model
+
+    tiny_model(vocab=64).save_pretrained(tmp_path / "m")
+    out = tmp_path / "out"
+    _refused(capsys, ["train", cfg, "--out", out, f"model.name={tmp_path / 'm'}"], "data.tokenizer", "auto",
+             "no tokenizer files", strict=False)
     assert not out.exists()
 
 
