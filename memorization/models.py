@@ -112,7 +112,8 @@ def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0,
         if meta or random_init:
             torch.manual_seed(seed)
             with torch.device("meta") if meta else contextlib.nullcontext():
-                return AutoModelForCausalLM.from_config(config)
+                # float32 like the loaded weights (a bf16-saved folder's config would otherwise win)
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         try:
             return AutoModelForCausalLM.from_pretrained(local, config=config, dtype=torch.float32)
         except Exception as e:  # shape mismatches from overrides, damaged weight files, ...

@@ -55,6 +55,8 @@ def serial_model(trainer: Trainer) -> torch.nn.Module | None:
     """The model as one serial module on the main rank (None elsewhere)."""
     if trainer.grid is None:
         return trainer.model
+    if getattr(trainer.model, "axonn_grid", None) is None:  # replicated, not sharded (e.g. LoRA at 1,1,1,D)
+        return trainer.model if trainer.is_main else None
     import axonn
 
     state = axonn.full_state_dict(trainer.model)  # collective: every rank takes part

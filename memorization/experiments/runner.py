@@ -43,6 +43,11 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
     d["eval"].pop("batch_size", None)
     if not cfg.goldfish.enabled:
         d["goldfish"] = {"enabled": False}  # goldfish settings do not touch a standard-loss run
+    # switches that are off do not change what a run computes (and keep keys from older runs valid)
+    if not cfg.model.lora.enabled:
+        d["model"].pop("lora", None)
+    if not cfg.trainer.dp.enabled:
+        d["trainer"].pop("dp", None)
     return d
 
 
