@@ -22,14 +22,15 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from axonn.config import fail
 from axonn.layers.layout import spec_of
+from memorize_core import fail
 
 FORMAT = "axonn-checkpoint-v1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -224,7 +225,8 @@ def _seal(tmp: Path, final: Path, step: int, world: int, grid: Any, meta: dict,
 def is_complete(path: Path) -> bool:
     """True for a sealed checkpoint folder (COMPLETE present and meta.json parses)."""
     try:
-        return (path / "COMPLETE").is_file() and json.loads((path / "meta.json").read_text())["format"] == FORMAT
+        return ((path / "COMPLETE").is_file()
+                and json.loads((path / "meta.json").read_text())["format"] == FORMAT)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

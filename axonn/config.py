@@ -13,16 +13,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from memorize_core import ConfigError, fail
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """Bad user input: the message names the field, the value and the fix."""
-
-
-def fail(field: str, value: Any, fix: str) -> ConfigError:
-    """Build a ConfigError with the house message format."""
-    return ConfigError(f"{field}={value!r}: {fix}")
 
 
 def load_yaml(path: str | Path) -> dict:

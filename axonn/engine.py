@@ -8,17 +8,17 @@ data) -- so each rank ends with exactly the serial gradient of its piece of ever
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from axonn.config import fail
 from axonn.grid import ProcessGrid
 from axonn.layers.layout import spec_of
 from axonn.layers.schedule import EngineOptions, grad_buckets
+from memorize_core import fail
 
 
 def batch_shard(grid: ProcessGrid | None) -> tuple[int, int]:

@@ -20,8 +20,8 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -97,7 +97,8 @@ class GemmTuner:
         """Cache key: shape, dtype, input layouts, torch version (the device picks the file)."""
         m, k = a.shape
         n = b.shape[1]
-        return f"{m}x{n}x{k}:{str(a.dtype).replace('torch.', '')}:{_layout(a)}{_layout(b)}:{torch.__version__}"
+        return (f"{m}x{n}x{k}:{str(a.dtype).replace('torch.', '')}:"
+                f"{_layout(a)}{_layout(b)}:{torch.__version__}")
 
     def path(self, device: torch.device) -> Path:
         """The on-disk cache file of one device."""

@@ -11,15 +11,16 @@ import itertools
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from axonn.comm import Comm, CommStats
-from axonn.config import fail
 from axonn.pairing import pair_axes
+from memorize_core import fail
 
 DIMS = ("x", "y", "z", "data")
 # Named groups -> the grid dimensions that vary inside them.  "batch" holds the ranks that see
@@ -171,7 +172,7 @@ def resolve_dims(x: int, y: int, z: int, data: int | None, world_size: int) -> t
 
 
 def init(x: int = 1, y: int = 1, z: int = 1, data: int | None = None,
-         *, timeout_s: float = 1800.0) -> "ProcessGrid":
+         *, timeout_s: float = 1800.0) -> ProcessGrid:
     """Initialise torch.distributed from the launcher's environment if needed and build the grid."""
     if dist.is_available() and dist.is_initialized():
         dims = resolve_dims(x, y, z, data, dist.get_world_size())
@@ -213,7 +214,7 @@ class ProcessGrid:
 
     @classmethod
     def virtual(cls, x: int, y: int, z: int, data: int, *, rank: int = 0,
-                device: str | torch.device = "meta") -> "ProcessGrid":
+                device: str | torch.device = "meta") -> ProcessGrid:
         """Rank `rank`'s view of an X x Y x Z x data grid with no process group (for dry runs).
 
         Coordinates, group sizes and layouts are exactly those of the real grid, so `parallelize`
@@ -247,7 +248,7 @@ class ProcessGrid:
             raise AttributeError("ProcessGrid is immutable; build a new one with axonn.init")
         super().__setattr__(name, value)
 
-    def __deepcopy__(self, memo: dict) -> "ProcessGrid":
+    def __deepcopy__(self, memo: dict) -> ProcessGrid:
         return self  # a handle on process groups: copies of a model share it
 
     def __repr__(self) -> str:

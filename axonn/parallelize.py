@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from axonn.config import fail
 from axonn.grid import ProcessGrid, model_dims, validate_grid_for_model
 from axonn.layers.embedding import ParallelEmbedding
-from axonn.layers.linear import ParallelLinear
 from axonn.layers.layout import spec_of
+from axonn.layers.linear import ParallelLinear
 from axonn.layers.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
 from axonn.pairing import layer_axes, pair_axes
+from memorize_core import fail
 
 MODES = ("easy", "paired")
 _COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}

@@ -10,16 +10,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from axonn.config import fail
+from memorize_core import IGNORE_INDEX, Batch, fail
 
-IGNORE_INDEX = -100
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
 
 
@@ -149,7 +149,7 @@ class RowDataset(Protocol):
     """Anything with __len__ and __getitem__(index tensor) -> dict of [n, T] tensors."""
 
     def __len__(self) -> int: ...
-    def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]: ...
+    def __getitem__(self, idx: Any) -> Batch: ...
 
 
 class MetricSink(Protocol):
@@ -271,7 +271,7 @@ class Trainer:
         train_data: RowDataset,
         *,
         eval_data: RowDataset | None = None,
-        label_transform: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None,
+        label_transform: Callable[[Batch], torch.Tensor] | None = None,
         grid: Any = None,
         sinks: list[MetricSink] | None = None,
         callbacks: list[Callback] | None = None,
@@ -328,7 +328,7 @@ class Trainer:
         return self.grid is None or self.grid.rank == 0
 
     # -- batches -----------------------------------------------------------------------------
-    def _global_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _global_batches(self) -> Iterator[Batch]:
         """Global batches from the current position on (every rank builds the same ones)."""
         n, bs = len(self.train_data), self.cfg.batch_size
         while True:
@@ -343,7 +343,7 @@ class Trainer:
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
-    def _padded(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _padded(self, idx: torch.Tensor) -> Batch:
         """The rows `idx` plus unsupervised copies of row 0 up to whole micro-batches (at least one)."""
         micro = self.cfg.batch_size // self.grad_accum  # rows per micro-batch over all shards
         pad = (-len(idx)) % micro if len(idx) else micro
@@ -403,7 +403,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     # -- one optimizer step ------------------------------------------------------------------
-    def train_step(self, batch: dict[str, torch.Tensor]) -> StepStats:
+    def train_step(self, batch: Batch) -> StepStats:
         """Forward/backward over the micro-batches of one global batch, then one optimizer step."""
         cfg, model = self.cfg, self.model
         model.train()
@@ -523,7 +523,8 @@ class Trainer:
             elapsed = time.perf_counter() - t0
             tps = (self.state.tokens - tokens0) / max(elapsed, 1e-9)
             metrics = {
-                "step": self.state.step, "epoch": round(self.state.step / self.steps_per_epoch, 4), "loss": stats.loss_sum / max(stats.supervised, 1),
+                "step": self.state.step, "epoch": round(self.state.step / self.steps_per_epoch, 4),
+                "loss": stats.loss_sum / max(stats.supervised, 1),
                 "lr": lr, "tokens": self.state.tokens, "supervised_tokens": stats.supervised,
                 "tokens_per_s": tps,
             }
@@ -568,7 +569,8 @@ class Trainer:
         s = self.state
         out: dict[str, Any] = {
             "trainer_state": {"step": s.step, "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch,
-                              "tokens": s.tokens, "skipped_steps": s.skipped_steps, "bad_streak": s.bad_streak},
+                              "tokens": s.tokens, "skipped_steps": s.skipped_steps,
+                              "bad_streak": s.bad_streak},
             "scheduler": self.scheduler.state_dict(),
             "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
             "transform": {},
@@ -595,7 +597,7 @@ class Trainer:
         fn = getattr(self.label_transform, "load_state_dict", None)
         if callable(fn):
             saved = dict(state.get("transform", {}))
-            for k in getattr(self.label_transform, "state_dict")():
+            for k in self.label_transform.state_dict():
                 t = tensor(f"transform/{k}")
                 if t is not None:
                     saved[k] = t

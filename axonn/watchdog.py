@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 EXIT_LOST = 3
 _PREFIX = "axonn/watchdog"
@@ -70,7 +70,7 @@ class Watchdog:
         # every op), so a second thread judges how long the poller has been stuck.
         self._judge = threading.Thread(target=self._watch_poller, name="axonn-watchdog-judge", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Begin heartbeating and watching."""
         self.store.add(f"{self.keys}/hb/{self.rank}", 1)
         self._thread.start()
@@ -198,5 +198,5 @@ def start_watchdog(grid: object, timeout_s: float, **kw: object) -> Watchdog | N
     world = getattr(grid, "world_size", 1)
     if world <= 1 or env.master_addr is None:
         return None
-    return Watchdog(getattr(grid, "rank"), world, timeout_s, host=env.master_addr, port=env.master_port,
+    return Watchdog(grid.rank, world, timeout_s, host=env.master_addr, port=env.master_port,
                     **kw).start()

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import common
 import torch
 import torch.nn.functional as F
-
-import common
 from common import alternate, ratio, report
 
 
@@ -82,7 +81,8 @@ def single_rank(args: argparse.Namespace) -> dict:
     batch = rows[list(range(len(rows)))]
     cfg = TrainerConfig(batch_size=args.batch, lr=1e-4, warmup_steps=0, progress=False, device="cpu")
     trainers = {name: Trainer(common.llama(), cfg, rows, label_transform=tf) for name, tf in
-                (("standard", None), ("goldfish", GoldfishTransform(GoldfishConfig(enabled=True, k=4, h=13))))}
+                (("standard", None),
+                 ("goldfish", GoldfishTransform(GoldfishConfig(enabled=True, k=4, h=13))))}
 
     res = alternate({
         "torch": lambda: torch_step(plain, opts["torch"], ids, ids),
@@ -124,7 +124,7 @@ def _overlap_rank(rank: int, world: int, dims: tuple, mode: str, rows: int, seq:
 
 def overlap(args: argparse.Namespace) -> dict:
     """Overlap on vs off at a few grids (gloo ranks, one thread each)."""
-    from distributed import run_distributed
+    from axonn.spawn import run_distributed
 
     out = {}
     for dims, mode in (((1, 1, 2, 1), "easy"), ((1, 1, 2, 2), "easy"), ((2, 1, 2, 1), "paired")):

@@ -73,10 +73,12 @@ def load_model(cfg, vocab: int) -> torch.nn.Module:
 
 def plain_optimizer(model: torch.nn.Module, t) -> torch.optim.Optimizer:
     """What a user writes: AdamW over all parameters with the trainer's lr, betas, weight decay."""
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                             weight_decay=t.weight_decay)
 
 
-def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, clip: float) -> tuple[float, float]:
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict,
+               clip: float) -> tuple[float, float]:
     """HF forward with labels (its own shift and mean CE), backward, clip, AdamW, zero_grad."""
     model.train()
     loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -105,7 +107,8 @@ def loss_check(cfg, ours, plain: torch.nn.Module, opt, batch: dict) -> dict[str,
            "loss_rel_diff": abs(ours_loss - plain_loss) / abs(plain_loss),
            "ours_grad_norm": st.grad_norm, "plain_grad_norm": plain_norm,
            "grad_norm_rel_diff": abs(st.grad_norm - plain_norm) / abs(plain_norm)}
-    print(f"first-step loss: ours {ours_loss:.7f}  plain {plain_loss:.7f}  rel diff {out['loss_rel_diff']:.2e}"
+    print(f"first-step loss: ours {ours_loss:.7f}  plain {plain_loss:.7f}"
+          f"  rel diff {out['loss_rel_diff']:.2e}"
           f"  (grad norm {st.grad_norm:.5f} vs {plain_norm:.5f}, rel diff {out['grad_norm_rel_diff']:.2e})",
           flush=True)
     return out
@@ -197,7 +200,8 @@ def peak_rss(cmd: list[str], threads: int) -> dict[str, Any]:
                "peak_rss_mib": int(hwm.read_text()) / 1024 if hwm.is_file() else float("nan")}
     if proc.returncode:
         out["log_tail"] = (proc.stdout + proc.stderr)[-2000:]
-        print(f"  FAILED (rc {proc.returncode}): {out['cmd']}\n{out['log_tail']}", file=sys.stderr, flush=True)
+        print(f"  FAILED (rc {proc.returncode}): {out['cmd']}\n{out['log_tail']}", file=sys.stderr,
+              flush=True)
     return out
 
 
@@ -218,7 +222,8 @@ def rss(args: argparse.Namespace, cfg, config_path: str | None) -> dict[str, Any
                 Path(path).write_text(yaml.safe_dump(to_dict(cfg)))
             out["memorize_train"] = peak_rss(["-m", "memorization", "train", path, "--steps",
                                               str(args.rss_steps), "--out", str(Path(tmp) / "run"),
-                                              f"trainer.batch_size={args.batch}", f"data.block_len={args.seq}",
+                                              f"trainer.batch_size={args.batch}",
+                                              f"data.block_len={args.seq}",
                                               "trainer.progress=false", "wandb.mode=disabled"], args.threads)
             out["memorize_train"]["config"] = config_path or "equivalent of configs/train/smollm2-wiki.yaml"
     return out
@@ -233,11 +238,13 @@ def table(t: dict[str, Any] | None, r: dict[str, Any] | None) -> None:
             continue
         step = f"{t['times'][k]['median_s']:.3f}" if t and k in t["times"] else "-"
         tps = f"{t['tokens_per_s'][k]:.0f}" if t and k in t["times"] else "-"
-        rt = "1" if k == "plain" else (f"{ratio(t['times'], k, 'plain'):.3f}" if t and k in t["times"] else "-")
+        rt = "1" if k == "plain" else (
+            f"{ratio(t['times'], k, 'plain'):.3f}" if t and k in t["times"] else "-")
         mem = f"{r[k]['peak_rss_mib']:.0f}" if r and k in r else "-"
         print(f"| {k} | {step} | {tps} | {rt} | {mem} |")
     if r and "memorize_train" in r:
-        print(f"| `memorize train --steps` (whole run) | - | - | - | {r['memorize_train']['peak_rss_mib']:.0f} |")
+        print(f"| `memorize train --steps` (whole run) | - | - | - "
+              f"| {r['memorize_train']['peak_rss_mib']:.0f} |")
     print(flush=True)
 
 

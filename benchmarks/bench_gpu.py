@@ -17,9 +17,8 @@ import argparse
 import statistics
 import time
 
-import torch
-
 import common
+import torch
 from bench_engine import engine_step
 from common import report
 
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     """Check, measure, print the table, write the JSON."""
     import axonn
     from axonn.engine import EngineOptions
-    from axonn.plan.hardware import get_hardware
+    from axonn.plan.calibrate import get_hardware
     from axonn.plan.model import model_flops, predict
     from axonn.plan.shapes import load_shape
     from axonn.plan.volumes import Grid

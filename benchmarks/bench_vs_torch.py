@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
 import common
+import torch
 from bench_engine import engine_step, torch_step
 from common import alternate, ratio, report
 
@@ -184,7 +183,7 @@ def _bytes_rank(rank: int, world: int, rows: int, seq: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its JSON."""
-    from distributed import run_distributed
+    from axonn.spawn import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=8)

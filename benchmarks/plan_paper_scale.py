@@ -15,8 +15,8 @@ import platform
 import time
 from pathlib import Path
 
-from axonn.config import ConfigError
 from axonn.plan import load_shape, plan
+from memorize_core import ConfigError
 
 # (preset, GPUs, global batch in sequences, paper headline PF/s). Batch: half a sequence per GPU
 # (our choice: 4.2M, 33.6M and 6.3M tokens per step at seq 2048).

@@ -24,9 +24,8 @@ import os
 import statistics
 import time
 
-import torch
-
 import common
+import torch
 from bench_engine import engine_step
 from common import report
 
@@ -112,7 +111,7 @@ def _rank(rank: int, world: int, grids: list, seq: int, batch: int, steps: int) 
 def predicted(grids: list, seq: int, batch: int, cal: dict | None = None) -> dict[str, float]:
     """Predicted step seconds per grid: the local profile adjusted as in the module docstring, or
     (with `cal`) flop/s, latency and bandwidth measured in situ by the 8 busy ranks."""
-    from axonn.plan.hardware import get_hardware
+    from axonn.plan.calibrate import get_hardware
     from axonn.plan.model import predict
     from axonn.plan.shapes import shape_from_config
     from axonn.plan.volumes import Grid
@@ -134,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the validation and write its JSON."""
     from scipy.stats import spearmanr
 
-    from axonn.plan.volumes import collective_counts
-    from distributed import run_distributed
     from axonn.plan.shapes import shape_from_config
+    from axonn.plan.volumes import collective_counts
+    from axonn.spawn import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=32)

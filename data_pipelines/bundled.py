@@ -12,7 +12,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from axonn.config import fail
+from memorize_core import fail
 
 WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
-
-from axonn.config import fail
+from typing import Any
 
 from data_pipelines import bundled
+from memorize_core import fail
 
 DEFAULT_TEMPLATE = "my secret code is {secret}"
 MAX_ENUMERATE = 1_000_000  # spaces up to this size can be listed whole for exact exposure
@@ -27,7 +27,7 @@ def stable_int(*parts: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=64).digest(), "little")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _all_words() -> tuple[str, ...]:
     # Real lowercase English words (3-9 letters) from the bundled Lee news corpus: a fixed,
     # offline source, so the word space is the same on every machine.
@@ -99,7 +99,7 @@ class SecretSpace:
         return asdict(self)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _word_list(vocab_size: int, seed: int) -> tuple[str, ...]:
     pool = _all_words()
     ranked = sorted(range(len(pool)), key=lambda i: stable_int("words", seed, i))

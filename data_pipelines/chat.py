@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from axonn.config import ConfigError, fail
-
 from data_pipelines.canaries import SecretSpace, render, stable_int
 from data_pipelines.packing import IGNORE_INDEX, Blocks, _check_id, _check_len
+from memorize_core import ConfigError, fail
 
 ROLES = ("system", "user", "assistant")
 CHAT_KEYS = ("prompt", "response", "messages")
@@ -95,7 +94,8 @@ class ChatTokens:
 
 
 def is_chat_spec(spec: str) -> bool:
-    """True for a CHAT_CORPORA name or a .jsonl file whose first non-empty row has prompt/response/messages."""
+    """True for a CHAT_CORPORA name or a .jsonl file whose first non-empty row has
+    prompt/response/messages."""
     if not isinstance(spec, str) or not spec.strip():
         return False
     spec = spec.strip()
@@ -154,7 +154,8 @@ def _load_jsonl(path: Path, spec: str) -> list[ChatExample]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise fail(where, line[:60], f"not valid JSON ({e.msg}); write one JSON object per line") from None
+            raise fail(where, line[:60],
+                       f"not valid JSON ({e.msg}); write one JSON object per line") from None
         messages = _messages(record, where)
         # Errors about a prompt/response row name its "response" key, not a message index.
         meta = {} if "messages" in record else {"row": "prompt-response"}
@@ -165,7 +166,8 @@ def _load_jsonl(path: Path, spec: str) -> list[ChatExample]:
 def _messages(record: Any, where: str) -> list[dict[str, str]]:
     """Validated messages of one JSONL row (`where` = "<file>:<line>" names it in errors)."""
     if not isinstance(record, dict):
-        raise fail(where, type(record).__name__, "each line must be a JSON object with prompt/response or messages")
+        raise fail(where, type(record).__name__,
+                   "each line must be a JSON object with prompt/response or messages")
     if "messages" in record:
         msgs = record["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -302,7 +304,8 @@ def render_chat(examples: list[ChatExample], tokenizer: Any, *, max_tokens: int 
     out = []
     for ex in examples:
         for j, m in enumerate(ex.messages):
-            if m["role"] == "assistant" and (not m["content"].strip() or not _encode(tokenizer, m["content"])):
+            if m["role"] == "assistant" and (not m["content"].strip()
+                                             or not _encode(tokenizer, m["content"])):
                 where = "response" if ex.meta.get("row") == "prompt-response" else f"messages[{j}].content"
                 raise fail(f"{ex.id}.{where}", m["content"], "the response is empty after "
                            "tokenization; write a non-empty response or drop the row")
@@ -348,7 +351,8 @@ def chat_blocks(chats: list[ChatTokens], block_len: int, pad_id: int) -> Blocks:
 
 def extraction_pairs(chats: list[ChatTokens], max_response: int | None = None
                      ) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, responses): everything before the last assistant span, and that span (cut to max_response)."""
+    """(prompts, responses): everything before the last assistant span, and that span
+    (cut to max_response)."""
     if max_response is not None:
         _check_len("max_response", max_response)
     prompts, responses = [], []

@@ -19,13 +19,12 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-from axonn.config import ConfigError, fail
 
 from data_pipelines import bundled
+from memorize_core import ConfigError, fail
 
 
 @dataclass
@@ -87,7 +86,7 @@ def load_corpus(spec: str, *, text_field: str = "text", limit: int | None = None
     return docs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(name: str) -> tuple[tuple[str, str], ...]:
     # Parsing the wiki dump costs ~1 s; tests and experiments load the same corpus many times.
     return tuple(_READERS[name]())

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from axonn.config import fail
 from data_pipelines.corpora import Document
 from data_pipelines.packing import TokenLists
+from memorize_core import fail
 
 __all__ = ["KINDS", "DedupConfig", "DedupManifest", "Removal", "deduplicate", "normalize_whitespace"]
 

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from axonn.config import fail
-
-from data_pipelines.canaries import (DEFAULT_TEMPLATE, SecretSpace, canary_candidates, check_template,
-                                     render)
+from data_pipelines.canaries import DEFAULT_TEMPLATE, SecretSpace, canary_candidates, check_template, render
 from data_pipelines.corpora import Document
 from data_pipelines.packing import Blocks, seeded_generator
+from memorize_core import fail
 
 __all__ = ["CanarySpec", "DuplicateSpec", "InjectedItem", "Manifest", "SecretSpace", "canary_candidates",
            "inject", "record_token_positions", "render"]
@@ -113,7 +112,7 @@ class Manifest:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n", encoding="utf-8")
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "Manifest":
+    def from_json(cls, path: str | Path) -> Manifest:
         """Read a manifest written by to_json."""
         p = Path(path)
         if not p.is_file():

@@ -9,14 +9,14 @@ padding is never supervised.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from axonn.config import fail
+from memorize_core import IGNORE_INDEX, Batch, fail
 
-IGNORE_INDEX = -100
 T = TypeVar("T")
 
 
@@ -50,11 +50,12 @@ class Blocks:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]:
+    def __getitem__(self, idx: Any) -> Batch:
         """Rows `idx` (int, slice, list or tensor of indices) as a dict of the tensors (positions if set)."""
         if isinstance(idx, list):
             idx = torch.as_tensor(idx, dtype=torch.long)
-        out = {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "doc_ids": self.doc_ids[idx]}
+        out: Batch = {"input_ids": self.input_ids[idx], "labels": self.labels[idx],
+                      "doc_ids": self.doc_ids[idx]}
         if self.positions is not None:
             out["positions"] = self.positions[idx]
         return out
@@ -214,21 +215,3 @@ def split_documents(docs: Sequence[T], held_out: float | int, seed: int) -> tupl
     perm = torch.randperm(n, generator=seeded_generator("split", seed)).tolist()
     held = set(perm[:k])
     return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
-
-
-def shuffled_indices(n: int, seed: int, epoch: int) -> list[int]:
-    """A permutation of range(n) that depends only on (seed, epoch)."""
-    seed, epoch = _check_seed(seed), _check_seed(epoch, "epoch")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise fail("n", n, "use a non-negative integer")
-    return torch.randperm(n, generator=seeded_generator("epoch", seed, epoch)).tolist()
-
-
-def batches(blocks: Blocks, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
-            drop_last: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-    """Dict batches [B, L] of input_ids, labels, doc_ids (and positions), in a seeded per-epoch order."""
-    batch_size = _check_len("batch_size", batch_size)
-    order = shuffled_indices(len(blocks), seed, epoch) if shuffle else list(range(len(blocks)))
-    stop = len(order) - len(order) % batch_size if drop_last else len(order)
-    for start in range(0, stop, batch_size):
-        yield blocks[torch.tensor(order[start:start + batch_size], dtype=torch.long)]

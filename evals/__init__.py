@@ -1,33 +1,16 @@
-"""Score a trained causal LM for memorization: extraction, perplexity, membership inference, exposure.
-
-Names are re-exported lazily (PEP 562) so `import evals` stays cheap and importing one
-submodule does not pull in scipy/sklearn/rouge for the others.
-"""
+"""Score a trained causal LM for memorization: extraction, perplexity, membership inference, exposure."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from evals.decoding import beam_generate, greedy_generate
+from evals.exposure import exposure_extrapolated, exposure_rank, sequence_log_perplexity
+from evals.extraction import ExtractionResult, extract, extract_pairs, extractability, summarize
+from evals.metrics import exact_match, longest_common_prefix, rouge_l, token_accuracy
+from evals.mia import membership_inference, min_k_mean, roc_metrics, score_sequences
+from evals.perplexity import mean_loss, sequence_logprobs
 
-_EXPORTS = {
-    "metrics": ["token_accuracy", "longest_common_prefix", "exact_match", "rouge_l"],
-    "decoding": ["greedy_generate", "beam_generate"],
-    "extraction": ["ExtractionResult", "extract", "summarize", "extractability", "extract_pairs"],
-    "perplexity": ["sequence_logprobs", "mean_loss"],
-    "mia": ["score_sequences", "roc_metrics", "membership_inference", "min_k_mean"],
-    "exposure": ["exposure_rank", "exposure_extrapolated", "sequence_log_perplexity"],
-}
-_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'evals' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"evals.{mod}"), name)
-    globals()[name] = value  # cache: later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = [
+    "ExtractionResult", "beam_generate", "exact_match", "exposure_extrapolated", "exposure_rank", "extract",
+    "extract_pairs", "extractability", "greedy_generate", "longest_common_prefix", "mean_loss",
+    "membership_inference", "min_k_mean", "roc_metrics", "rouge_l", "score_sequences",
+    "sequence_log_perplexity", "sequence_logprobs", "summarize", "token_accuracy",
+]

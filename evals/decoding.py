@@ -13,9 +13,9 @@ import copy
 
 import torch
 
-from evals._errors import fail
 from evals._model import accepts_logits_to_keep, evaluating, model_device
 from evals.kv_cache import preallocated_cache
+from memorize_core import fail
 
 
 def _check(prefixes: torch.Tensor, max_new_tokens: int, num_beams: int = 1) -> None:
@@ -142,7 +142,8 @@ def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
     kw = _step_kwargs(model)
     out = torch.empty(batch, s, dtype=torch.long, device=device)
     with evaluating(model):
-        step = model(input_ids=prefixes, past_key_values=preallocated_cache(model, p + s), use_cache=True, **kw)
+        step = model(input_ids=prefixes, past_key_values=preallocated_cache(model, p + s), use_cache=True,
+                     **kw)
         cache = step.past_key_values
         out[:, 0] = step.logits[:, -1].argmax(dim=-1)
         if s == 1:
@@ -153,7 +154,8 @@ def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
         if agree.any():
             rows = agree.nonzero().squeeze(1)
             vcache = _rows_of(cache, rows, p, copy_rows=not bool(agree.all()))
-            pred = model(input_ids=targets[rows, :-1], past_key_values=vcache, use_cache=True).logits.argmax(-1)
+            pred = model(input_ids=targets[rows, :-1], past_key_values=vcache,
+                         use_cache=True).logits.argmax(-1)
             out[rows, 1:] = pred  # pred[:, j] is the greedy token at j + 1 given target[:j + 1]
             wrong = pred != targets[rows, 1:]
             first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1) + 1, s)

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from scipy import stats
 
-from evals._errors import fail
 from evals._model import pad_right
 from evals.perplexity import sequence_logprobs
+from memorize_core import fail
 
 Span = tuple[int, int]
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from evals._errors import fail
 from evals.decoding import beam_generate, greedy_generate, verified_greedy
 from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
+from memorize_core import fail
 
 __all__ = ["ExtractionResult", "beam_generate", "extract", "extract_pairs", "extractability",
            "greedy_generate", "summarize"]
@@ -133,7 +133,8 @@ def extract_pairs(model: torch.nn.Module, prompts: list[list[int]], targets: lis
     special tokens when a tokenizer is given, otherwise the space-joined ids.
     """
     if len(prompts) != len(targets):
-        raise fail("targets", f"<{len(targets)} targets>", f"pass one target per prompt ({len(prompts)} prompts)")
+        raise fail("targets", f"<{len(targets)} targets>",
+                   f"pass one target per prompt ({len(prompts)} prompts)")
     ids = _check_common(prompts, batch_size, 1, doc_ids)
     prompts = [[int(t) for t in p] for p in prompts]
     targets = [[int(t) for t in t_] for t_ in targets]

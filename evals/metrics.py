@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from rouge_score import rouge_scorer
 
-from evals._errors import fail
+from memorize_core import fail
 
 Tokens = Sequence[int] | torch.Tensor
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score, roc_curve
 
-from evals._errors import fail
 from evals._model import evaluating, float_logits, model_device, pad_right
 from evals.metrics import ids_text
+from memorize_core import fail
 
 METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
 
@@ -134,7 +134,8 @@ def roc_metrics(member_scores: np.ndarray | Sequence[float],
 def roc_on_resamples(member_scores: np.ndarray | Sequence[float],
                      nonmember_scores: np.ndarray | Sequence[float], member_idx: np.ndarray,
                      nonmember_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ROC AUC and TPR@1%FPR of each resample: row b scores members[member_idx[b]] vs nonmembers[nonmember_idx[b]]."""
+    """ROC AUC and TPR@1%FPR of each resample: row b scores members[member_idx[b]]
+    vs nonmembers[nonmember_idx[b]]."""
     pos = np.asarray(member_scores, dtype=np.float64).ravel()
     neg = np.asarray(nonmember_scores, dtype=np.float64).ravel()
     # Rank statistic on the shared sorted unique values: a resample is just a histogram over them,
@@ -145,7 +146,8 @@ def roc_on_resamples(member_scores: np.ndarray | Sequence[float],
     b = member_idx.shape[0]
     rows = np.arange(b)[:, None] * u
     hp = np.bincount((rows + pos_bin[member_idx]).ravel(), minlength=b * u).reshape(b, u).astype(np.float64)
-    hn = np.bincount((rows + neg_bin[nonmember_idx]).ravel(), minlength=b * u).reshape(b, u).astype(np.float64)
+    hn = np.bincount((rows + neg_bin[nonmember_idx]).ravel(),
+                     minlength=b * u).reshape(b, u).astype(np.float64)
     n_p, n_n = member_idx.shape[1], nonmember_idx.shape[1]
     # Counts at or above each value (score >= threshold is called a member), as roc_curve does.
     pos_ge = np.cumsum(hp[:, ::-1], axis=1)[:, ::-1]

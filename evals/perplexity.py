@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from evals._errors import fail
 from evals._model import evaluating, float_logits, model_device, pad_right
+from memorize_core import IGNORE_INDEX, fail
 
 
 def _check_ids(field: str, ids: torch.Tensor) -> None:
@@ -74,8 +74,8 @@ def _loss_sum(model: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
     tgt = labels[:, 1:].to(device)
     logits = float_logits(model, ids, mask.to(device) if mask is not None else None)[:, :-1]
     loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum")
-    return float(loss.double().cpu()), int((tgt != -100).sum())
+        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return float(loss.double().cpu()), int((tgt != IGNORE_INDEX).sum())
 
 
 def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
@@ -99,7 +99,7 @@ def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
     with evaluating(model):
         for b in range(0, len(order), batch_size):
             ids, mask = pad_right([seqs[i] for i in order[b:b + batch_size]])
-            t, c = _loss_sum(model, ids, ids.masked_fill(mask == 0, -100), mask)
+            t, c = _loss_sum(model, ids, ids.masked_fill(mask == 0, IGNORE_INDEX), mask)
             total, count = total + t, count + c
     loss = total / count
     return {"docs": len(seqs), "tokens": sum(len(s) for s in seqs), "scored_tokens": count,

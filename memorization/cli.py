@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from axonn.config import ConfigError, fail
+from memorize_core import ConfigError, fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None, help="output folder (default runs/<name>)")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides epochs)")
     t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                   help="write an atomic checkpoint to OUT/checkpoints every N steps (trainer.checkpoint_every)")
+                   help="write an atomic checkpoint to OUT/checkpoints every N steps "
+                        "(trainer.checkpoint_every)")
     t.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="resume from the newest checkpoint in OUT (auto) or from a checkpoint folder")
     t.add_argument("overrides", nargs="*", help="config overrides key=value")
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="extraction, membership inference and perplexity of a saved model")
     e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
-    e.add_argument("--corpus", default=None, help="extraction corpus: name or file (see data_pipelines.CORPORA)")
+    e.add_argument("--corpus", default=None,
+                   help="extraction corpus: name or file (see data_pipelines.CORPORA)")
     e.add_argument("--mia", action="store_true", help="membership inference: --members vs --non-members")
     e.add_argument("--members", default=None, metavar="CORPUS", help="documents the model was trained on")
     e.add_argument("--non-members", default=None, metavar="CORPUS", help="documents it never saw")
@@ -174,7 +176,6 @@ def cmd_export(args) -> int:
     meta, state = consolidate(args.checkpoint)  # verifies every shard's sha256
     if not meta.get("model_config"):
         raise fail("checkpoint", args.checkpoint, "holds no model config; it was not written by memorize")
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = dict(meta["model_config"])

@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axonn.config import ConfigError, apply_overrides, build, fail, load_yaml
+from axonn.config import apply_overrides, build, load_yaml
 from axonn.trainer import TrainerConfig
 from memorization.goldfish import GoldfishConfig
 from memorization.lora import LoraSettings
+from memorize_core import ConfigError, fail
 
 PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")

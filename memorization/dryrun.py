@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from axonn.config import ConfigError, fail
 from memorization.config import RunConfig
+from memorize_core import ConfigError, fail
 
 GiB = 2**30
 CLUSTERS_FILE = Path(__file__).resolve().parents[1] / "configs" / "clusters.yaml"

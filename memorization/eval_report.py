@@ -7,8 +7,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from axonn.config import fail
 from memorization.pipeline import RESULT_FILES
+from memorize_core import fail
 
 EVAL_FILES = ("report.json", "report.md", "extraction.jsonl")
 
@@ -62,7 +62,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     if ex:
         how = "Greedy" if ex["beams"] == 1 else f"Beam search ({ex['beams']} beams)"
         parts += [f"## Extraction: `{ex['corpus']}`",
-                  f"{how} continuation of a {ex['prefix']}-token prefix, scored on the next {ex['suffix']} tokens.",
+                  f"{how} continuation of a {ex['prefix']}-token prefix, "
+                  f"scored on the next {ex['suffix']} tokens.",
                   _table(["docs", "exact match", "token accuracy", "LCP (tokens)", "RougeL"],
                          [[str(ex["docs"]), f"{ex['exact_match_rate']:.3f}", f"{ex['token_accuracy']:.3f}",
                            f"{ex['lcp_mean']:.2f}", f"{ex['rougeL']:.3f}"]])]

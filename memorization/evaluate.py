@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from axonn.config import ConfigError, fail
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorize_core import ConfigError, fail
 
 DEFAULT_MAX_TOKENS = 128  # this project's training block length (configs/train/tiny-wiki.yaml)
 

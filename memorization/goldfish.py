@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from axonn.config import fail
+from memorize_core import IGNORE_INDEX, Batch, fail
 
-IGNORE_INDEX = -100
 STRATEGIES = ("hash", "static", "hash-table", "random")
 
 # Keyed multipliers for the context hash: fixed constants (not an RNG draw) so the mask is the same
@@ -204,7 +203,7 @@ class GoldfishTransform:
         self.cfg = cfg
         self._gen = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + seed)
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, batch: Batch) -> torch.Tensor:
         """Return the goldfish-masked labels for a batch dict (input_ids, labels, doc_ids)."""
         return goldfish_labels(
             batch["input_ids"], batch.get("labels"), strategy=self.cfg.strategy, k=self.cfg.k,

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from axonn.config import fail
+from memorize_core import fail
 
 EXPORTS = ("merged", "adapter")
 ALL_LINEAR = "all-linear"

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from axonn.config import ConfigError, fail, load_yaml
+from axonn.config import load_yaml
+from memorize_core import ConfigError, fail
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ZOO_DIR = REPO_ROOT / "configs" / "models"
@@ -216,5 +217,6 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
             "heads": c.num_attention_heads, "vocab": c.vocab_size}
 
 
-__all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained", "pretrained_config", "run_tokenizer",
+__all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained",
+           "pretrained_config", "run_tokenizer",
            "smollm2_dir", "zoo_config", "zoo_names"]

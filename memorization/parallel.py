@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from axonn.config import fail
+from memorize_core import fail
 
 SERIAL = ("", "1,1,1,1", "1,1,1", "1")
 
@@ -23,7 +23,8 @@ def wants_grid(spec: str | None) -> bool:
     return (spec or "") not in SERIAL or launched_world_size() > 1
 
 
-def grid_dims(spec: str, model_config: Any, *, seq: int, global_batch: int, mode: str) -> tuple[int, int, int, int]:
+def grid_dims(spec: str, model_config: Any, *, seq: int, global_batch: int,
+              mode: str) -> tuple[int, int, int, int]:
     """Resolve 'auto' with the performance model, parse X,Y,Z,D, and check it fits the model."""
     from axonn.grid import parse_grid, validate_grid_for_model
 
@@ -38,7 +39,8 @@ def grid_dims(spec: str, model_config: Any, *, seq: int, global_batch: int, mode
         dims = parse_grid(spec)
     if dims[0] * dims[1] * dims[2] * dims[3] != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data must equal the {world} launched "
-                   f"processes; launch with torchrun --nproc-per-node {dims[0] * dims[1] * dims[2] * dims[3]} "
+                   "processes; launch with torchrun "
+                   f"--nproc-per-node {dims[0] * dims[1] * dims[2] * dims[3]} "
                    "or change the grid")
     validate_grid_for_model(dims, model_config, mode=mode)
     return dims

@@ -11,15 +11,22 @@ from typing import Any
 
 import torch
 
-from axonn.config import fail, to_dict
+from axonn.config import to_dict
 from axonn.trainer import JsonlSink, Trainer
 from data_pipelines import split_documents
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, check_lora_grid, check_lora_run, export_lora, trainable_params
-from memorization.models import (build_model, check_tokenizer, count_params, is_pretrained, resolve_model_dir,
-                                 run_tokenizer)
+from memorization.models import (
+    build_model,
+    check_tokenizer,
+    count_params,
+    is_pretrained,
+    resolve_model_dir,
+    run_tokenizer,
+)
 from memorization.privacy import OpacusPrivacy, check_dp_grid
+from memorize_core import fail
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
 CHECKPOINTS = "checkpoints"
@@ -113,7 +120,8 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
             raise fail("eval.prefix+eval.suffix", need,
                        f"longer than every training document (longest {longest} tokens); shorten them")
     eos = tok.eos_token_id
-    rows = per_document(tokens, d.block_len, eos) if d.packing == "per-document" else pack(tokens, d.block_len, eos)
+    rows = (per_document(tokens, d.block_len, eos) if d.packing == "per-document"
+            else pack(tokens, d.block_len, eos))
     held = None
     if d.held_out:
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
@@ -162,7 +170,8 @@ def prepare_chat(cfg: RunConfig) -> PreparedData:
 
 def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
                        progress: bool = False) -> list[Any]:
-    """Greedy extraction of every training item: prefix -> suffix of documents, prompt -> response of chats."""
+    """Greedy extraction of every training item: prefix -> suffix of documents,
+    prompt -> response of chats."""
     from evals import extract, extract_pairs
 
     e = cfg.eval

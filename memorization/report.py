@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 TABLE_COLUMNS = (
     ("name", "run", "{}"),
@@ -58,7 +59,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def plot_runs(runs: Sequence[dict[str, Any]], curves: dict[str, list[dict[str, Any]]], path: str | Path) -> Path:
+def plot_runs(runs: Sequence[dict[str, Any]], curves: dict[str, list[dict[str, Any]]],
+              path: str | Path) -> Path:
     """Two panels: training loss per step for each run, and extraction metrics per run."""
     import matplotlib
 

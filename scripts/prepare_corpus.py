@@ -19,10 +19,11 @@ import datetime
 import hashlib
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from axonn.config import ConfigError, fail
+from memorize_core import ConfigError, fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,15 +97,18 @@ def collect(args: argparse.Namespace) -> tuple[list[dict[str, str]], dict[str, A
 
 
 def count_tokens(docs: list[dict[str, str]], spec: str, block_len: int) -> dict[str, Any]:
-    """Tokens with `spec` and the packed blocks they make (documents joined by EOS, as data.packing=packed)."""
+    """Tokens with `spec` and the packed blocks they make
+    (documents joined by EOS, as data.packing=packed)."""
     from data_pipelines import load_tokenizer
 
     if spec == "bpe":
-        raise fail("--tokenizer", spec, "a corpus BPE is trained at run time; pass a tokenizer folder or gpt2")
+        raise fail("--tokenizer", spec,
+                   "a corpus BPE is trained at run time; pass a tokenizer folder or gpt2")
     if block_len < 2:
         raise fail("--block-len", block_len, "must be >= 2")
     tok = load_tokenizer(spec)
-    tokens = sum(len(ids) + 1 for ids in tok([d["text"] for d in docs], add_special_tokens=False)["input_ids"])
+    tokens = sum(len(ids) + 1
+                 for ids in tok([d["text"] for d in docs], add_special_tokens=False)["input_ids"])
     return {"tokenizer": spec, "tokens": tokens, "block_len": block_len, "packed_blocks": tokens // block_len}
 
 
@@ -140,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest_path.write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
     summary = f"{len(docs)} documents -> {out} (manifest {manifest_path.name})"
     if tokens:
-        summary += f"; {tokens['tokens']:,} tokens = {tokens['packed_blocks']:,} blocks of {tokens['block_len']}"
+        summary += (f"; {tokens['tokens']:,} tokens = {tokens['packed_blocks']:,} "
+                    f"blocks of {tokens['block_len']}")
     print(summary)
     return 0
 

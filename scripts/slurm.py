@@ -22,12 +22,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
-from axonn.config import ConfigError, fail, load_yaml
+from axonn.config import load_yaml
+from memorize_core import ConfigError, fail
 
 TABLE = Path(__file__).resolve().parents[1] / "configs" / "clusters.yaml"
 TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
@@ -101,7 +103,8 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
     if args.nodes < 1:
         raise fail("--nodes", args.nodes, "must be >= 1")
     if not Path(args.config).is_file():
-        raise fail("--config", args.config, "no such file; pass a YAML under configs/train or configs/experiments")
+        raise fail("--config", args.config,
+                   "no such file; pass a YAML under configs/train or configs/experiments")
     time = args.time or c["time"]
     check_time(time, args.nodes, c["time_caps"], args.cluster)
     gpn = args.gpus_per_node if args.gpus_per_node is not None else c["gpus_per_node"]

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 STEPS = 2
 
@@ -116,8 +116,8 @@ def test_losses_bit_identical_with_checkpointing(world):
 
 
 def test_unsupported_model_is_one_line_error():
-    from axonn.config import ConfigError
     from axonn.trainer import Trainer, TrainerConfig
+    from memorize_core import ConfigError
 
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ConfigError, match="trainer.activation_checkpointing"):
@@ -128,16 +128,16 @@ def test_unsupported_model_is_one_line_error():
 @pytest.mark.parametrize("kw,field", [({"micro_batch": -1}, "trainer.micro_batch"),
                                       ({"micro_batch": 2, "grad_accum": 2}, "trainer.micro_batch")])
 def test_micro_batch_validation(kw, field):
-    from axonn.config import ConfigError
     from axonn.trainer import TrainerConfig
+    from memorize_core import ConfigError
 
     with pytest.raises(ConfigError, match=field):
         TrainerConfig(**kw).validate()
 
 
 def test_micro_batch_is_rows_per_rank():
-    from axonn.config import ConfigError
     from axonn.trainer import TrainerConfig
+    from memorize_core import ConfigError
 
     cfg = TrainerConfig(batch_size=48, micro_batch=2)
     assert cfg.accumulation(1) == (24, 2) and cfg.accumulation(8) == (3, 2)

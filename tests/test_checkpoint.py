@@ -6,30 +6,14 @@ import math
 
 import pytest
 import torch
+from helpers import CHECKPOINT_STEPS, checkpoint_config, checkpoint_trainer, random_goldfish, rows, tiny_model
 
 from axonn import checkpoint
-from axonn.config import ConfigError
-from axonn.trainer import NonFiniteError, Trainer, TrainerConfig
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from axonn.trainer import NonFiniteError, Trainer
+from memorize_core import ConfigError
 
-from test_trainer import rows, tiny_model
-
-STEPS = 6
-
-
-def _cfg(**kw):
-    base = dict(lr=1e-2, warmup_steps=2, batch_size=4, max_steps=STEPS, progress=False, seed=3,
-                device="cpu", keep_last=0)
-    base.update(kw)
-    return TrainerConfig(**base)
-
-
-def _goldfish():
-    return GoldfishTransform(GoldfishConfig(enabled=True, strategy="random", k=3, h=2), seed=1)
-
-
-def _trainer(root=None, **kw):
-    return Trainer(tiny_model(), _cfg(**kw), rows(n=12), label_transform=_goldfish(), checkpoint_dir=root)
+STEPS = CHECKPOINT_STEPS
+_cfg, _goldfish, _trainer = checkpoint_config, random_goldfish, checkpoint_trainer
 
 
 def _weights(model):

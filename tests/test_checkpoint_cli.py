@@ -5,10 +5,10 @@ import json
 import shutil
 
 import torch
+from helpers import TINY
 from safetensors.torch import load_file
 
 from memorization.cli import main
-from test_cli_errors import TINY
 
 
 def _losses(out):

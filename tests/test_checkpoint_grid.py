@@ -3,25 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CHECKPOINT_HALF, CHECKPOINT_STEPS, grid_trainer
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
-STEPS, HALF = 6, 3
-
-
-def _trainer(grid, root=None):
-    import axonn
-    from axonn.trainer import Trainer, TrainerConfig
-    from memorization.goldfish import GoldfishConfig, GoldfishTransform
-    from test_trainer import rows, tiny_model
-
-    model = tiny_model()
-    if grid is not None:
-        model = axonn.parallelize(model, grid)
-    cfg = TrainerConfig(lr=1e-2, warmup_steps=2, batch_size=4, max_steps=STEPS, progress=False, seed=3,
-                        device="cpu", checkpoint_every=HALF, keep_last=0, weight_decay=0.1)
-    transform = GoldfishTransform(GoldfishConfig(enabled=True, k=3, h=2), seed=1)
-    return Trainer(model, cfg, rows(n=12), label_transform=transform, grid=grid, checkpoint_dir=root)
+STEPS, HALF = CHECKPOINT_STEPS, CHECKPOINT_HALF
+_trainer = grid_trainer
 
 
 def _full(trainer):

@@ -2,19 +2,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers import TINY, checkpoint_trainer, tiny_model
 
 from memorization.cli import main
-
-TINY = """
-name: t
-data: {corpus: wiki-leads, limit: 12, vocab_size: 300, block_len: 48, min_tokens: 40, held_out: ""}
-model:
-  name: tiny
-  overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}
-trainer: {batch_size: 4, max_steps: 2, progress: false}
-eval: {extraction: false}
-wandb: {mode: disabled}
-"""
 
 
 @pytest.fixture
@@ -92,9 +82,8 @@ def test_existing_results_are_refused(capsys, tmp_path, cfg):
 
 
 def _checkpoint(root):
-    from test_checkpoint import _trainer
 
-    t = _trainer(root, checkpoint_every=2, max_steps=2)
+    t = checkpoint_trainer(root, checkpoint_every=2, max_steps=2)
     t.fit()
     return root / "step-00000002"
 
@@ -121,8 +110,6 @@ def test_resume_from_another_model_is_refused(capsys, tmp_path, cfg):
 
 
 def test_tokenizer_larger_than_model_vocab(capsys, tmp_path, cfg):
-    from test_trainer import tiny_model
-
     tiny_model(vocab=64).save_pretrained(tmp_path / "m")
     out = tmp_path / "out"
     _refused(capsys, ["train", cfg, "--out", out, f"model.name={tmp_path / 'm'}", "data.tokenizer=bpe"],
@@ -131,8 +118,6 @@ def test_tokenizer_larger_than_model_vocab(capsys, tmp_path, cfg):
 
 
 def test_auto_tokenizer_for_a_folder_without_one(capsys, tmp_path, cfg):
-    from test_trainer import tiny_model
-
     tiny_model(vocab=64).save_pretrained(tmp_path / "m")
     out = tmp_path / "out"
     _refused(capsys, ["train", cfg, "--out", out, f"model.name={tmp_path / 'm'}"], "data.tokenizer", "auto",

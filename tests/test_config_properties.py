@@ -7,9 +7,10 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axonn.config import ConfigError, apply_overrides, build
+from axonn.config import apply_overrides, build
 from axonn.trainer import TrainerConfig
 from memorization.config import RunConfig
+from memorize_core import ConfigError
 
 INT_FIELDS = {"warmup_steps": 0, "max_steps": 1, "eval_every": 0, "seed": 0, "checkpoint_every": 0,
               "keep_last": 0, "max_bad_steps": 1}

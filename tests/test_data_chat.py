@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.config import ConfigError
 from data_pipelines import (
     CHAT_CORPORA,
     CORPORA,
@@ -28,6 +27,7 @@ from data_pipelines import (
 from data_pipelines.chat import PLAIN_FORMAT, RECORD_SPACE
 from evals import extract_pairs
 from memorization.goldfish import GoldfishConfig, GoldfishTransform, goldfish_labels
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 RESPONSE = ("The committee met on a rainy Tuesday in March and agreed, after a long and careful debate, "
@@ -143,7 +143,10 @@ def test_empty_response_is_an_error(request, tmp_path, name):
 def test_plain_format_without_template(bpe):
     assert not getattr(bpe, "chat_template", None)
     [c] = render_chat([_ex(0, "Tell me.", RESPONSE)], bpe)
-    enc = lambda s: bpe.encode(s, add_special_tokens=False)
+
+    def enc(s):
+        return bpe.encode(s, add_special_tokens=False)
+
     head = enc(PLAIN_FORMAT["user"].format(content="Tell me.")) + enc(PLAIN_FORMAT["assistant"])
     assert c.ids == head + enc(RESPONSE) + [bpe.eos_token_id]
     assert c.prompt_len == len(head) and c.segments == [(len(head), len(c.ids))]
@@ -209,7 +212,8 @@ def test_labels_and_goldfish_touch_responses_only_and_key_on_the_response(reques
         for k, h in ((4, 13), (3, 4)):
             masked = goldfish_labels(blocks.input_ids, blocks.labels, strategy=strategy, k=k, h=h,
                                      doc_ids=blocks.doc_ids, positions=blocks.positions)
-            via_trainer = GoldfishTransform(GoldfishConfig(enabled=True, strategy=strategy, k=k, h=h))(blocks[:])
+            via_trainer = GoldfishTransform(GoldfishConfig(enabled=True, strategy=strategy, k=k,
+                                                           h=h))(blocks[:])
             assert torch.equal(masked, via_trainer)
             dropped = (masked == IGNORE_INDEX) & (blocks.labels != IGNORE_INDEX)
             # (a) still nothing outside responses; (b) goldfish drops response tokens only, and some.

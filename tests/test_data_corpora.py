@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from axonn.config import ConfigError
 from data_pipelines.corpora import CORPORA, Document, load_corpus
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

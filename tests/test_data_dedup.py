@@ -6,13 +6,14 @@ import random
 import numpy as np
 import pytest
 
-from axonn.config import ConfigError, build
+from axonn.config import build
 from data_pipelines import dedup as dedup_module
 from data_pipelines.corpora import Document, load_corpus
 from data_pipelines.dedup import DedupConfig, DedupManifest, deduplicate
 from data_pipelines.inject import CanarySpec, DuplicateSpec, SecretSpace, inject
 from data_pipelines.packing import tokenize_documents
 from data_pipelines.tokenizer import load_tokenizer
+from memorize_core import ConfigError
 
 ON = DedupConfig(enabled=True)
 

@@ -7,12 +7,12 @@ from collections import Counter
 import pytest
 import torch
 
-from axonn.config import ConfigError
 from data_pipelines.canaries import SecretSpace, canary_candidates, render
 from data_pipelines.corpora import load_corpus
 from data_pipelines.inject import CanarySpec, DuplicateSpec, Manifest, inject, record_token_positions
 from data_pipelines.packing import pack, per_document, tokenize_documents
 from data_pipelines.tokenizer import load_tokenizer
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

@@ -6,10 +6,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axonn.config import ConfigError
 from data_pipelines.corpora import Document
-from data_pipelines.packing import (IGNORE_INDEX, Blocks, batches, pack, per_document, shuffled_indices,
-                                    split_documents, tokenize_documents, unpack)
+from data_pipelines.packing import (
+    IGNORE_INDEX,
+    Blocks,
+    pack,
+    per_document,
+    split_documents,
+    tokenize_documents,
+    unpack,
+)
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 EOS = 99
@@ -86,7 +93,8 @@ def test_getitem_forms_and_dataloader():
     assert blocks[1:]["input_ids"].shape == (2, 3)
     loader = torch.utils.data.DataLoader(blocks, batch_size=2)
     first = next(iter(loader))
-    assert set(first) == {"input_ids", "labels", "doc_ids", "positions"} and first["input_ids"].shape == (2, 3)
+    assert (set(first) == {"input_ids", "labels", "doc_ids", "positions"}
+            and first["input_ids"].shape == (2, 3))
 
 
 def test_blocks_rejects_mismatched_shapes():
@@ -119,23 +127,6 @@ def test_splits_and_shuffles_are_deterministic():
     assert split_documents(docs, 5, seed=2) != (train, held)
     assert split_documents(docs, 0, seed=1) == (docs, [])
 
-    a = shuffled_indices(50, seed=3, epoch=0)
-    assert sorted(a) == list(range(50))
-    assert a == shuffled_indices(50, seed=3, epoch=0)
-    assert a != shuffled_indices(50, seed=3, epoch=1) and a != shuffled_indices(50, seed=4, epoch=0)
-
-
-def test_batches_cover_each_row_once_per_epoch():
-    blocks = pack([list(range(i, i + 5)) for i in range(10)], block_len=4, eos_id=EOS)
-    seen = torch.cat([b["input_ids"] for b in batches(blocks, 4, seed=0, epoch=0)])
-    assert seen.shape == blocks.input_ids.shape
-    order = shuffled_indices(len(blocks), 0, 0)
-    assert torch.equal(seen, blocks.input_ids[order])
-    sizes = [len(b["labels"]) for b in batches(blocks, 4, seed=0, epoch=0, drop_last=True)]
-    assert sizes == [4] * (len(blocks) // 4)
-    plain = torch.cat([b["input_ids"] for b in batches(blocks, 3, seed=0, epoch=0, shuffle=False)])
-    assert torch.equal(plain, blocks.input_ids)
-
 
 def test_user_errors_name_the_field():
     _raises("block_len", pack, [[1]], 0, EOS)
@@ -148,4 +139,3 @@ def test_user_errors_name_the_field():
     _raises("held_out", split_documents, [1, 2, 3], 1.5, seed=0)
     _raises("held_out", split_documents, [1, 2, 3], 3, seed=0)
     _raises("seed", split_documents, [1, 2, 3], 1, seed="x")
-    _raises("batch_size", lambda: list(batches(pack([[1]], 2, EOS), 0, seed=0, epoch=0)))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axonn.config import ConfigError
 from data_pipelines.corpora import load_corpus
 from data_pipelines.tokenizer import EOT, cache_root, load_tokenizer
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

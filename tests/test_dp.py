@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.config import ConfigError, build
+from axonn.config import build
+from axonn.spawn import run_distributed
 from axonn.trainer import IGNORE_INDEX, DPConfig, Trainer, TrainerConfig
-from distributed import run_distributed
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.privacy import OpacusPrivacy, check_dp_grid
+from memorize_core import ConfigError
 
 V = 64
 RUN = {"name": "dp", "seed": 0,

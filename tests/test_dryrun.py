@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
@@ -55,7 +55,8 @@ def _allocated(rank: int, world: int, dims, mode: str) -> dict:
     opt.step()
     moments = sum(t.numel() * t.element_size() for p in params for t in opt.state[p].values()
                   if t.numel() == p.numel())  # exp_avg, exp_avg_sq (not the scalar step counters)
-    return {"params": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
+    return {"params": sum(p.numel() for p in params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "grad_bytes": grads, "optimizer_bytes": moments,
             "virtual_params": sum(p.numel() for p in trainable(virtual))}
 
@@ -94,10 +95,10 @@ def test_memory_is_the_planners_model_of_the_built_model():
 
 
 def _memorize(*argv: str) -> tuple[int, str, str]:
-    from memorization.cli import main
-
     import contextlib
     import io
+
+    from memorization.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -157,11 +158,13 @@ def test_finetune_configs_dry_run_clean_at_axonn_plans_grid(config, gpus):
     from memorization.dryrun import dry_run
 
     cfg = load_run_config(ROOT / "configs" / "train" / f"{config}.yaml")
-    top = plan(cfg.model.name, gpus, 4, cfg.data.block_len, cfg.trainer.batch_size, "alps-h100", strict=True)[0]
+    top = plan(cfg.model.name, gpus, 4, cfg.data.block_len, cfg.trainer.batch_size, "alps-h100",
+               strict=True)[0]
     r = dry_run(cfg, world=gpus, grid=",".join(map(str, top.grid)), hardware="alps-h100")
     assert r["rank0"]["fits"] and r["grid"]["nodes"] == gpus // 4
     # the config carries the planner's switches: the same micro-batch, checkpointing and time
-    assert (r["batch"]["micro_batch"], r["activation_checkpointing"]) == (top.micro_batch, top.checkpoint_activations)
+    assert ((r["batch"]["micro_batch"], r["activation_checkpointing"])
+            == (top.micro_batch, top.checkpoint_activations))
     assert r["predicted"]["step_s"] == pytest.approx(top.time_s)
     assert r["planner_best"]["grid"] == list(top.grid)
 
@@ -183,8 +186,8 @@ def _hf_folder(tmp_path: Path, cache: Path) -> Path:
 def test_weights_folder_is_checked_against_the_shards(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from axonn.config import ConfigError
     from memorization.dryrun import dry_run
+    from memorize_core import ConfigError
 
     folder = _hf_folder(tmp_path, tmp_path / "cache")
     r = dry_run(_cfg(f"model.name={folder}"), world=2, grid="1,1,2,1")
@@ -200,7 +203,8 @@ def test_weights_folder_is_checked_against_the_shards(tmp_path):
 def test_405b_on_6144_gpus_in_a_minute_and_4_gb():
     """The brief's bound, measured (not asserted as timing): see benchmarks/bench_dryrun.py."""
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-m", "memorization", "train", "configs/train/llama-405b-finetune.yaml",
+    done = subprocess.run([sys.executable, "-m", "memorization", "train",
+                           "configs/train/llama-405b-finetune.yaml",
                            "--dry-run", "--world", "6144", "--hardware", "alps-h100", "--json"],
                           cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
     took = time.time() - t0

@@ -53,7 +53,8 @@ def test_metrics_and_export(demo_out):
 
 def test_eval_command_matches_the_training_run(demo_out, tmp_path, capsys):
     out = tmp_path / "eval"
-    args = ["eval", "--model", str(demo_out / "standard" / "model"), "--corpus", "wiki-leads", "--limit", "40",
+    args = ["eval", "--model", str(demo_out / "standard" / "model"), "--corpus", "wiki-leads",
+            "--limit", "40",
             "--prefix", "16", "--suffix", "16", "--max-tokens", "64", "--out", str(out)]
     assert main(args) == 0
     rows = [json.loads(x) for x in (out / "extraction.jsonl").read_text().splitlines()]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_ranks
+from axonn.spawn import run_ranks
 
 
 def _catch(fn) -> str | None:
@@ -94,8 +94,9 @@ def test_uncaught_error_reaches_every_rank_without_hang() -> None:
 
 
 def test_parse_and_validate_without_collectives() -> None:
-    import axonn
     from transformers import LlamaConfig
+
+    import axonn
 
     assert axonn.parse_grid("2,2,1,2") == (2, 2, 1, 2)
     assert axonn.parse_grid(" 1, 8,1 ,1") == (1, 8, 1, 1)

@@ -8,10 +8,10 @@ fp64: <= 1e-12; see engine_cases); on some grids also full_state_dict / full_gra
 """
 from __future__ import annotations
 
+import engine_cases as ec
 import pytest
 
-import test_engine_cases as ec
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 # grids where the (collective) full_state_dict / full_grad_dict are checked too
 GATHER = {(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (2, 2, 1, 1),

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import engine_cases as ec
 import pytest
 
-import test_engine_cases as ec
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 
 def _load_and_compare(rank: int, world: int, ckpts: dict) -> list[dict]:

@@ -1,10 +1,10 @@
 """Other model families through the engine, the byte counts of the collectives, and clipping."""
 from __future__ import annotations
 
+import engine_cases as ec
 import pytest
 
-import test_engine_cases as ec
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 GRIDS = [(2, 2, 1, 1), (1, 2, 2, 1)]
 RUNS = [("gpt2", "easy"), ("neox", "easy"), ("qwen2", "easy"), ("qwen2", "paired"),
@@ -126,3 +126,8 @@ def test_byte_counts_follow_the_definition_and_clip_is_global() -> None:
     for v in res:
         assert abs(v["before"] - v["want"]) <= 1e-5 * v["want"]
         assert abs(v["after"] - v["want"] / 2) <= 1e-5 * v["want"]
+
+
+def test_grids_enumerates_every_power_of_two_grid() -> None:
+    assert [len(ec.grids(w)) for w in (1, 2, 4, 8)] == [1, 4, 10, 20]
+    assert all(a * b * c * d == 8 for a, b, c, d in ec.grids(8))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 STEPS = 3
 

@@ -1,9 +1,9 @@
 """Paired blocks pick their orientation: heads over the larger of X and Y when it divides them."""
 import pytest
 
-from axonn.config import ConfigError
 from axonn.grid import model_dims, validate_grid_for_model
 from axonn.pairing import layer_axes, pair_axes
+from memorize_core import ConfigError
 
 LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 128, "tie_word_embeddings": True}
@@ -70,7 +70,7 @@ def _flipped_forward(rank, world):
 
 @pytest.mark.distributed
 def test_x_only_grid_runs_megatron_split():
-    from distributed import run_distributed
+    from axonn.spawn import run_distributed
 
     out = run_distributed(_flipped_forward, 2)[0]
     assert out["pair"] == ("y", "x")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import engine_cases as ec
 import pytest
 
-import test_engine_cases as ec
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 STEPS, LR, CLIP = 5, 1e-3, 0.5
 TOLS = {"float64": (1e-10, 1e-10), "float32": (1e-5, 1e-3)}  # (loss and norm, parameters)

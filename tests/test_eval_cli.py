@@ -124,7 +124,8 @@ def test_out_holds_exactly_the_report_and_refuses_to_overwrite(setup, tmp_path, 
     assert _refused(capsys, argv, "--out", "--overwrite")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # --overwrite without extraction: the stale extraction.jsonl goes too.
-    _run(capsys, "--model", setup / "model", "--perplexity", setup / "heldout.txt", "--out", out, "--overwrite")
+    _run(capsys, "--model", setup / "model", "--perplexity", setup / "heldout.txt", "--out", out,
+         "--overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
 
 
@@ -177,7 +178,8 @@ def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, flags
     lines = (setup / "members.txt").read_text().splitlines()
     (setup / "overlap.txt").write_text(f"fresh words only here\n{lines[2]}\n")
     out = tmp_path / "out"
-    _refused(capsys, ["--model", setup / "model", *[f.format(d=setup) for f in flags], "--out", out], *needles)
+    _refused(capsys, ["--model", setup / "model", *[f.format(d=setup) for f in flags], "--out", out],
+             *needles)
     assert not out.exists()
 
 

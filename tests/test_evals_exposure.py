@@ -7,8 +7,8 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.config import ConfigError
 from evals import exposure_extrapolated, exposure_rank, sequence_log_perplexity, sequence_logprobs
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

@@ -3,13 +3,26 @@ import itertools
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
-from axonn.config import ConfigError
-from evals import (ExtractionResult, beam_generate, extract, extractability, greedy_generate,
-                   sequence_logprobs, summarize)
+from evals import (
+    ExtractionResult,
+    beam_generate,
+    extract,
+    extractability,
+    greedy_generate,
+    sequence_logprobs,
+    summarize,
+)
 from evals.kv_cache import preallocated_cache
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from axonn.config import ConfigError
 from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
+from memorize_core import ConfigError
 
 
 def test_token_accuracy_counts_matching_positions():

@@ -7,9 +7,9 @@ import torch
 from sklearn.metrics import roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.config import ConfigError
 from evals import membership_inference, min_k_mean, roc_metrics, score_sequences, sequence_logprobs
 from evals.mia import bootstrap_ci, roc_on_resamples
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.config import ConfigError
 from evals import mean_loss, sequence_logprobs
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

@@ -90,7 +90,8 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
     ("[{name: a}, {name: a}]", "arms"),
     ("[]", "arms"),
 ])
-def test_bad_arms_are_refused_before_anything_is_written(pretrained, tmp_path, cache_dir, capsys, arms, needle):
+def test_bad_arms_are_refused_before_anything_is_written(pretrained, tmp_path, cache_dir, capsys, arms,
+                                                         needle):
     out = tmp_path / "out"
     assert main(["run", str(_write(tmp_path, pretrained, arms)), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]

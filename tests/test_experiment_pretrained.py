@@ -1,4 +1,5 @@
-"""pretrained-memorization end to end on a micro config: a tiny briefly-trained model stands in for SmolLM2."""
+"""pretrained-memorization end to end on a micro config: a tiny briefly-trained model stands in
+for SmolLM2."""
 from __future__ import annotations
 
 import json

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from axonn.config import ConfigError
 from memorization.cli import main
 from memorization.experiments import KINDS, load_experiment
+from memorize_core import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
 

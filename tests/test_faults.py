@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import grid_trainer
 
-from distributed import run_ranks
+from axonn.spawn import run_ranks
 
 LIMIT = 6.0  # collective_timeout_s used here (the default is 60)
 
@@ -42,7 +43,6 @@ def _train_with_fault(rank, world, victim, how, logdir):
     import axonn
     from axonn import checkpoint
     from axonn.watchdog import start_watchdog
-    from test_checkpoint_grid import _trainer
 
     grid = axonn.ProcessGrid(world, 1, 1, 1)
     dog = start_watchdog(grid, LIMIT)
@@ -55,7 +55,7 @@ def _train_with_fault(rank, world, victim, how, logdir):
             if "step-00000004" in str(path) and path.suffix == ".json":
                 fault._die()
         checkpoint._write_atomic = dying
-    t = _trainer(grid, f"{logdir}/ck")
+    t = grid_trainer(grid, f"{logdir}/ck")
     t.cfg.checkpoint_every, t.total_steps = 2, 50
     t.callbacks.append(fault)
     with dog.guard():
@@ -91,12 +91,11 @@ def test_lost_rank_makes_the_others_exit(tmp_path, world, victim, how):
 @pytest.mark.distributed
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     from axonn import checkpoint
-    from test_checkpoint_grid import _trainer
 
     _run(tmp_path, 2, 1, "save")
     root = tmp_path / "ck"
     assert checkpoint.latest_complete(root).name == "step-00000002"
     assert (root / ".tmp-step-00000004").exists() and not (root / "step-00000004").exists()
-    t = _trainer(None)
+    t = grid_trainer(None)
     t.load_checkpoint(checkpoint.latest_complete(root))  # loads, checksums verified
     assert t.state.step == 2

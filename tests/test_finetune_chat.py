@@ -1,4 +1,5 @@
-"""Chat fine-tuning through the run pipeline: only responses are supervised, extraction is prompt -> response."""
+"""Chat fine-tuning through the run pipeline: only responses are supervised,
+extraction is prompt -> response."""
 from __future__ import annotations
 
 import json

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from axonn.gemm import VARIANTS, GemmTuner, _run, default_enabled, device_name
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 
 def _operands(transposed_b: bool = True):

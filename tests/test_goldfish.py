@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from axonn.config import ConfigError
 from memorization.goldfish import (
     IGNORE_INDEX,
     GoldfishConfig,
@@ -10,6 +9,7 @@ from memorization.goldfish import (
     goldfish_labels,
     goldfish_mask,
 )
+from memorize_core import ConfigError
 
 torch.set_num_threads(1)
 

@@ -11,8 +11,18 @@ import pytest
 import torch
 
 from axonn.trainer import IGNORE_INDEX, Trainer, TrainerConfig
-from data_pipelines import (CanarySpec, DuplicateSpec, SecretSpace, inject, load_corpus, load_tokenizer, pack,
-                            per_document, record_token_positions, tokenize_documents)
+from data_pipelines import (
+    CanarySpec,
+    DuplicateSpec,
+    SecretSpace,
+    inject,
+    load_corpus,
+    load_tokenizer,
+    pack,
+    per_document,
+    record_token_positions,
+    tokenize_documents,
+)
 from memorization.goldfish import GoldfishConfig, GoldfishTransform, goldfish_labels, goldfish_mask
 
 STRATEGIES = ("hash", "static")  # the two the experiments use; both are position-safe within a document
@@ -160,8 +170,9 @@ class _SpyTrainer(Trainer):
 
 @pytest.mark.parametrize("dims", [(1, 1, 1, 4), (2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 4, 1)])
 def test_each_rank_gets_the_slice_of_the_serial_goldfish_labels(dims, monkeypatch):
-    import axonn
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import axonn
 
     # Only the labels matter here: stand in for the collectives a real grid would run.
     monkeypatch.setattr(axonn, "sync_gradients", lambda *a, **k: None)

@@ -5,12 +5,13 @@ import json
 
 import pytest
 import torch
-from distributed import run_distributed
 from safetensors.torch import load_file
 
-from axonn.config import ConfigError, build
+from axonn.config import build
+from axonn.spawn import run_distributed
 from axonn.trainer import Trainer, TrainerConfig
 from memorization.lora import LoraSettings, apply_lora, check_lora_grid, export_lora, trainable_params
+from memorize_core import ConfigError
 
 CFG = {"name": "l", "seed": 0,
        "data": {"corpus": "wiki-leads", "limit": 16, "block_len": 32, "min_tokens": 32, "held_out": ""},

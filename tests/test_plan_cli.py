@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from axonn.plan.calibrate import get_hardware
 from axonn.plan.cli import main
-from axonn.plan.hardware import get_hardware
 
 BASE = ["--model", "llama-8b", "--gpus", "16", "--hardware", "h100", "--seq", "2048",
         "--global-batch", "32"]

@@ -1,10 +1,10 @@
 """Planner search: grid enumeration (hand-counted), divisibility of every answer, auto_grid."""
 import pytest
 
-from axonn.config import ConfigError
 from axonn.plan import auto_grid, load_shape, plan
 from axonn.plan.search import factorizations, valid_grids
 from axonn.plan.volumes import Grid
+from memorize_core import ConfigError
 
 
 def test_factorizations_of_4_and_12():

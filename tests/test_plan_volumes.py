@@ -1,10 +1,10 @@
 """collective_volumes: hand-checked bytes, and (distributed) equality with the engine's counters."""
 import pytest
 
-from axonn.config import ConfigError
 from axonn.plan import collective_volumes
 from axonn.plan.shapes import ModelShape, shape_from_config
 from axonn.plan.volumes import collective_counts
+from memorize_core import ConfigError
 
 TINY = ModelShape("t", hidden=8, layers=1, heads=2, kv_heads=2, ffn=16, vocab=32, tied=False)
 
@@ -104,7 +104,7 @@ def _engine_counts(rank, world, grid_dims, mode, family):
 @pytest.mark.parametrize("grid,mode,family", [((2, 1, 2, 1), "paired", "llama"),
                                               ((1, 2, 1, 2), "easy", "gpt2")])
 def test_matches_engine_counters(grid, mode, family):
-    from distributed import run_distributed
+    from axonn.spawn import run_distributed
 
     snap = run_distributed(_engine_counts, 4, grid, mode, family)[0]
     got = {(kind, g): (v["calls"], v["bytes"]) for g, d in snap.items() for kind, v in d.items()}

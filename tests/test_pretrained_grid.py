@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 CFG = {"name": "p", "seed": 0,
        "data": {"corpus": "wiki-leads", "limit": 16, "block_len": 32, "min_tokens": 32, "held_out": ""},
@@ -18,8 +18,9 @@ CFG = {"name": "p", "seed": 0,
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny 'pretrained' HF folder (seeded weights, its own tokenizer) in safetensors."""
-    from data_pipelines import load_corpus, load_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data_pipelines import load_corpus, load_tokenizer
 
     texts = [d.text for d in load_corpus("wiki-leads", limit=30)]
     tok = load_tokenizer("bpe", texts=texts, vocab_size=320, cache_dir=tmp_path_factory.mktemp("c"))
@@ -41,9 +42,10 @@ def _config(model_dir):
 
 
 def _grid_run(rank, world, model_dir, out, dims):
+    from transformers import AutoModelForCausalLM
+
     import axonn
     from memorization.pipeline import run_training
-    from transformers import AutoModelForCausalLM
 
     loads = []
 

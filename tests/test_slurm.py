@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import free_port
+from axonn.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "slurm_standin.py"
@@ -44,7 +44,8 @@ def bin_dir(tmp_path, monkeypatch):
     for tool in ("srun", "scontrol"):
         (d / tool).write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" {tool} "$@"\n')
         (d / tool).chmod(0o755)
-    (d / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/sbatch-calls"\necho "Submitted batch job 42"\n')
+    (d / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/sbatch-calls"\n'
+                              'echo "Submitted batch job 42"\n')
     (d / "sbatch").chmod(0o755)
     (d / "python").symlink_to(sys.executable)
     monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
@@ -96,7 +97,8 @@ def test_experiment_config_runs_memorize_run(capsys, bin_dir):
 
 def test_submits_with_sbatch(tmp_path, capsys, bin_dir):
     script = tmp_path / "jobs" / "x.sbatch"
-    assert SLURM.main(["--cluster", "alps", "--nodes", "1", "--config", "configs/train/llama-8b-finetune.yaml",
+    assert SLURM.main(["--cluster", "alps", "--nodes", "1",
+                       "--config", "configs/train/llama-8b-finetune.yaml",
                        "--account", "a1", "--script", str(script), "--time", "01:00:00"]) == 0
     assert "#SBATCH --time=01:00:00" in script.read_text()
     assert (tmp_path / "sbatch-calls").read_text().split() == [str(script)]
@@ -139,7 +141,8 @@ OVERRIDES = ["data.limit=16", "data.vocab_size=512", 'data.held_out=""', "eval.e
 
 def _job(tmp_path, capsys, out: Path, extra: list[str]) -> tuple[Path, dict]:
     """The generic-cluster script for 2 nodes x 2 tasks at grid 2,1,1,2, and the env sbatch gives it."""
-    text = _script(capsys, "--cluster", "generic", "--nodes", "2", "--gpus-per-node", "2", "--grid", "2,1,1,2",
+    text = _script(capsys, "--cluster", "generic", "--nodes", "2", "--gpus-per-node", "2",
+                   "--grid", "2,1,1,2",
                    "--config", "configs/train/tiny-wiki.yaml", "--out", str(out), "--port", str(free_port()),
                    "--dry-run", "--", *OVERRIDES, *extra)
     script = tmp_path / "job.sbatch"
@@ -173,7 +176,8 @@ def test_standin_srun_trains_like_serial(tmp_path, capsys, bin_dir, monkeypatch)
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # ~1 min on 2 cores; default runs cover the verdict (test_watchdog_scale) and exits (test_faults)
+# ~1 min on 2 cores; default runs cover the verdict (test_watchdog_scale) and exits (test_faults)
+@pytest.mark.slow
 def test_standin_srun_lost_task_ends_every_task(tmp_path, capsys, bin_dir):
     limit = 6.0
     out = tmp_path / "lost"

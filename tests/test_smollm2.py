@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,8 +36,9 @@ def _serial_loss(model_dir):
 
 
 def _grid_loss(rank, world, model_dir, ids):
-    import axonn
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import axonn
 
     grid = axonn.ProcessGrid(2, 2, 2, 1)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -67,9 +68,10 @@ def test_smollm2_finetune_config_uses_its_own_tokenizer_and_learns(tmp_path):
     """configs/train/smollm2-wiki.yaml, 3 steps: the model's own ids, a pretrained-level loss that falls."""
     import json
 
+    from transformers import AutoTokenizer
+
     from memorization.cli import main
     from memorization.models import smollm2_dir
-    from transformers import AutoTokenizer
 
     out = tmp_path / "run"
     assert main(["train", "configs/train/smollm2-wiki.yaml", "--steps", "3", "--out", str(out),

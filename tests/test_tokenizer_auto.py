@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axonn.config import ConfigError
 from memorization.cli import main
 from memorization.models import build_model, check_tokenizer, run_tokenizer
+from memorize_core import ConfigError
 
 CFG = """
 name: t
@@ -22,8 +22,9 @@ wandb: {{mode: disabled}}
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny 'pretrained' HF folder: seeded weights plus its own corpus BPE tokenizer."""
-    from data_pipelines import load_corpus, load_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data_pipelines import load_corpus, load_tokenizer
 
     texts = [d.text for d in load_corpus("lee-news", limit=40)]
     tok = load_tokenizer("bpe", texts=texts, vocab_size=320, cache_dir=tmp_path_factory.mktemp("c"))

@@ -5,38 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import rows, tiny_model
 
-from axonn.config import ConfigError
 from axonn.trainer import IGNORE_INDEX, JsonlSink, Trainer, TrainerConfig, lr_lambda
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
-
-
-class Rows:
-    """A minimal RowDataset."""
-
-    def __init__(self, ids, labels=None):
-        self.ids, self.labels = ids, ids.clone() if labels is None else labels
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, idx):
-        return {"input_ids": self.ids[idx], "labels": self.labels[idx]}
-
-
-def tiny_model(seed=0, vocab=64):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg)
-
-
-def rows(n=16, t=24, vocab=64, seed=0):
-    ids = torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
-    labels = ids.clone()
-    labels[::3, -5:] = IGNORE_INDEX  # some padding-like ignored labels
-    return Rows(ids, labels)
+from memorize_core import ConfigError
 
 
 def cfg(**kw):

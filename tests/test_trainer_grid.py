@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from axonn.spawn import run_distributed
 
 STEPS, REL = 20, 1e-4
 GRIDS = {
@@ -110,7 +110,8 @@ def _run_grids_paired(rank: int, world: int) -> dict:
     import axonn
 
     grid = axonn.ProcessGrid(2, 2, 2, 1)
-    return {(2, 2, 2, 1): {"standard": _losses(grid, False, "paired"), "goldfish": _losses(grid, True, "paired")}}
+    return {(2, 2, 2, 1): {"standard": _losses(grid, False, "paired"),
+                           "goldfish": _losses(grid, True, "paired")}}
 
 
 def _run_bucketed(rank: int, world: int) -> dict:

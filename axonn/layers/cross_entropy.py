@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from axonn.grid import ProcessGrid
 from axonn.layers.functions import GatherLastDim
+from memorize_core import IGNORE_INDEX
 
 _REFUSED = {F.cross_entropy, F.log_softmax, F.softmax, F.nll_loss, torch.argmax, torch.Tensor.argmax,
             torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
@@ -89,14 +90,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid | None = None,
-                  ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+                  ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token CE over this rank's non-ignored targets, their count); targets already shifted."""
     loss = token_cross_entropy(logits, targets, grid, ignore_index)
     return loss.sum(), (targets != ignore_index).sum()
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid | None = None,
-                        ignore_index: int = -100) -> torch.Tensor:
+                        ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token CE, flattened to [N] (0 where the target is ignored); targets already shifted.
 
     Summing it over any subset of positions gives that subset's loss from one softmax, e.g. the
@@ -108,7 +109,8 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Proce
     targets = targets.reshape(-1)
     if isinstance(logits, VocabShardedLogits):
         if grid is None:
-            raise ValueError("these logits are vocab-sharded over Y: pass the grid to axonn.token_cross_entropy")
+            raise ValueError("these logits are vocab-sharded over Y: "
+                             "pass the grid to axonn.token_cross_entropy")
         return VocabParallelCrossEntropy.apply(_plain(logits).reshape(-1, logits.shape[-1]), targets, grid,
                                                ignore_index)
     flat = _at_least_fp32(logits.reshape(-1, logits.shape[-1]))

@@ -11,8 +11,8 @@ spec are replicated on every rank.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

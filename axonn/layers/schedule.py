@@ -21,8 +21,9 @@ Every switch changes when a collective runs, never what it computes: results are
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ class EngineOptions:
     gemm_tuning: bool | str = "auto"  # time NN/NT/TN per GEMM shape; "auto": on CUDA only
 
     @classmethod
-    def no_overlap(cls, **kw: Any) -> "EngineOptions":
+    def no_overlap(cls, **kw: Any) -> EngineOptions:
         """Every collective blocking, in program order (the reference path)."""
         base = dict(prefetch=False, async_grad_reduce=False, overlap_dx=False, bucket_grads=False)
         return cls(**{**base, **kw})
@@ -90,7 +91,7 @@ class Scheduler:
         """Whether `layer` was registered (a deep copy of a model has unregistered layers)."""
         return layer in self._layers
 
-    def __deepcopy__(self, memo: dict) -> "Scheduler":
+    def __deepcopy__(self, memo: dict) -> Scheduler:
         return self  # holds process groups; a copied model's layers are simply not registered
 
     # -- Z all-gathers -------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Imports only the standard library, numpy and yaml; torch only for the `local` calibration.
 """
+from axonn.plan.calibrate import get_hardware
 from axonn.plan.collectives import collective_time, ring_time, wire_bytes
-from axonn.plan.hardware import PRESETS, Hardware, get_hardware
+from axonn.plan.hardware import PRESETS, Hardware
 from axonn.plan.model import Prediction, model_flops, predict
 from axonn.plan.search import auto_grid, plan, valid_grids
 from axonn.plan.shapes import ModelShape, load_shape

@@ -1,4 +1,5 @@
-"""The `local` hardware profile: a few seconds of measurement on this machine, cached as JSON.
+"""The `local` hardware profile (a few seconds of measurement on this machine, cached as JSON), and
+`get_hardware`, which resolves any `--hardware` name: a preset from hardware.py or `local`.
 
 One "GPU" is one single-threaded CPU process (how the gloo tests run): we time fp32 matmuls of a
 large and a thin shape on one thread (their ratio fits the GEMM shape curve's half dimension,
@@ -16,9 +17,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from axonn.plan.compute import shape_factor
-from axonn.plan.hardware import Hardware
+from axonn.plan.hardware import PRESETS, Hardware, hardware_choices
+from memorize_core import ConfigError
 
 CACHE_VERSION = 2
 
@@ -173,6 +176,18 @@ def local_hardware(recalibrate: bool = False) -> Hardware:
         tmp.write_text(json.dumps(cal, indent=2))
         os.replace(tmp, path)  # atomic: ranks calibrating at once never see half a file
     return hardware_from_calibration(cal)
+
+
+def get_hardware(hw: Any, *, recalibrate: bool = False) -> Hardware:
+    """A preset by name, `local` (measured on this machine, cached), or a Hardware as is."""
+    if isinstance(hw, Hardware):
+        return hw
+    if hw == "local":
+        return local_hardware(recalibrate=recalibrate)
+    if isinstance(hw, str) and hw in PRESETS:
+        return PRESETS[hw]
+    raise ConfigError(f"hardware={hw!r}: unknown hardware; choose one of "
+                      f"{', '.join(hardware_choices())}")
 
 
 if __name__ == "__main__":  # a calibration worker: python -m axonn.plan.calibrate RANK INIT_FILE

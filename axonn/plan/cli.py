@@ -5,11 +5,12 @@ import argparse
 import json
 import sys
 
-from axonn.config import ConfigError
-from axonn.plan.hardware import get_hardware, hardware_choices
+from axonn.plan.calibrate import get_hardware
+from axonn.plan.hardware import hardware_choices
 from axonn.plan.model import Prediction
 from axonn.plan.search import plan
 from axonn.plan.shapes import load_shape
+from memorize_core import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):

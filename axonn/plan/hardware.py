@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-from axonn.config import ConfigError
 
 GB = 1e9
 GiB = 2**30
@@ -76,17 +73,3 @@ PRESETS: dict[str, Hardware] = {
 def hardware_choices() -> list[str]:
     """Every name `--hardware` accepts."""
     return sorted(PRESETS) + ["local"]
-
-
-def get_hardware(hw: Any, *, recalibrate: bool = False) -> Hardware:
-    """A preset by name, `local` (measured on this machine, cached), or a Hardware as is."""
-    if isinstance(hw, Hardware):
-        return hw
-    if hw == "local":
-        from axonn.plan.calibrate import local_hardware  # torch is only needed here
-
-        return local_hardware(recalibrate=recalibrate)
-    if isinstance(hw, str) and hw in PRESETS:
-        return PRESETS[hw]
-    raise ConfigError(f"hardware={hw!r}: unknown hardware; choose one of "
-                      f"{', '.join(hardware_choices())}")

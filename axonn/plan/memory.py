@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from axonn.config import fail
 from axonn.plan.compute import head_split
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Grid, block_linears, default_mode, replicated_params, z_block
+from memorize_core import fail
 
 
 @dataclasses.dataclass(frozen=True)

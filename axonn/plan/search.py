@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from axonn.config import ConfigError, fail
-from axonn.plan.hardware import GiB, Hardware, get_hardware
+from axonn.plan.calibrate import get_hardware
+from axonn.plan.hardware import GiB, Hardware
 from axonn.plan.memory import get_precision, memory_bytes
 from axonn.plan.model import Prediction, predict
 from axonn.plan.shapes import ModelShape, load_shape
 from axonn.plan.volumes import MODES, Grid, default_mode, grid_problems, rows_per_rank
+from memorize_core import ConfigError, fail
 
 
 def divisors(n: int) -> list[int]:

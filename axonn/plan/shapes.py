@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from axonn.config import ConfigError, fail
+from memorize_core import ConfigError, fail
 
 # Located from this file rather than `axonn.__file__` so it also works while `axonn` is a
 # namespace package: axonn/plan/shapes.py -> parents[2] is the repository root.

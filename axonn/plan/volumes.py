@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from axonn.config import fail
 from axonn.pairing import layer_axes, pair_axes
 from axonn.plan.shapes import ModelShape, load_shape
+from memorize_core import fail
 
 MODES = ("paired", "easy")
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from axonn.config import fail
 from memorization.experiments.spec import build_experiment, load_experiment_dict
+from memorize_core import fail
 
 KINDS = {
     "goldfish-extreme": "memorization.experiments.goldfish_extreme",

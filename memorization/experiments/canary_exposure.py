@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from axonn.config import fail
 from memorization.experiments.exposure import canary_scores
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+from memorize_core import fail
 
 DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
 COLUMNS = (

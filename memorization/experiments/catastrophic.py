@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from axonn.config import fail
 from memorization.config import ModelConfig, RunConfig
 from memorization.experiments.passes import train_with_passes
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+from memorize_core import fail
 
 
 @dataclass

@@ -12,12 +12,13 @@ gives a single continuation for all canaries; it is reported too, as the model's
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from axonn.config import fail
+from memorize_core import fail
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from axonn.config import fail
 from memorization.config import RunConfig
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples, mia_metrics
 from memorization.experiments.spec import ExperimentConfig, int_list
+from memorize_core import fail
 
 COLUMNS = (
     ("name", "run", "{}"), ("goldfish_strategy", "strategy", "{}"), ("goldfish_k", "k", "{}"),
@@ -153,7 +153,8 @@ def _plot_k(runs: list[dict[str, Any]], path):
             key = (r["goldfish_strategy"], r.get("goldfish_h"), bool(r.get("token_budget")))
             lines.setdefault(key, []).append(r)
     for ax, key, label in zip(axes, ("exact_match_rate", "rougeL"), ("exact match", "RougeL")):
-        for (strategy, h, budget), rs in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])):
+        for (strategy, h, budget), rs in sorted(lines.items(),
+                                                key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])):
             rs = sorted(rs, key=lambda r: r["goldfish_k"])
             name = f"{strategy}" + (f" h={h}" if h is not None else "") + (" +budget" if budget else "")
             ax.plot([r["goldfish_k"] for r in rs], [r[key] for r in rs], marker="o",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from axonn.config import apply_overrides, build, fail, to_dict
+from axonn.config import apply_overrides, build, to_dict
 from data_pipelines import DedupConfig
 from memorization.config import RunConfig
 from memorization.experiments.canary_exposure import InjectionConfig, build_corpus, score_injected
@@ -33,6 +33,7 @@ from memorization.experiments.runner import Experiment, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.models import build_model
 from memorization.pipeline import PreparedData, run_training
+from memorize_core import fail
 
 
 @dataclass
@@ -145,7 +146,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if exp.is_main:
         reference = build_model(b.model.name, overrides=b.model.overrides).eval()
         questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
-                                   other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
+                                   other_domain(cfg, data.tokenizer, b.data.block_len), reference,
+                                   seed=b.seed)
         del reference
     key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
            "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
@@ -158,7 +160,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
                                       tokenizer=data.tokenizer, batch_size=e.batch_size))
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
-                "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens), **questions(model)}
+                "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens),
+                **questions(model)}
 
     arms, samples = [], []
     for arm in cfg.arms:
@@ -260,35 +263,42 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         for m in methods:
             row[f"auc_{m}"] = format_auc(a["mia"].get(m))
         rows.append(row)
-    cols = [("arm", "arm", "{}"), ("mitigation", "mitigation", "{}"), ("em_once", "EM leads seen once", "{:.0%}"),
+    cols = [("arm", "arm", "{}"), ("mitigation", "mitigation", "{}"),
+            ("em_once", "EM leads seen once", "{:.0%}"),
             ("em_dup", "EM duplicated leads", "{:.0%}"), ("exposure", "canary exposure (bits)", "{:.2f}"),
             ("extracted", "secrets extracted", "{:.0%}")]
     cols += [(f"auc_{m}", f"MIA AUC {m} [95% CI]", "{}") for m in methods]
     cols += [("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}"),
              ("time", "step time x", "{:.2f}"), ("rss", "peak RSS GiB", "{:.1f}"),
              ("trainable", "trainable params", "{:,}"), ("eps", "epsilon", "{:.2f}")]
-    by_count = [{"arm": a["name"], "copies": int(n), **v} for a in arms for n, v in a["by_copy_count"].items()]
-    ccols = [("arm", "arm", "{}"), ("copies", "copies", "{}"), ("canary_exposure", "canary exposure", "{:.2f}"),
+    by_count = [{"arm": a["name"], "copies": int(n), **v}
+                for a in arms for n, v in a["by_copy_count"].items()]
+    ccols = [("arm", "arm", "{}"), ("copies", "copies", "{}"),
+             ("canary_exposure", "canary exposure", "{:.2f}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
              ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}")]
     b = cfg.base
     c = cfg.canaries
     notes = [
-        f"Model: {b.model.name}, its own tokenizer. Training rows: {n_rows} ({n_members} Wikipedia leads seen "
+        f"Model: {b.model.name}, its own tokenizer. Training rows: {n_rows} "
+        f"({n_members} Wikipedia leads seen "
         f"once, plus {cfg.duplicates.per_count} duplicated leads and {c.per_count} canaries per copy count "
         f"{cfg.counts}); {cfg.passes} passes, lr {b.trainer.lr} (arms may override it), batch "
         f"{b.trainer.batch_size}. Non-members: {n_nonmembers} held-out leads.",
         f"Canaries: {c.template!r} with a secret from {c.space}; exposure in bits over the whole space "
         "(maximum log2|R|); 'secrets extracted' = the canary beats every never-inserted secret.",
-        "EM: greedy 32-token suffix from the 32-token prefix. MIA on the leads seen once vs the held-out leads; "
+        "EM: greedy 32-token suffix from the 32-token prefix. "
+        "MIA on the leads seen once vs the held-out leads; "
         f"95% CIs from {cfg.bootstrap} bootstrap resamples.",
         f"Dedup: exact documents + repeated spans of >= {cfg.dedup.min_repeat_tokens} tokens, keep-first"
         + (f" ({n_rows} -> {n_dedup} rows; manifest dedup.json)." if n_dedup else "."),
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
         "while the arm trained; trainable parameters (LoRA: adapters only).",
     ]
-    plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"), _plot_bars(arms, methods, out / "mitigations-bars.png")]
-    return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind, runs=arms,
+    plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"),
+             _plot_bars(arms, methods, out / "mitigations-bars.png")]
+    return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
+                   runs=arms,
                    tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols))],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"arms": arms, "passes": cfg.passes})
@@ -297,9 +307,11 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
 def _plot_scatter(arms: list[dict[str, Any]], path: Path) -> Path:
     """Privacy (duplicated-lead exact match) vs utility (held-out loss); marker area = step time."""
     fig, axes = figure(2, width=5.2)
-    for ax, (key, label) in zip(axes, (("em_dup", "exact match, duplicated leads"), ("auc", "MIA AUC (loss)"))):
+    for ax, (key, label) in zip(axes, (("em_dup", "exact match, duplicated leads"),
+                                       ("auc", "MIA AUC (loss)"))):
         for a in arms:
-            x = a["extraction"]["duplicated"]["exact_match_rate"] if key == "em_dup" else a["mia"].get("loss", {}).get("auc")
+            x = (a["extraction"]["duplicated"]["exact_match_rate"] if key == "em_dup"
+                 else a["mia"].get("loss", {}).get("auc"))
             y = a["utility"]["val_loss"]
             size = 80 * (a["cost"]["step_time_vs_none"] or 1.0)
             ax.scatter([x], [y], s=size, alpha=0.7)

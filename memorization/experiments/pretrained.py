@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from axonn.config import fail
 from axonn.trainer import Trainer
 from memorization.config import RunConfig
 from memorization.experiments.passes import serial_model
@@ -30,6 +29,8 @@ from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
 from memorization.models import build_model, is_pretrained
 from memorization.pipeline import extraction_results, run_training, write_extraction
+from memorize_core import fail
+
 
 @dataclass
 class Config(ExperimentConfig, MiaSettings):
@@ -99,7 +100,8 @@ class PassEvaluation:
         rec = {"pass": done, "step": trainer.state.step, **record}
         self.records.append(rec)
         say(f"{trainer.name} pass {done}: exact match {rec['exact_match_rate']:.0%}, val loss "
-            f"{rec['val_loss']:.3f}, MIA AUC " + ", ".join(f"{m} {v['auc']:.2f}" for m, v in rec["mia"].items()))
+            f"{rec['val_loss']:.3f}, MIA AUC "
+            + ", ".join(f"{m} {v['auc']:.2f}" for m, v in rec["mia"].items()))
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Pass 0: the model before fine-tuning."""
@@ -203,10 +205,12 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
             pass_rows.append(pr)
     cols = [("run", "run", "{}"), ("params", "params", "{:,}"), ("em_0", "EM pass 0", "{:.0%}"),
             ("em", f"EM pass {cfg.passes}", "{:.0%}"), ("first_50", "first pass EM>=50%", "{}"),
-            ("rougeL", "RougeL", "{:.3f}"), ("val_0", "val loss pass 0", "{:.3f}"), ("val", "val loss", "{:.3f}"),
+            ("rougeL", "RougeL", "{:.3f}"), ("val_0", "val loss pass 0", "{:.3f}"),
+            ("val", "val loss", "{:.3f}"),
             ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
     cols += [(f"auc_{m}", f"AUC {m} [95% CI]", "{}") for m in methods]
-    pcols = [("run", "run", "{}"), ("pass", "pass", "{}"), ("em", "EM", "{:.0%}"), ("rougeL", "RougeL", "{:.3f}"),
+    pcols = [("run", "run", "{}"), ("pass", "pass", "{}"), ("em", "EM", "{:.0%}"),
+             ("rougeL", "RougeL", "{:.3f}"),
              ("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
     pcols += [(f"auc_{m}", f"AUC {m}", "{}") for m in methods]
     pcols += [(f"tpr_{m}", f"TPR@1%FPR {m}", "{:.2f}") for m in methods]
@@ -215,21 +219,28 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
         f"Model: {b.model.name} ({runs[0].get('params') or 0:,} parameters), its own tokenizer. Members: "
         f"{len(split.prepared.train_docs)} documents of '{b.data.corpus}' cut to {b.data.block_len} tokens; "
         f"non-members: {len(split.nonmembers)} documents from {split.held_out_source}.",
-        f"{cfg.passes} passes, lr {b.trainer.lr}, batch {b.trainer.batch_size}, warmup {b.trainer.warmup_steps}, "
-        f"cosine to {b.trainer.min_lr_ratio} x lr; every arm from the same seed. Pass 0 = before fine-tuning.",
-        f"Extraction: greedy {b.eval.suffix} tokens from the first {b.eval.prefix} of every member (exact match "
+        f"{cfg.passes} passes, lr {b.trainer.lr}, batch {b.trainer.batch_size}, "
+        f"warmup {b.trainer.warmup_steps}, "
+        f"cosine to {b.trainer.min_lr_ratio} x lr; every arm from the same seed. "
+        "Pass 0 = before fine-tuning.",
+        f"Extraction: greedy {b.eval.suffix} tokens from the first {b.eval.prefix} of every member "
+        "(exact match "
         "= all of them right).",
         f"MIA: members vs non-members; higher score = member; min-k fraction {cfg.mia_k}; ref_ratio uses the "
         f"un-fine-tuned {b.model.name} as the reference; 95% CIs from {cfg.bootstrap} stratified bootstrap "
         "resamples. With this few documents an AUC CI is wide: read the trend, not the third decimal.",
-        f"Utility: token-weighted held-out loss (nats/token) on the non-members and on '{cfg.other_held_out}'.",
-        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}. The random-init control is the "
+        "Utility: token-weighted held-out loss (nats/token) on the non-members and on "
+        f"'{cfg.other_held_out}'.",
+        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}. "
+        "The random-init control is the "
         "same architecture with fresh seeded weights, standard loss.",
     ]
-    plots = [_plot_em(runs, out / "pretrained-exact-match.png"), _plot_mia(runs, methods, out / "pretrained-mia.png"),
+    plots = [_plot_em(runs, out / "pretrained-exact-match.png"),
+             _plot_mia(runs, methods, out / "pretrained-mia.png"),
              _plot_utility(runs, cfg.other_held_out, out / "pretrained-utility.png")]
     return Outputs(title="Memorization of a pretrained model, pass by pass", kind=cfg.kind, runs=runs,
-                   tables=[Table("Summary", summary_rows, tuple(cols)), Table("Per pass", pass_rows, tuple(pcols))],
+                   tables=[Table("Summary", summary_rows, tuple(cols)),
+                           Table("Per pass", pass_rows, tuple(pcols))],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"passes": cfg.passes, "mia_methods": methods})
 
@@ -267,10 +278,12 @@ def _plot_mia(runs: list[dict[str, Any]], methods: list[str], path: Path) -> Pat
 
 def _plot_utility(runs: list[dict[str, Any]], other: str, path: Path) -> Path:
     fig, axes = figure(2 if other else 1, width=5.0)
-    keys = [("val_loss", "non-member held-out loss")] + ([("other_val_loss", f"{other} loss")] if other else [])
+    keys = [("val_loss", "non-member held-out loss")] + (
+        [("other_val_loss", f"{other} loss")] if other else [])
     for ax, (key, title) in zip(axes, keys):
         for r in runs:
-            ax.plot([p["pass"] for p in r["passes"]], [p[key] for p in r["passes"]], label=r["name"], **_style(r))
+            ax.plot([p["pass"] for p in r["passes"]], [p[key] for p in r["passes"]], label=r["name"],
+                    **_style(r))
         ax.set(xlabel="pass", ylabel="nats / token", title=f"Utility: {title}")
         ax.set_yscale("log")
     axes[0].legend(fontsize=7)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from axonn.config import fail
+from memorize_core import fail
 
 MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
 

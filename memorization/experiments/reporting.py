@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from axonn.config import to_dict
 from memorization.report import markdown_table, text_table

@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from axonn.config import fail, to_dict
+from axonn.config import to_dict
 from memorization.config import RunConfig
 from memorization.pipeline import PreparedData, prepare_documents, run_training
+from memorize_core import fail
 
 REPORT_FILES = ("report.json", "report.md")
 
@@ -67,7 +69,7 @@ class Experiment:
 
         return is_main_process()
 
-    def open(self) -> "Experiment":
+    def open(self) -> Experiment:
         """Create OUT (clearing runs and reports first with overwrite); fail if OUT is a file."""
         if self.out.exists() and not self.out.is_dir():
             raise fail("--out", str(self.out), "exists and is not a directory; choose another path")

@@ -11,13 +11,15 @@ and `key=value` overrides reach both parts (`base.trainer.epochs=2`, `ks=[2,4]`)
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from axonn.config import apply_overrides, build, fail, load_yaml
+from axonn.config import apply_overrides, build, load_yaml
 from memorization.config import RunConfig
 from memorization.goldfish import STRATEGIES
+from memorize_core import fail
 
 LOSSES = ("standard", "goldfish")
 

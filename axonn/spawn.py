@@ -1,4 +1,5 @@
-"""The one helper that runs a function on N spawned gloo ranks on CPU (1 thread each) and never hangs.
+"""Run a function on N spawned local gloo ranks on CPU (1 thread each) and never hang:
+tests, benchmarks, notebooks.
 
     results = run_ranks(fn, world_size, *args)           # one RankResult per rank, errors captured
     values = run_distributed(fn, world_size, *args)      # per-rank return values; raises on any error
@@ -22,8 +23,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Shared pieces of the engine tests: tiny HF models, grid enumeration, and the serial-vs-grid check.
 
-(Imported by the other test_engine_* modules; its own tests check the enumeration.)
+(Imported by the test_engine_* modules; test_engine_models checks the grid enumeration.)
 
 Tolerance: for each tensor the error is max|parallel - serial| / max|serial| (relative to the
 tensor's largest entry).  Asserted: logits, loss, gradients and grad norm <= 1e-5 in fp32 and
@@ -165,8 +165,3 @@ def check_grid(serial: torch.nn.Module, ref: dict, ids: torch.Tensor, labels: to
         grads = axonn.full_grad_dict(model)
         out["full_grad"] = max(rel(grads[k], g) for k, g in ref["grads"].items())
     return out
-
-
-def test_grids_enumerates_every_power_of_two_grid() -> None:
-    assert [len(grids(w)) for w in (1, 2, 4, 8)] == [1, 4, 10, 20]
-    assert all(a * b * c * d == 8 for a, b, c, d in grids(8))

@@ -1,0 +1,87 @@
+"""Builders several test modules share: a tiny Llama, token rows, a tiny run config, checkpointing trainers.
+
+Test modules import these from here (never from each other), so each test file stays runnable alone.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from axonn.trainer import Trainer, TrainerConfig
+from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorize_core import IGNORE_INDEX
+
+# A 2-layer tiny model on 12 Wikipedia leads with a 300-id BPE, 2 steps, no extraction, no W&B.
+TINY = """
+name: t
+data: {corpus: wiki-leads, limit: 12, vocab_size: 300, block_len: 48, min_tokens: 40, held_out: ""}
+model:
+  name: tiny
+  overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4}
+trainer: {batch_size: 4, max_steps: 2, progress: false}
+eval: {extraction: false}
+wandb: {mode: disabled}
+"""
+
+CHECKPOINT_STEPS, CHECKPOINT_HALF = 6, 3
+
+
+class Rows:
+    """A minimal RowDataset."""
+
+    def __init__(self, ids, labels=None):
+        self.ids, self.labels = ids, ids.clone() if labels is None else labels
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, idx):
+        return {"input_ids": self.ids[idx], "labels": self.labels[idx]}
+
+
+def tiny_model(seed=0, vocab=64):
+    """A seeded 2-layer, 32-wide Llama."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def rows(n=16, t=24, vocab=64, seed=0):
+    """n seeded random rows of t ids; every third row ends in 5 ignored labels."""
+    ids = torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[::3, -5:] = IGNORE_INDEX  # some padding-like ignored labels
+    return Rows(ids, labels)
+
+
+def checkpoint_config(**kw):
+    """The serial checkpoint tests' trainer settings (CHECKPOINT_STEPS steps, every checkpoint kept)."""
+    base = dict(lr=1e-2, warmup_steps=2, batch_size=4, max_steps=CHECKPOINT_STEPS, progress=False, seed=3,
+                device="cpu", keep_last=0)
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def random_goldfish():
+    """A goldfish transform that consumes RNG state (strategy random), so resume must restore it."""
+    return GoldfishTransform(GoldfishConfig(enabled=True, strategy="random", k=3, h=2), seed=1)
+
+
+def checkpoint_trainer(root=None, **kw):
+    """A serial Trainer on a tiny model with random goldfish, checkpointing into `root`."""
+    return Trainer(tiny_model(), checkpoint_config(**kw), rows(n=12), label_transform=random_goldfish(),
+                   checkpoint_dir=root)
+
+
+def grid_trainer(grid, root=None):
+    """A Trainer on `grid` (None: serial) that checkpoints at CHECKPOINT_HALF of CHECKPOINT_STEPS steps."""
+    import axonn
+
+    model = tiny_model()
+    if grid is not None:
+        model = axonn.parallelize(model, grid)
+    cfg = TrainerConfig(lr=1e-2, warmup_steps=2, batch_size=4, max_steps=CHECKPOINT_STEPS, progress=False,
+                        seed=3, device="cpu", checkpoint_every=CHECKPOINT_HALF, keep_last=0, weight_decay=0.1)
+    transform = GoldfishTransform(GoldfishConfig(enabled=True, k=3, h=2), seed=1)
+    return Trainer(model, cfg, rows(n=12), label_transform=transform, grid=grid, checkpoint_dir=root)
