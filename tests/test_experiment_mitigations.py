@@ -41,7 +41,11 @@ base:
 """
 
 ARMS = ("[{name: none, mitigation: none}, {name: goldfish, mitigation: goldfish, "
-        "overrides: [goldfish.enabled=true]}, {name: dedup, mitigation: dedup, dedup: true}]")
+        "overrides: [goldfish.enabled=true]}, {name: dedup, mitigation: dedup, dedup: true}, "
+        "{name: dp, mitigation: dp-sgd, overrides: [trainer.dp.enabled=true, trainer.dp.target_epsilon=4, "
+        "trainer.dp.delta=1.0e-5]}, "
+        "{name: lora, mitigation: goldfish+lora, overrides: [goldfish.enabled=true, model.lora.enabled=true, "
+        "model.lora.r=2]}]")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,7 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
     assert main(["run", str(_write(tmp_path, pretrained)), "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     arms = report["arms"]
-    assert [a["name"] for a in arms] == ["none", "goldfish", "dedup"]
+    assert [a["name"] for a in arms] == ["none", "goldfish", "dedup", "dp", "lora"]
     for a in arms:
         assert set(a) >= {"name", "mitigation", "extraction", "canaries", "by_copy_count", "mia", "utility",
                           "privacy", "cost"}
@@ -76,6 +80,10 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
         assert a["utility"]["val_loss"] > 0 and a["cost"]["peak_rss_gb"] > 0
         assert a["cost"]["trainable_params"] > 0
     assert arms[0]["cost"]["step_time_vs_none"] == pytest.approx(1.0)
+    none, dp, lora = arms[0], arms[3], arms[4]
+    assert none["privacy"]["epsilon"] is None
+    assert dp["privacy"]["epsilon"] == pytest.approx(4.0, rel=0.05) and dp["privacy"]["delta"] == 1e-5
+    assert 0 < lora["cost"]["trainable_params"] < none["cost"]["trainable_params"] / 10
     dedup = json.loads((out / "dedup.json").read_text())
     # every injected extra copy (canary x3 -> 2 extra each, duplicate x3 -> 2 extra) is removed
     assert dedup["counts"]["exact-document"]["documents"] == 2 * 2 + 1 * 2

@@ -1,0 +1,107 @@
+"""Cost of each mitigation on the SmolLM2-135M fine-tune: step time and peak memory, one process per arm.
+
+The arms are those of configs/experiments/mitigations.yaml (their run-config overrides, applied to
+configs/train/smollm2-wiki.yaml). Each arm runs `memorize train ... --steps N` in its own process,
+so its peak resident set (VmHWM, read at exit) is that arm's alone (in the experiment every arm
+shares one process and the allocator keeps what earlier arms used). Step time is the mean over
+steps 3..N (steps 1-2 warm up), from the trainer's cumulative tokens/s in metrics.jsonl; the ratio
+is against the `none` arm measured in the same invocation. The `dedup` arm is the `none` step on
+fewer rows (its cost is fewer steps, not slower ones) and is not run.
+
+    python benchmarks/bench_mitigations.py [--steps 8] [--arms none,goldfish,...] [--threads 2]
+
+Writes benchmarks/results/bench_mitigations.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from bench_finetune import _HWM
+from common import ROOT, write
+
+EXPERIMENT = ROOT / "configs" / "experiments" / "mitigations.yaml"
+CONFIG = ROOT / "configs" / "train" / "smollm2-wiki.yaml"
+QUIET = ["trainer.progress=false", "wandb.mode=disabled", "eval.extraction=false", "data.held_out=''"]
+
+
+def arms(names: list[str] | None) -> list[dict[str, Any]]:
+    """The experiment's arms that change the step (all but dedup), optionally only `names`."""
+    out = [a for a in yaml.safe_load(EXPERIMENT.read_text())["arms"] if not a.get("dedup")]
+    if names:
+        known = {a["name"] for a in out}
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise SystemExit(f"--arms: unknown {bad}; choose from {sorted(known)}")
+        out = [a for a in out if a["name"] in names]
+    return out
+
+
+def step_seconds(metrics: Path, skip: int = 2) -> float:
+    """Mean seconds per step after `skip` warm-up steps (tokens / cumulative tokens/s = elapsed)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    elapsed = [r["tokens"] / r["tokens_per_s"] for r in rows]
+    return (elapsed[-1] - elapsed[skip - 1]) / (len(rows) - skip)
+
+
+def run_arm(arm: dict[str, Any], steps: int, threads: int) -> dict[str, Any]:
+    """Train one arm for `steps` steps in a fresh process; its step time and peak RSS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, hwm = Path(tmp) / "run", Path(tmp) / "hwm"
+        cmd = ["-m", "memorization", "train", str(CONFIG), "--steps", str(steps), "--out", str(out),
+               *QUIET, *arm.get("overrides", [])]
+        env = {**os.environ, "BENCH_HWM": str(hwm), "OMP_NUM_THREADS": str(threads)}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _HWM, *cmd], cwd=ROOT, capture_output=True, text=True,
+                              check=False, env=env)
+        res = {"name": arm["name"], "mitigation": arm["mitigation"], "overrides": arm.get("overrides", []),
+               "rc": proc.returncode, "wall_s": time.perf_counter() - t0}
+        if proc.returncode:
+            res["log_tail"] = (proc.stdout + proc.stderr)[-2000:]
+            print(f"{arm['name']}: FAILED\n{res['log_tail']}", file=sys.stderr, flush=True)
+            return res
+        summary = json.loads((out / "run.json").read_text())["summary"]
+        res.update(step_s=step_seconds(out / "metrics.jsonl"), peak_rss_gib=int(hwm.read_text()) / 2**20,
+                   trainable_params=summary.get("trainable_params"), epsilon=summary.get("epsilon"))
+    print(f"{arm['name']}: {res['step_s']:.2f} s/step, peak RSS {res['peak_rss_gib']:.2f} GiB", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8, help="steps per arm (the first 2 are not timed)")
+    ap.add_argument("--arms", default=None, help="comma-separated arm names (default: all but dedup)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each arm's process")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.steps < 4:
+        raise SystemExit(f"--steps={args.steps}: use at least 4 (2 warm-up steps + 2 timed)")
+    chosen = arms(args.arms.split(",") if args.arms else None)
+    results = [run_arm(a, args.steps, args.threads) for a in chosen]
+    base = next((r for r in results if r["name"] == "none" and r["rc"] == 0), None)
+    print("\n| arm | s/step | x none | peak RSS GiB | trainable params | epsilon |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if r["rc"]:
+            print(f"| {r['name']} | failed | | | | |")
+            continue
+        r["step_time_vs_none"] = r["step_s"] / base["step_s"] if base else None
+        x = f"{r['step_time_vs_none']:.2f}" if base else "-"
+        eps = f"{r['epsilon']:.2f}" if r.get("epsilon") else "-"
+        print(f"| {r['name']} | {r['step_s']:.2f} | {x} | {r['peak_rss_gib']:.2f} | "
+              f"{r['trainable_params']:,} | {eps} |")
+    write(args.out, "bench_mitigations.json", {"steps": args.steps, "threads": args.threads, "arms": results})
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
