@@ -152,6 +152,17 @@ def grad_group(p: torch.Tensor) -> str:
     return spec.grad_group if spec is not None else "batch"
 
 
+def is_parallel(model: nn.Module) -> bool:
+    """True when `parallelize` has sharded this model (its layers are the engine's)."""
+    return isinstance(getattr(model, "axonn_grid", None), ProcessGrid)
+
+
+def model_grid(model: nn.Module) -> ProcessGrid:
+    """The grid a parallelized model is sharded over; the serial grid for a plain model."""
+    grid = getattr(model, "axonn_grid", None)
+    return grid if isinstance(grid, ProcessGrid) else ProcessGrid.serial()
+
+
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The model's distinct trainable parameters, in registration order."""
     seen: set[int] = set()
@@ -187,12 +198,12 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     with any setting)."""
     if mode not in MODES:
         raise fail("mode", mode, "choose easy or paired")
-    if getattr(model, "axonn_grid", None) is not None:
+    if is_parallel(model):
         raise fail("model", type(model).__name__, "is already parallelized")
-    if grid is None:
+    if not isinstance(grid, ProcessGrid):
         from axonn.grid import init
 
-        grid = init()  # plain data parallelism over the whole world
+        grid = init()  # no grid given: plain data parallelism over the whole world
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads"):
         validate_grid_for_model(grid, config, mode)

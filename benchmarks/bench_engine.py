@@ -13,12 +13,15 @@ writes JSON (default benchmarks/results/engine.json).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import common
 import torch
 import torch.nn.functional as F
 from common import alternate, ratio, report
+
+if TYPE_CHECKING:
+    from axonn.grid import ProcessGrid
 
 
 def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -37,7 +40,7 @@ def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 
 
 def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-                labels: torch.Tensor, grid: Any, autocast: str | None = None) -> None:
+                labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None) -> None:
     """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip);
     `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast)."""
     import contextlib

@@ -188,6 +188,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     from axonn.plan.memory import local_params, memory_breakdown
     from axonn.plan.search import check_inputs
     from axonn.plan.volumes import Grid
+    from memorization.parallel import grid_spec
 
     hw = get_hardware(hardware)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
@@ -201,7 +202,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     hf_config, weights, vocab_source = model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
-    spec = grid if grid is not None else cfg.grid
+    spec = grid_spec(grid, cfg)
     chosen_by = "--grid"
     if spec == "auto":
         dims = choose_grid(shape, hf_config, cfg, world, gpn, hw, headroom, precision)
