@@ -18,8 +18,18 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from axonn.grid import ProcessGrid
 from axonn.layers.layout import spec_of
 from axonn.layers.schedule import EngineOptions, grad_buckets
-from axonn.parallelize import is_parallel, model_grid
 from memorize_core import fail
+
+
+def is_parallel(model: nn.Module) -> bool:
+    """True when `axonn.parallelize` has sharded this model (its layers are the engine's)."""
+    return isinstance(getattr(model, "axonn_grid", None), ProcessGrid)
+
+
+def model_grid(model: nn.Module) -> ProcessGrid:
+    """The grid a parallelized model is sharded over; the serial grid for a plain model."""
+    grid = getattr(model, "axonn_grid", None)
+    return grid if isinstance(grid, ProcessGrid) else ProcessGrid.serial()
 
 
 def batch_shard(grid: ProcessGrid) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid, model_dims, validate_grid_for_model
 from axonn.layers.embedding import ParallelEmbedding
 from axonn.layers.layout import spec_of
@@ -150,17 +151,6 @@ def grad_group(p: torch.Tensor) -> str:
     """The group `sync_gradients` sums a parameter's gradient over (data for 3D weights, else batch)."""
     spec = spec_of(p)
     return spec.grad_group if spec is not None else "batch"
-
-
-def is_parallel(model: nn.Module) -> bool:
-    """True when `parallelize` has sharded this model (its layers are the engine's)."""
-    return isinstance(getattr(model, "axonn_grid", None), ProcessGrid)
-
-
-def model_grid(model: nn.Module) -> ProcessGrid:
-    """The grid a parallelized model is sharded over; the serial grid for a plain model."""
-    grid = getattr(model, "axonn_grid", None)
-    return grid if isinstance(grid, ProcessGrid) else ProcessGrid.serial()
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

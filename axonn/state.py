@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from axonn.engine import model_grid
 from axonn.layers.layout import ParamSpec, spec_of
-from axonn.parallelize import model_grid
 from memorize_core import fail
 
 _DTYPES = {

@@ -18,9 +18,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from axonn.engine import all_reduce_sum, no_sync, shard_batch
+from axonn.engine import all_reduce_sum, is_parallel, no_sync, shard_batch
 from axonn.grid import ProcessGrid
-from axonn.parallelize import is_parallel
 from memorize_core import IGNORE_INDEX, Batch, fail
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants

@@ -12,10 +12,10 @@ _trainer = grid_trainer
 
 
 def _full(trainer):
-    from axonn.parallelize import is_parallel
+    import axonn
     from axonn.state import full_state_dict
 
-    if not is_parallel(trainer.model):
+    if not axonn.is_parallel(trainer.model):
         return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return full_state_dict(trainer.model)
 
