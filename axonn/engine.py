@@ -16,6 +16,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from axonn.grid import ProcessGrid
+from axonn.handle import engine_of
 from axonn.layers.layout import spec_of
 from axonn.layers.schedule import EngineOptions, grad_buckets
 from memorize_core import fail
@@ -23,13 +24,13 @@ from memorize_core import fail
 
 def is_parallel(model: nn.Module) -> bool:
     """True when `axonn.parallelize` has sharded this model (its layers are the engine's)."""
-    return isinstance(getattr(model, "axonn_grid", None), ProcessGrid)
+    return engine_of(model) is not None
 
 
 def model_grid(model: nn.Module) -> ProcessGrid:
     """The grid a parallelized model is sharded over; the serial grid for a plain model."""
-    grid = getattr(model, "axonn_grid", None)
-    return grid if isinstance(grid, ProcessGrid) else ProcessGrid.serial()
+    handle = engine_of(model)
+    return handle.grid if handle is not None else ProcessGrid.serial()
 
 
 def batch_shard(grid: ProcessGrid) -> tuple[int, int]:
@@ -91,7 +92,8 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
     grid = grid or model_grid(model)
     if grid.world_size == 1 and not is_parallel(model):
         return  # a plain model in one process: nothing to sum
-    sched = getattr(model, "axonn_scheduler", None)
+    handle = engine_of(model)
+    sched = handle.scheduler if handle is not None else None
     if sched is not None:
         sched.finish_backward()  # no-op unless a backward ended outside autograd's callback
     params = [p for p in _unique(model.parameters()) if p.requires_grad]
@@ -102,8 +104,7 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
         sched.bucketer.wait_all()
         return
     if bucket_mb is None:
-        options = getattr(model, "axonn_options", None)
-        bucket_mb = options.bucket_mb if options is not None else EngineOptions().bucket_mb
+        bucket_mb = (handle.options if handle is not None else EngineOptions()).bucket_mb
     for group, bucket in grad_buckets(params, _group_of, grid.sizes, bucket_mb):
         grads = [p.grad for p in bucket]
         flat = _flatten_dense_tensors(grads)
@@ -115,8 +116,8 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Backward passes inside do not launch gradient all-reduces (micro-batches before the last)."""
-    sched = getattr(model, "axonn_scheduler", None)
-    bucketer = sched.bucketer if sched is not None else None
+    handle = engine_of(model)
+    bucketer = handle.scheduler.bucketer if handle is not None else None
     if bucketer is None:
         yield
         return

@@ -103,7 +103,7 @@ def single_rank(args: argparse.Namespace) -> dict:
     for name, (a, b) in {"engine_1111_vs_torch": ("engine", "torch"),
                          "goldfish_vs_standard": ("goldfish", "standard")}.items():
         ratios[name + "_cpu"] = res[a]["cpu_median_s"] / res[b]["cpu_median_s"]
-    winners = dict(tuned.axonn_scheduler.gemm._memory)
+    winners = dict(axonn.engine_of(tuned).scheduler.gemm._memory)
     return {"ratios": ratios, "times": res, "gemm_winners": winners}
 
 
@@ -121,7 +121,7 @@ def _overlap_rank(rank: int, world: int, dims: tuple, mode: str, rows: int, seq:
         built[k] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
     res = alternate({k: (lambda m=m, o=o: engine_step(m, o, ids, ids, grid)) for k, (m, o) in built.items()},
                     reps)
-    sched = built["on"][0].axonn_scheduler
+    sched = axonn.engine_of(built["on"][0]).scheduler
     return {"times": res, "hits": sched.prefetch_hits, "misses": sched.prefetch_misses}
 
 

@@ -217,6 +217,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     g = Grid(*dims)
 
     model = parallelize(_meta_model(hf_config), ProcessGrid.virtual(*dims, rank=0), mode=mode)
+    pair = axonn.engine_of(model).pair_axes  # just parallelized: the handle is there
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (_meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
@@ -246,7 +247,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "model": {"name": cfg.model.name, "params": shape.params, "layers": shape.layers,
                   "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.kv_heads,
                   "ffn": shape.ffn, "vocab": shape.vocab, "vocab_source": vocab_source, "mode": mode,
-                  "pair_axes": list(model.axonn_pair_axes or ())},
+                  "pair_axes": list(pair or ())},
         "grid": {"x": dims[0], "y": dims[1], "z": dims[2], "data": dims[3], "world": world,
                  "nodes": max(1, world // gpn), "gpus_per_node": gpn, "chosen_by": chosen_by},
         "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
