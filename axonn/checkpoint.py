@@ -24,12 +24,12 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from axonn.layers.layout import spec_of
+from axonn.grid import ProcessGrid
+from axonn.layers.layout import ParamSpec, spec_of
 from memorize_core import fail
 
 FORMAT = "axonn-checkpoint-v1"
@@ -71,13 +71,9 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _world(grid: Any) -> tuple[int, int]:
-    return (0, 1) if grid is None else (grid.rank, grid.world_size)
-
-
-def _all_ok(ok: bool, grid: Any) -> bool:
+def _all_ok(ok: bool, grid: ProcessGrid) -> bool:
     """True when `ok` holds on every rank (a barrier that also carries a verdict)."""
-    if grid is None or grid.world_size == 1:
+    if grid.world_size == 1:
         return ok
     import torch.distributed as dist
 
@@ -97,7 +93,7 @@ def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _serial_piece(t: torch.Tensor, grid: Any, spec: Any = None
+def _serial_piece(t: torch.Tensor, grid: ProcessGrid, spec: ParamSpec | None = None
                   ) -> tuple[torch.Tensor, list[list[int]], list[int]] | None:
     """This rank's piece in serial layout, its slice of the full tensor, and the full shape.
 
@@ -105,7 +101,7 @@ def _serial_piece(t: torch.Tensor, grid: Any, spec: Any = None
     another rank holds the counted copy of the same values."""
     t = t.detach()
     if spec is None:
-        if grid is not None and grid.rank != 0:
+        if grid.rank != 0:
             return None
         return t.cpu().contiguous(), [[0, s] for s in t.shape], list(t.shape)
     if not spec.counted_here():
@@ -135,15 +131,18 @@ def _local_from_full(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 def save(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-         *, grid: Any = None, meta: dict | None = None, rank_tensors: dict[str, torch.Tensor] | None = None,
+         *, grid: ProcessGrid | None = None, meta: dict | None = None,
+         rank_tensors: dict[str, torch.Tensor] | None = None,
          main_files: Callable[[Path], None] | None = None, keep_last: int = 0) -> Path:
     """Write checkpoint `root/step-NNNNNNNN` atomically (a collective: call on every rank).
 
     `meta` (JSON-able, taken from rank 0) and `rank_tensors` (per rank, e.g. RNG states) ride along;
-    `main_files(dir)` lets rank 0 add files (a tokenizer) before the folder is sealed."""
+    `main_files(dir)` lets rank 0 add files (a tokenizer) before the folder is sealed; no `grid`:
+    a serial model."""
     from safetensors.torch import save_file
 
-    rank, world = _world(grid)
+    grid = grid or ProcessGrid.serial()
+    rank, world = grid.rank, grid.world_size
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
@@ -197,7 +196,7 @@ def save(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.
     return final
 
 
-def _seal(tmp: Path, final: Path, step: int, world: int, grid: Any, meta: dict,
+def _seal(tmp: Path, final: Path, step: int, world: int, grid: ProcessGrid, meta: dict,
           steps: dict[str, float], main_files: Callable[[Path], None] | None) -> None:
     """Rank 0: merge the rank digests into meta.json, write COMPLETE, rename into place."""
     files, index = {}, {}
@@ -211,7 +210,7 @@ def _seal(tmp: Path, final: Path, step: int, world: int, grid: Any, meta: dict,
     if main_files is not None:
         main_files(tmp)
     body = {"format": FORMAT, "step": step, "world_size": world,
-            "grid": list(grid.dims) if grid is not None else [1, 1, 1, 1],
+            "grid": list(grid.dims),
             "files": files, "tensors": index, "optimizer_steps": steps, **meta}
     _write_atomic(tmp / "meta.json", lambda p: p.write_text(json.dumps(body, indent=1), encoding="utf-8"))
     _write_atomic(tmp / "COMPLETE", lambda p: p.write_text(f"{step}\n", encoding="utf-8"))
@@ -319,14 +318,14 @@ class _Pieces:
 
 @torch.no_grad()
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         *, grid: Any = None) -> tuple[dict, Callable[[str], torch.Tensor | None]]:
+         *, grid: ProcessGrid | None = None) -> tuple[dict, Callable[[str], torch.Tensor | None]]:
     """Fill `model` (and the optimizer's AdamW state) from a checkpoint saved at any grid.
 
     Returns (meta, rank_tensor): rank_tensor(name) gives this rank's saved extra (or rank 0's)."""
     path = Path(path)
     meta = read_meta(path)
     pieces = _Pieces(path, meta)
-    rank = 0 if grid is None else grid.rank
+    rank = (grid or ProcessGrid.serial()).rank  # no grid: a serial model
     for name, t in _unique_tensors(model):
         key = f"param/{name}"
         if not pieces.has(key):

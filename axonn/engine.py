@@ -16,19 +16,33 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from axonn.grid import ProcessGrid
+from axonn.handle import engine_of
 from axonn.layers.layout import spec_of
 from axonn.layers.schedule import EngineOptions, grad_buckets
 from memorize_core import fail
 
 
-def batch_shard(grid: ProcessGrid | None) -> tuple[int, int]:
-    """(number of batch slices, this rank's slice index); (1, 0) without a grid."""
-    return (1, 0) if grid is None else (grid.batch_shards, grid.batch_shard_index)
+def is_parallel(model: nn.Module) -> bool:
+    """True when `axonn.parallelize` has sharded this model (its layers are the engine's)."""
+    return engine_of(model) is not None
 
 
-def shard_batch(batch: torch.Tensor | Mapping[str, torch.Tensor], grid: ProcessGrid | None) -> object:
+def model_grid(model: nn.Module) -> ProcessGrid:
+    """The grid a parallelized model is sharded over; the serial grid for a plain model."""
+    handle = engine_of(model)
+    return handle.grid if handle is not None else ProcessGrid.serial()
+
+
+def batch_shard(grid: ProcessGrid) -> tuple[int, int]:
+    """(number of batch slices, this rank's slice index); (1, 0) on the serial grid."""
+    return grid.batch_shards, grid.batch_shard_index
+
+
+def shard_batch(batch: torch.Tensor | Mapping[str, torch.Tensor], grid: ProcessGrid) -> object:
     """This rank's contiguous slice of the rows of a global batch (a tensor or a dict of tensors)."""
     shards, index = batch_shard(grid)
+    if shards == 1:
+        return batch  # one slice: the batch itself (what a serial run trains on)
     if isinstance(batch, Mapping):
         return {k: shard_batch(v, grid) for k, v in batch.items()}
     rows = batch.shape[0]
@@ -39,11 +53,11 @@ def shard_batch(batch: torch.Tensor | Mapping[str, torch.Tensor], grid: ProcessG
     return batch[index * n:(index + 1) * n]
 
 
-def all_reduce_sum(tensor: torch.Tensor, grid: ProcessGrid | None, group: str = "batch") -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, grid: ProcessGrid, group: str = "batch") -> torch.Tensor:
     """Sum `tensor` in place over a named group of the grid (batch, data, world, x, ...); returns it.
 
     A tensor on another device than the grid's (CPU metrics under NCCL) takes a round trip."""
-    if grid is None or grid.size(group) == 1:
+    if grid.size(group) == 1:
         return tensor
     if tensor.device != grid.device:
         moved = tensor.to(grid.device)
@@ -75,10 +89,11 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
     With `EngineOptions(bucket_grads=True)` the buckets were launched during backward: this waits
     for them.  Otherwise it flattens the same buckets (same order, same size: same bits) and
     all-reduces them now.  `bucket_mb` defaults to the model's EngineOptions.bucket_mb."""
-    grid = grid or getattr(model, "axonn_grid", None)
-    if grid is None:
-        return
-    sched = getattr(model, "axonn_scheduler", None)
+    grid = grid or model_grid(model)
+    if grid.world_size == 1 and not is_parallel(model):
+        return  # a plain model in one process: nothing to sum
+    handle = engine_of(model)
+    sched = handle.scheduler if handle is not None else None
     if sched is not None:
         sched.finish_backward()  # no-op unless a backward ended outside autograd's callback
     params = [p for p in _unique(model.parameters()) if p.requires_grad]
@@ -89,8 +104,7 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
         sched.bucketer.wait_all()
         return
     if bucket_mb is None:
-        options = getattr(model, "axonn_options", None)
-        bucket_mb = options.bucket_mb if options is not None else EngineOptions().bucket_mb
+        bucket_mb = (handle.options if handle is not None else EngineOptions()).bucket_mb
     for group, bucket in grad_buckets(params, _group_of, grid.sizes, bucket_mb):
         grads = [p.grad for p in bucket]
         flat = _flatten_dense_tensors(grads)
@@ -102,8 +116,8 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Backward passes inside do not launch gradient all-reduces (micro-batches before the last)."""
-    sched = getattr(model, "axonn_scheduler", None)
-    bucketer = sched.bucketer if sched is not None else None
+    handle = engine_of(model)
+    bucketer = handle.scheduler.bucketer if handle is not None else None
     if bucketer is None:
         yield
         return
@@ -114,12 +128,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         bucketer.enabled = True
 
 
-def _grid_of(params: list[torch.Tensor]) -> ProcessGrid | None:
+def _grid_of(params: list[torch.Tensor]) -> ProcessGrid:
+    """The grid the parameters are sharded over; the serial grid (on their device) for plain ones."""
     for p in params:
         spec = spec_of(p)
         if spec is not None:
             return spec.grid
-    return None
+    return ProcessGrid.serial(device=params[0].grad.device if params else "cpu")
 
 
 def _sq_norm(g: torch.Tensor) -> torch.Tensor:
@@ -140,9 +155,6 @@ def grad_norm(params: Iterable[torch.Tensor], grid: ProcessGrid | None = None) -
     sums its own tensor group (X x Y x Z) and gets the same bits; no collective over `data`."""
     params = [p for p in _unique(params) if p.grad is not None]
     grid = grid or _grid_of(params)
-    if grid is None:
-        total = sum((_sq_norm(p.grad) for p in params), torch.zeros((), dtype=torch.float64))
-        return float(total.sqrt())
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     first = all(grid.coord(d) == 0 for d in _TENSOR)  # counts the replicated parameters
     for p in params:

@@ -232,6 +232,26 @@ class ProcessGrid:
         self._frozen = True
         return self
 
+    @classmethod
+    def serial(cls, *, device: str | torch.device = "cpu") -> ProcessGrid:
+        """The 1 x 1 x 1 x 1 grid of a single process: what a serial run trains on.
+
+        Every group has size 1, so every `Comm` call returns its input (or does nothing) without
+        touching torch.distributed: it works with or without an initialised process group."""
+        self = cls.__new__(cls)
+        self._place((1, 1, 1, 1), 0)
+        self.backend = "serial"
+        self.device = torch.device(device)
+        self.local_rank = 0
+        self.comm = Comm({}, self.sizes)  # all sizes 1: no collective ever reaches a group
+        self._frozen = True
+        return self
+
+    @property
+    def distributed(self) -> bool:
+        """True for a grid over torch.distributed process groups; False for the serial and virtual grids."""
+        return self.backend not in ("serial", "virtual")
+
     def _place(self, dims: Sequence[int], rank: int) -> None:
         """Set the dimensions, this rank's coordinates and the group sizes."""
         self.x, self.y, self.z, self.data = dims

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid, model_dims, validate_grid_for_model
+from axonn.handle import EngineHandle, set_engine
 from axonn.layers.embedding import ParallelEmbedding
-from axonn.layers.layout import spec_of
+from axonn.layers.layout import set_spec, spec_of
 from axonn.layers.linear import ParallelLinear
 from axonn.layers.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
 from axonn.pairing import layer_axes, pair_axes
@@ -129,9 +131,7 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> None:
             if p is not None and p.is_meta:
                 if id(p) not in memo:
                     new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                    if hasattr(p, "_axonn_spec"):
-                        new._axonn_spec = p._axonn_spec
-                    memo[id(p)] = new
+                    memo[id(p)] = set_spec(new, spec_of(p))
                 module._parameters[key] = memo[id(p)]
         for key, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
@@ -169,7 +169,7 @@ def _schedule(model: nn.Module, grid: ProcessGrid, options: EngineOptions) -> Sc
     for m in model.modules():
         if isinstance(m, (ParallelLinear, ParallelEmbedding)):
             m.scheduler = sched
-            sched.register(m, m.weight, m.weight._axonn_spec.block_rows)
+            sched.register(m, m.weight, spec_of(m.weight).block_rows)
     if options.bucket_grads:
         params = trainable(model)
         bucketer = Bucketer(grid.comm, grad_buckets(params, grad_group, grid.sizes, options.bucket_mb))
@@ -187,12 +187,12 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     with any setting)."""
     if mode not in MODES:
         raise fail("mode", mode, "choose easy or paired")
-    if getattr(model, "axonn_grid", None) is not None:
+    if is_parallel(model):
         raise fail("model", type(model).__name__, "is already parallelized")
-    if grid is None:
+    if not isinstance(grid, ProcessGrid):
         from axonn.grid import init
 
-        grid = init()  # plain data parallelism over the whole world
+        grid = init()  # no grid given: plain data parallelism over the whole world
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads"):
         validate_grid_for_model(grid, config, mode)
@@ -219,9 +219,9 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         _materialize_meta(model, grid.device)
     model.to(grid.device)
-    model.axonn_grid = grid
-    model.axonn_mode = mode
-    model.axonn_pair_axes = pair if mode == "paired" else None
-    model.axonn_options = options or EngineOptions()
-    model.axonn_scheduler = _schedule(model, grid, model.axonn_options)
+    options = options or EngineOptions()
+    layouts = {name: spec for name, p in model.named_parameters() if (spec := spec_of(p)) is not None}
+    set_engine(model, EngineHandle(grid=grid, mode=mode, pair_axes=pair if mode == "paired" else None,
+                                   options=options, scheduler=_schedule(model, grid, options),
+                                   layouts=layouts))
     return model

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from axonn.engine import model_grid
 from axonn.layers.layout import ParamSpec, spec_of
 from memorize_core import fail
 
@@ -29,8 +30,7 @@ _CHUNK_BYTES = 8 * 2**20  # bound on the staging buffer for column-sliced reads
 
 def _gather_all(model: nn.Module, pick: Callable[[torch.Tensor], torch.Tensor | None],
                 rank0_only: bool, offload: bool) -> dict[str, torch.Tensor]:
-    grid = getattr(model, "axonn_grid", None)
-    keep = not rank0_only or grid is None or grid.rank == 0
+    keep = not rank0_only or model_grid(model).rank == 0
     done: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -185,8 +185,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
     `max_shard_bytes`, so rank 0 never holds more than one shard.  Tied duplicates are written once."""
     from safetensors.torch import save_file
 
-    grid = getattr(model, "axonn_grid", None)
-    writer = grid is None or grid.rank == 0
+    writer = model_grid(model).rank == 0
     out = Path(out_dir)
     shard: dict[str, torch.Tensor] = {}
     size, total, done, files = 0, 0, set(), []

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from axonn.engine import all_reduce_sum, is_parallel, no_sync, shard_batch
+from axonn.grid import ProcessGrid
 from memorize_core import IGNORE_INDEX, Batch, fail
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
@@ -175,7 +177,7 @@ class Privacy(Protocol):
     - metrics(steps) -> what to log after `steps` steps (epsilon, delta).
     """
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: Any) -> None: ...
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ProcessGrid) -> None: ...
     def sample(self, step: int, rows: int) -> torch.Tensor | None: ...
     def accumulate(self) -> None: ...
     def privatize(self, step: int) -> None: ...
@@ -272,7 +274,7 @@ class Trainer:
         *,
         eval_data: RowDataset | None = None,
         label_transform: Callable[[Batch], torch.Tensor] | None = None,
-        grid: Any = None,
+        grid: ProcessGrid | None = None,
         sinks: list[MetricSink] | None = None,
         callbacks: list[Callback] | None = None,
         checkpoint_dir: str | Path | None = None,
@@ -286,12 +288,18 @@ class Trainer:
         if len(train_data) == 0:
             raise fail("train_data", 0, "no training rows; check the corpus and block length")
         self.cfg, self.model, self.train_data, self.eval_data = cfg, model, train_data, eval_data
+        # no grid: a serial run, the 1x1x1x1 grid on the configured device
+        grid = grid or ProcessGrid.serial(device=resolve_device(cfg.device))
         self.label_transform, self.grid, self.sinks = label_transform, grid, sinks or []
+        # The engine's loss, gradient sum and clipping run when the engine sharded the model or
+        # gradients must be summed over ranks (LoRA / DP-SGD at 1,1,1,D keep a plain model); a plain
+        # model in one process trains exactly as plain PyTorch would (F.cross_entropy, torch clipping).
+        self.on_engine = is_parallel(model) or grid.world_size > 1
         self.callbacks = list(callbacks or [])
         # checkpoint_files(dir) lets the caller add files (a tokenizer) to each checkpoint on rank 0
         self.checkpoint_dir, self.checkpoint_files = checkpoint_dir, checkpoint_files
-        self.device = grid.device if grid is not None else resolve_device(cfg.device)
-        self.grad_accum, _ = cfg.accumulation(grid.batch_shards if grid is not None else 1)
+        self.device = grid.device
+        self.grad_accum, _ = cfg.accumulation(grid.batch_shards)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.model.to(self.device)
@@ -325,7 +333,7 @@ class Trainer:
     @property
     def is_main(self) -> bool:
         """True on the rank that writes files and logs."""
-        return self.grid is None or self.grid.rank == 0
+        return self.grid.rank == 0
 
     # -- batches -----------------------------------------------------------------------------
     def _global_batches(self) -> Iterator[Batch]:
@@ -354,15 +362,12 @@ class Trainer:
 
     def _shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous slice of a (micro-)batch along rows."""
-        if self.grid is None:
-            return t
-        from axonn.engine import shard_batch
         return shard_batch(t, self.grid)
 
     # -- loss --------------------------------------------------------------------------------
     def _ce_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of CE over non-ignored targets, their count) for this rank's rows."""
-        if self.grid is not None:
+        if self.on_engine:
             import axonn
             return axonn.cross_entropy(logits, targets, self.grid, ignore_index=IGNORE_INDEX)
         flat = logits.float().reshape(-1, logits.shape[-1])
@@ -391,16 +396,10 @@ class Trainer:
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics vector over batch shards."""
-        if self.grid is None or self.grid.batch_shards == 1:
-            return values
-        import axonn
-        return axonn.all_reduce_sum(values, self.grid, group="batch")
+        return all_reduce_sum(values, self.grid, group="batch")  # no-op unless the batch is sharded
 
     def _no_sync(self, active: bool):
-        if active and self.grid is not None:
-            from axonn.engine import no_sync
-            return no_sync(self.model)
-        return contextlib.nullcontext()
+        return no_sync(self.model) if active else contextlib.nullcontext()
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self, batch: Batch) -> StepStats:
@@ -439,10 +438,10 @@ class Trainer:
             sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)
         if self.privacy is not None:
             self.privacy.privatize(self.state.step)  # replaces the all-reduce: clip, sum, noise
-        elif self.grid is not None:
+        elif self.on_engine:
             import axonn
             axonn.sync_gradients(model, self.grid)
-        if self.grid is not None:
+        if self.on_engine:
             import axonn
             norm = (axonn.clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid) if cfg.grad_clip > 0
                     else axonn.grad_norm(model.parameters(), self.grid))
@@ -471,7 +470,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
         bs = self.cfg.eval_batch_size
-        shards = self.grid.batch_shards if self.grid is not None else 1
+        shards = self.grid.batch_shards
         bs = max(shards, bs - bs % shards)
         for start in range(0, len(data), bs):
             batch = data[torch.arange(start, min(start + bs, len(data)))]
@@ -632,7 +631,7 @@ class Trainer:
     def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""
         out = Path(out_dir)
-        if self.grid is not None:
+        if self.on_engine:
             from axonn.state import save_pretrained
             save_pretrained(self.model, out)  # streams shards; rank 0 writes, never the whole model at once
         elif self.is_main:

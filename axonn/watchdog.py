@@ -20,6 +20,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from axonn.grid import ProcessGrid
 
 EXIT_LOST = 3
 _PREFIX = "axonn/watchdog"
@@ -190,12 +194,12 @@ class Watchdog:
             raise
 
 
-def start_watchdog(grid: object, timeout_s: float, **kw: object) -> Watchdog | None:
+def start_watchdog(grid: ProcessGrid, timeout_s: float, **kw: object) -> Watchdog | None:
     """A started Watchdog for a multi-rank grid launched with a TCP rendezvous (else None)."""
     from axonn.grid import launch_env
 
     env = launch_env()
-    world = getattr(grid, "world_size", 1)
+    world = grid.world_size
     if world <= 1 or env.master_addr is None:
         return None
     return Watchdog(grid.rank, world, timeout_s, host=env.master_addr, port=env.master_port,

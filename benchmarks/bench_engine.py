@@ -13,12 +13,15 @@ writes JSON (default benchmarks/results/engine.json).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import common
 import torch
 import torch.nn.functional as F
 from common import alternate, ratio, report
+
+if TYPE_CHECKING:
+    from axonn.grid import ProcessGrid
 
 
 def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -37,7 +40,7 @@ def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 
 
 def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-                labels: torch.Tensor, grid: Any, autocast: str | None = None) -> None:
+                labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None) -> None:
     """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip);
     `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast)."""
     import contextlib
@@ -100,7 +103,7 @@ def single_rank(args: argparse.Namespace) -> dict:
     for name, (a, b) in {"engine_1111_vs_torch": ("engine", "torch"),
                          "goldfish_vs_standard": ("goldfish", "standard")}.items():
         ratios[name + "_cpu"] = res[a]["cpu_median_s"] / res[b]["cpu_median_s"]
-    winners = dict(tuned.axonn_scheduler.gemm._memory)
+    winners = dict(axonn.engine_of(tuned).scheduler.gemm._memory)
     return {"ratios": ratios, "times": res, "gemm_winners": winners}
 
 
@@ -118,7 +121,7 @@ def _overlap_rank(rank: int, world: int, dims: tuple, mode: str, rows: int, seq:
         built[k] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4))
     res = alternate({k: (lambda m=m, o=o: engine_step(m, o, ids, ids, grid)) for k, (m, o) in built.items()},
                     reps)
-    sched = built["on"][0].axonn_scheduler
+    sched = axonn.engine_of(built["on"][0]).scheduler
     return {"times": res, "hits": sched.prefetch_hits, "misses": sched.prefetch_misses}
 
 

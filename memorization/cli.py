@@ -107,18 +107,13 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
         raise fail(name, value, f"must be >= {minimum}")
 
 
-def _grid(spec: str | None, cfg=None) -> str | None:
-    """The grid spec for this run: --grid wins over the config's `grid` key."""
-    return spec if spec is not None else (cfg.grid if cfg is not None else None)
-
-
 def cmd_demo(args) -> int:
     """Run the demo."""
     from memorization.demo import run_demo
 
     _positive("--epochs", args.epochs)
     run_demo(args.out, epochs=args.epochs, overwrite=args.overwrite, overrides=args.overrides,
-             grid=_grid(args.grid))
+             grid=args.grid)
     return 0
 
 
@@ -144,7 +139,7 @@ def cmd_train(args) -> int:
     if args.checkpoint_every:
         cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_every=args.checkpoint_every))
     out = args.out or f"runs/{cfg.name}"
-    summary = run_training(cfg, out, overwrite=args.overwrite, grid=_grid(args.grid, cfg), resume=args.resume)
+    summary = run_training(cfg, out, overwrite=args.overwrite, grid_spec=args.grid, resume=args.resume)
     from memorization.parallel import is_main_process
 
     if is_main_process():
@@ -209,7 +204,7 @@ def cmd_run(args) -> int:
     from memorization.experiments import run_experiment
 
     run_experiment(args.config, out=args.out, overrides=args.overrides, overwrite=args.overwrite,
-                   grid=_grid(args.grid))
+                   grid=args.grid)
     return 0
 
 

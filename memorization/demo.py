@@ -28,17 +28,16 @@ def demo_configs(epochs: int | None = None, overrides: list[str] | None = None) 
     return [standard, goldfish]
 
 
-def _side_by_side(grid: Any, cfg: RunConfig) -> bool:
+def _side_by_side(grid: str | None, cfg: RunConfig) -> bool:
     """Serial CPU runs on a machine with >= 2 cores train both models at once, one thread each.
 
     Two single-threaded processes use two cores fully, while one process with two threads loses
     much of the second core to synchronisation on small models (and collapses when another job
     shares the machine), so this roughly halves the demo's wall time on a laptop.
     """
-    from memorization.parallel import wants_grid
+    from memorization.parallel import grid_spec, wants_grid
 
-    spec = cfg.grid if grid is None else grid
-    return (isinstance(spec, str) and not wants_grid(spec) and not torch.cuda.is_available()
+    return (not wants_grid(grid_spec(grid, cfg)) and not torch.cuda.is_available()
             and (os.cpu_count() or 1) >= 2)
 
 
@@ -59,8 +58,10 @@ def _run_side_by_side(jobs: list[tuple]) -> list[dict[str, Any]]:
 
 
 def run_demo(out: str | Path = "runs/demo", *, epochs: int | None = None, overwrite: bool = False,
-             overrides: list[str] | None = None, grid: Any = None) -> dict[str, Any]:
-    """Train both runs, evaluate extraction and held-out loss, write the report; return it."""
+             overrides: list[str] | None = None, grid: str | None = None) -> dict[str, Any]:
+    """Train both runs, evaluate extraction and held-out loss, write the report; return it.
+
+    `grid` is the --grid text (None: the config's `grid`), resolved by each run (run_training)."""
     configs = demo_configs(epochs, overrides)
     is_main = is_main_process()
     check_out_dir(out, overwrite)
@@ -72,7 +73,7 @@ def run_demo(out: str | Path = "runs/demo", *, epochs: int | None = None, overwr
     if _side_by_side(grid, configs[0]):
         runs = _run_side_by_side(jobs)
     else:
-        runs = [run_training(cfg, out, overwrite=ow, grid=grid, data=d) for cfg, out, ow, d, _ in jobs]
+        runs = [run_training(cfg, out, overwrite=ow, grid_spec=grid, data=d) for cfg, out, ow, d, _ in jobs]
     curves = {cfg.name: read_metrics(out_dir / cfg.name / "metrics.jsonl") for cfg in configs}
     elapsed = time.perf_counter() - t0
     report = {"runs": runs}

@@ -188,6 +188,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     from axonn.plan.memory import local_params, memory_breakdown
     from axonn.plan.search import check_inputs
     from axonn.plan.volumes import Grid
+    from memorization.parallel import grid_spec
 
     hw = get_hardware(hardware)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
@@ -201,7 +202,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     hf_config, weights, vocab_source = model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
-    spec = grid if grid is not None else cfg.grid
+    spec = grid_spec(grid, cfg)
     chosen_by = "--grid"
     if spec == "auto":
         dims = choose_grid(shape, hf_config, cfg, world, gpn, hw, headroom, precision)
@@ -216,6 +217,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     g = Grid(*dims)
 
     model = parallelize(_meta_model(hf_config), ProcessGrid.virtual(*dims, rank=0), mode=mode)
+    pair = axonn.engine_of(model).pair_axes  # just parallelized: the handle is there
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (_meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
@@ -245,7 +247,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "model": {"name": cfg.model.name, "params": shape.params, "layers": shape.layers,
                   "hidden": shape.hidden, "heads": shape.heads, "kv_heads": shape.kv_heads,
                   "ffn": shape.ffn, "vocab": shape.vocab, "vocab_source": vocab_source, "mode": mode,
-                  "pair_axes": list(model.axonn_pair_axes or ())},
+                  "pair_axes": list(pair or ())},
         "grid": {"x": dims[0], "y": dims[1], "z": dims[2], "data": dims[3], "world": world,
                  "nodes": max(1, world // gpn), "gpus_per_node": gpn, "chosen_by": chosen_by},
         "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,

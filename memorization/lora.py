@@ -21,12 +21,14 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from axonn.grid import ProcessGrid
 from memorize_core import fail
 
 EXPORTS = ("merged", "adapter")
@@ -68,25 +70,19 @@ class LoraSettings:
         return self.alpha / self.r
 
 
-def check_lora_run(cfg: Any, grid: Any) -> None:
+def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
     """ConfigError before any work when LoRA cannot run as configured (grid, adapter export).
 
-    `grid` is a grid spec ("X,Y,Z,D"; "auto" is checked once resolved) or a ProcessGrid.
+    `dims` is the requested X,Y,Z,D (memorization.parallel.requested_grid), None for `auto`: that
+    grid is checked once resolved (check_lora_grid).
     """
     from memorization.models import is_pretrained
 
     lora = cfg.model.lora
     if not lora.enabled:
         return
-    if isinstance(grid, str):
-        from memorization.parallel import SERIAL
-
-        if grid not in SERIAL and grid != "auto":
-            from axonn.grid import parse_grid
-
-            check_lora_grid(parse_grid(grid))
-    elif grid is not None:
-        check_lora_grid(grid)
+    if dims:
+        check_lora_grid(dims)
     if lora.export == "adapter":
         m = cfg.model
         why = ("model.random_init builds fresh weights that are not on disk" if m.random_init
@@ -98,11 +94,9 @@ def check_lora_run(cfg: Any, grid: Any) -> None:
                        f"but {why}; use model.lora.export=merged")
 
 
-def check_lora_grid(grid: Any) -> None:
+def check_lora_grid(grid: ProcessGrid | Sequence[int]) -> None:
     """Refuse grids that split weights (X, Y or Z > 1): LoRA runs serial or data-parallel only."""
-    if grid is None:
-        return
-    dims = tuple(getattr(grid, "dims", grid))
+    dims = tuple(grid.dims if isinstance(grid, ProcessGrid) else grid)
     x, y, z, data = dims
     if x * y * z > 1:
         spec = ",".join(map(str, dims))

@@ -1,12 +1,23 @@
-"""From `--grid X,Y,Z,D` (or `auto`) to an initialised ProcessGrid, validated before any collective."""
+"""From `--grid X,Y,Z,D` (or `auto`) to the run's ProcessGrid, validated before any collective.
+
+A run's grid is decided in one place, `resolve_grid`: the grid a caller passes in as is, else the
+`--grid` text (`grid_spec`: it wins over the config's `grid` key) resolved once the model is built
+(`auto` asks the planner about that model; X,Y,Z,D must divide its shapes). A single process that
+asks for no split trains on `ProcessGrid.serial()` (the 1x1x1x1 grid: no process group, every
+collective a no-op); anything else initialises torch.distributed.
+"""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memorize_core import fail
+
+if TYPE_CHECKING:
+    from axonn.grid import ProcessGrid
+    from memorization.config import RunConfig
 
 SERIAL = ("", "1,1,1,1", "1,1,1", "1")
 
@@ -47,7 +58,7 @@ def grid_dims(spec: str, model_config: Any, *, seq: int, global_batch: int,
 
 
 def make_grid(spec: str, model_config: Any, *, seq: int, global_batch: int, mode: str = "easy",
-              timeout_s: float = 60.0):
+              timeout_s: float = 60.0) -> ProcessGrid:
     """Validate on every rank (no collective), then initialise torch.distributed and the grid.
 
     `timeout_s` bounds every blocking collective (trainer.collective_timeout_s)."""
@@ -59,6 +70,41 @@ def make_grid(spec: str, model_config: Any, *, seq: int, global_batch: int, mode
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
     return axonn.init(*dims, timeout_s=timeout_s)
+
+
+def grid_spec(arg: str | None, cfg: RunConfig) -> str:
+    """The run's grid as written: `--grid` (`arg`) wins over the config's `grid` key."""
+    return cfg.grid if arg is None else arg
+
+
+def requested_grid(cfg: RunConfig, *, spec: str | None = None, grid: ProcessGrid | None = None
+                   ) -> tuple[tuple[int, int, int, int] | None, bool]:
+    """What is known before the model is built: (the grid's X,Y,Z,D, or None for `auto`; whether the
+    run goes through torch.distributed), for checks that must refuse a run before anything loads."""
+    from axonn.grid import ProcessGrid, parse_grid
+
+    if isinstance(grid, ProcessGrid):
+        return grid.dims, grid.distributed
+    text = grid_spec(spec, cfg)
+    dims = None if text == "auto" else (1, 1, 1, 1) if text in SERIAL else parse_grid(text)
+    return dims, wants_grid(text)
+
+
+def resolve_grid(cfg: RunConfig, model_config: Any, *, spec: str | None = None,
+                 grid: ProcessGrid | None = None) -> ProcessGrid:
+    """The run's ProcessGrid (decided here only): `grid` as given; else the serial grid on
+    cfg.trainer.device when one process asks for no split; else `spec` (or cfg.grid) checked against
+    the model and the launch, torch.distributed initialised (`make_grid`)."""
+    from axonn.grid import ProcessGrid
+    from axonn.trainer import resolve_device
+
+    if isinstance(grid, ProcessGrid):
+        return grid
+    text = grid_spec(spec, cfg)
+    if not wants_grid(text):
+        return ProcessGrid.serial(device=resolve_device(cfg.trainer.device))
+    return make_grid(text, model_config, seq=cfg.data.block_len, global_batch=cfg.trainer.batch_size,
+                     mode=cfg.parallel_mode, timeout_s=cfg.trainer.collective_timeout_s)
 
 
 def is_main_process() -> bool:

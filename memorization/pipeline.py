@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from axonn.config import to_dict
+from axonn.grid import ProcessGrid
 from axonn.trainer import JsonlSink, Trainer
 from data_pipelines import split_documents
 from memorization.config import RunConfig
@@ -236,30 +237,31 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
 
-def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: Any = None,
-                 data: PreparedData | None = None, progress: bool = True,
+def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: ProcessGrid | None = None,
+                 grid_spec: str | None = None, data: PreparedData | None = None, progress: bool = True,
                  resume: str | None = None, progress_position: int = 0,
                  callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json.
 
-    `grid` is an initialised ProcessGrid, a grid spec ("X,Y,Z,D" or "auto"), or None for cfg.grid.
+    `grid` is an initialised ProcessGrid to train on; without one the grid is resolved once the model
+    is built (memorization.parallel.resolve_grid) from `grid_spec` (the --grid text) or cfg.grid.
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
     `callbacks` are Trainer callbacks (on_step_end / on_epoch_end), called on every rank.
     """
-    from memorization.parallel import is_main_process, make_grid, wants_grid
+    from memorization.parallel import is_main_process, requested_grid, resolve_grid
 
     is_main = is_main_process()
     check_out_dir(out, overwrite or bool(resume))  # bad input fails before anything is written
     ckpt = resolve_resume(resume, out)
     data = data or prepare_data(cfg)
     check_tokenizer(data.tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
-    spec = cfg.grid if grid is None else grid
+    dims, distributed = requested_grid(cfg, spec=grid_spec, grid=grid)
     lora = cfg.model.lora
-    check_lora_run(cfg, spec)  # a tensor-split grid or an adapter export without a base on disk
-    check_dp_grid(cfg.trainer.dp, spec)  # DP-SGD: serial or 1,1,1,D only
+    check_lora_run(cfg, dims)  # a tensor-split grid or an adapter export without a base on disk
+    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: serial or 1,1,1,D only
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
-    stream = (not isinstance(spec, str) or wants_grid(spec)) and not cfg.model.random_init \
+    stream = distributed and not cfg.model.random_init \
         and is_pretrained(cfg.model.name) and not lora.enabled and not cfg.trainer.dp.enabled
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
@@ -267,10 +269,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
         model = apply_lora(model, lora, seed=cfg.seed)
     if ckpt is not None:
         _check_resume_fits(ckpt, model)
-    if isinstance(spec, str):
-        grid = make_grid(spec, model.config, seq=cfg.data.block_len, global_batch=cfg.trainer.batch_size,
-                         mode=cfg.parallel_mode, timeout_s=cfg.trainer.collective_timeout_s) \
-            if wants_grid(spec) else None
+    grid = resolve_grid(cfg, model.config, spec=grid_spec, grid=grid)  # the run's grid, from here on
     if lora.enabled:
         check_lora_grid(grid)  # "auto" resolved: still before anything is written
     # DP-SGD (Opacus): delta vs N, the grid and the budget are checked before anything is written
@@ -284,8 +283,9 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
                               json.loads((ckpt / "meta.json").read_text())["step"])
     else:
         out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
-    # LoRA and DP-SGD at 1,1,1,D: data-parallel, unswapped (lora.py, privacy.py)
-    if grid is not None and not lora.enabled and privacy is None:
+    # A serial run keeps the plain HF model; LoRA and DP-SGD at 1,1,1,D: data-parallel, unswapped
+    # (lora.py, privacy.py)
+    if grid.distributed and not lora.enabled and privacy is None:
         import axonn
 
         model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
@@ -310,7 +310,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
                       privacy=privacy)
     from axonn.watchdog import start_watchdog
 
-    dog = start_watchdog(grid, tcfg.collective_timeout_s) if grid is not None else None
+    dog = start_watchdog(grid, tcfg.collective_timeout_s)  # None for a single process
     with dog.guard() if dog is not None else contextlib.nullcontext():
         if ckpt is not None:
             trainer.load_checkpoint(ckpt)
@@ -334,13 +334,15 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
         "goldfish_strategy": cfg.goldfish.strategy if cfg.goldfish.enabled else None,
         "goldfish_k": cfg.goldfish.k if cfg.goldfish.enabled else None,
         "goldfish_h": cfg.goldfish.h if cfg.goldfish.enabled else None,
-        "model": cfg.model.name, "params": count_params(trainer.model) if grid is None else None,
-        "trainable_params": trainable_params(trainer.model) if grid is None or lora.enabled else None,
+        # a distributed run's rank holds shards (or, at 1,1,1,D, a replica): counted from the export
+        "model": cfg.model.name, "params": None if grid.distributed else count_params(trainer.model),
+        "trainable_params": (trainable_params(trainer.model) if lora.enabled or not grid.distributed
+                             else None),
         "steps": trainer.state.step, "epochs": tcfg.epochs, "tokens": trainer.state.tokens,
         "final_train_loss": history[-1]["loss"] if history else None,
         "val_loss": val_loss, "train_seconds": round(train_s, 2),
     }
-    if grid is not None:
+    if grid.distributed:
         summary["grid"] = ",".join(map(str, grid.dims))
     if privacy is not None:
         summary.update(privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
@@ -360,7 +362,7 @@ def _extraction(cfg: RunConfig, data: PreparedData, trainer: Trainer, out_dir: P
     from evals import summarize
 
     model = trainer.model
-    if trainer.grid is not None:
+    if trainer.grid.distributed:  # extraction on rank 0 alone: the exported serial model
         model = _serial_model(out_dir / "model")
     results = extraction_results(model, cfg, data)
     write_extraction(out_dir / "extraction.jsonl", results)

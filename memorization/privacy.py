@@ -43,29 +43,26 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from axonn.grid import ProcessGrid
 from axonn.trainer import TrainerConfig
 from memorize_core import fail
 
 _SAMPLE, _NOISE = 1, 2  # salts: the batch and the noise of a step come from different streams
 
 
-def check_dp_grid(dp: Any, grid: Any) -> None:
-    """Refuse grids splitting weights (X, Y or Z > 1) under DP; `grid`: a spec, a ProcessGrid or None."""
-    if not dp.enabled or grid is None:
+def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
+    """Refuse grids splitting weights (X, Y or Z > 1) under DP.
+
+    `grid`: the run's ProcessGrid, or the requested X,Y,Z,D (memorization.parallel.requested_grid),
+    None for `auto` (checked again once resolved)."""
+    if not dp.enabled or not grid:
         return
-    if isinstance(grid, str):
-        from memorization.parallel import SERIAL
-
-        if grid in SERIAL or grid == "auto":  # "auto" is checked once resolved
-            return
-        from axonn.grid import parse_grid
-
-        grid = parse_grid(grid)
-    dims = tuple(getattr(grid, "dims", grid))
+    dims = tuple(grid.dims if isinstance(grid, ProcessGrid) else grid)
     x, y, z, data = dims
     if x * y * z > 1:
         raise fail("trainer.dp.enabled", True, f"DP-SGD runs serial or data-parallel (grid 1,1,1,D); grid "
@@ -84,7 +81,7 @@ class OpacusPrivacy:
     pass it to Trainer(privacy=...).
     """
 
-    def __init__(self, cfg: TrainerConfig, rows: int, *, grid: Any = None):
+    def __init__(self, cfg: TrainerConfig, rows: int, *, grid: ProcessGrid | None = None):
         dp = cfg.dp
         dp.validate("trainer.dp")
         check_dp_grid(dp, grid)
@@ -136,7 +133,7 @@ class OpacusPrivacy:
                        "set it false for seeded, reproducible noise") from None
         return torchcsprng.create_random_device_generator("/dev/urandom")
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: Any) -> None:
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ProcessGrid) -> None:
         """Opacus' per-sample gradient hooks on `model`; its clipping and noise on `optimizer`'s params."""
         from opacus.grad_sample import GradSampleHooks
         from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
@@ -147,7 +144,7 @@ class OpacusPrivacy:
         # loss_reduction="sum": the trainer backpropagates sum_i l_i, so the captured per-sample
         # gradients are the gradients of each l_i, unscaled; the division by B happens in privatize.
         self._hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
-        distributed = grid is not None and grid.dims[3] > 1
+        distributed = grid.data > 1  # gradients summed over data-parallel replicas
         cls = DistributedDPOptimizer if distributed else DPOptimizer
         self._optimizer = cls(optimizer, noise_multiplier=self.noise_multiplier,
                               max_grad_norm=self.dp.max_grad_norm, expected_batch_size=self.batch_size,

@@ -12,9 +12,10 @@ _trainer = grid_trainer
 
 
 def _full(trainer):
+    import axonn
     from axonn.state import full_state_dict
 
-    if trainer.grid is None:
+    if not axonn.is_parallel(trainer.model):
         return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return full_state_dict(trainer.model)
 

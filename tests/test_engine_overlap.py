@@ -47,7 +47,7 @@ def _train(grid, options, mode: str, tied: bool, ckpt: bool, accum: int) -> dict
                 (loss / 88.0).backward()
             losses.append(loss.detach().clone())
         axonn.sync_gradients(model, grid)
-        bucketer = model.axonn_scheduler.bucketer
+        bucketer = axonn.engine_of(model).scheduler.bucketer
         if bucketer is not None:  # the reduced gradients are views into one buffer per bucket
             views.append(all(
                 len({p.grad.untyped_storage().data_ptr() for p in b.params}) == 1
@@ -60,7 +60,7 @@ def _train(grid, options, mode: str, tied: bool, ckpt: bool, accum: int) -> dict
         opt.zero_grad(set_to_none=step % 2 == 0)
         losses.append(torch.tensor(norm))
         stats.append(grid.stats.snapshot())
-    sched = model.axonn_scheduler
+    sched = axonn.engine_of(model).scheduler
     return {"params": [p.detach().clone() for p in model.parameters()], "losses": losses,
             "stats": stats, "hits": sched.prefetch_hits, "misses": sched.prefetch_misses,
             "views": views}
@@ -117,7 +117,7 @@ def _bucket_misuse(rank: int, world: int) -> str:
 
     grid = axonn.ProcessGrid(1, 1, 1, 2)
     model = axonn.parallelize(_model(True), grid)  # bucketed gradient all-reduces: the default
-    assert model.axonn_options.bucket_grads
+    assert axonn.engine_of(model).options.bucket_grads
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # two backwards without no_sync: the second must refuse
         try:

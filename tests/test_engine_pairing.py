@@ -64,7 +64,7 @@ def _flipped_forward(rank, world):
     grid.stats.reset()
     got = model(input_ids=ids).logits
     fwd = grid.stats.snapshot()
-    return {"pair": model.axonn_pair_axes, "layout": layout, "fwd": fwd,
+    return {"pair": axonn.engine_of(model).pair_axes, "layout": layout, "fwd": fwd,
             "err": float((got - want).abs().max())}
 
 

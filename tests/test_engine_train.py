@@ -52,7 +52,8 @@ def _train(rank: int, world: int, out_dir: str) -> list[dict]:
         steps = []
         for step in range(STEPS):
             ids, labels = ec.batch(seed=step)
-            steps.append((_step(serial, None, ids, labels, s_opt), _step(model, grid, ids, labels, p_opt)))
+            steps.append((_step(serial, axonn.ProcessGrid.serial(), ids, labels, s_opt),
+                          _step(model, grid, ids, labels, p_opt)))
         want = serial.state_dict()
         state = axonn.full_state_dict(model, rank0_only=True)
         back = axonn.serial_copy(model, state) if state else None  # rank 0 only

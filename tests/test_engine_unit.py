@@ -124,6 +124,7 @@ def test_launch_env_reads_torchrun_slurm_and_mpi(monkeypatch) -> None:
     with pytest.raises(axonn.ConfigError, match=r"^grid='2,2,1,2'.*world size is 4"):
         axonn.grid.resolve_dims(2, 2, 1, 2, 4)
     assert axonn.grid.resolve_dims(2, 1, 1, None, 8) == (2, 1, 1, 4)
-    assert axonn.batch_shard(None) == (1, 0)
+    serial = axonn.ProcessGrid.serial()
+    assert axonn.batch_shard(serial) == (1, 0)
     x = torch.arange(6)
-    assert torch.equal(axonn.shard_batch(x, None), x)
+    assert torch.equal(axonn.shard_batch(x, serial), x)

@@ -79,7 +79,7 @@ def _layers(rank: int, world: int, cache: str) -> dict:
                                   options=EngineOptions(gemm_tuning=tuning))
         logits = model(input_ids=ids).logits
         model(input_ids=ids, labels=ids).loss.backward()
-        out[tuning] = ((logits - ref).abs().max().item(), len(model.axonn_scheduler.gemm.timings))
+        out[tuning] = ((logits - ref).abs().max().item(), len(axonn.engine_of(model).scheduler.gemm.timings))
     return out
 
 

@@ -152,6 +152,7 @@ class _FakeGrid:
         self.data_rank = rank // (x * y * z)
         self.batch_shards, self.batch_shard_index = z * data, self.data_rank * z + self.z_rank
         self.device, self.is_main, self.rank = torch.device("cpu"), rank == 0, rank
+        self.world_size = x * y * z * data
 
 
 class _SpyTrainer(Trainer):

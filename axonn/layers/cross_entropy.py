@@ -48,9 +48,9 @@ def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.element_size() < 4 else t
 
 
-def gather_logits(logits: torch.Tensor, grid: ProcessGrid | None) -> torch.Tensor:
+def gather_logits(logits: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     """Full-vocab logits from vocab-sharded ones (all-gather over Y; differentiable)."""
-    if grid is None or not isinstance(logits, VocabShardedLogits):
+    if not isinstance(logits, VocabShardedLogits):
         return logits
     return GatherLastDim.apply(_plain(logits), grid.comm, "y", grid.y_rank)
 
@@ -108,7 +108,7 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Proce
                          "pass logits[:, :-1] with labels[:, 1:]")
     targets = targets.reshape(-1)
     if isinstance(logits, VocabShardedLogits):
-        if grid is None:
+        if not isinstance(grid, ProcessGrid):
             raise ValueError("these logits are vocab-sharded over Y: "
                              "pass the grid to axonn.token_cross_entropy")
         return VocabParallelCrossEntropy.apply(_plain(logits).reshape(-1, logits.shape[-1]), targets, grid,

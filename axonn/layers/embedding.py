@@ -13,6 +13,7 @@ from torch import nn
 
 from axonn.grid import ProcessGrid
 from axonn.layers.functions import GatherLastDim, VocabEmbedding
+from axonn.layers.layout import spec_of
 from axonn.layers.linear import _local_param, weight_spec
 
 
@@ -36,7 +37,7 @@ class ParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Full-width embeddings of `ids` (identical on the X/Y ranks of a batch shard)."""
         g = self.grid
-        spec = self.weight._axonn_spec
+        spec = spec_of(self.weight)
         if self.scheduler is not None:
             self.scheduler.grad_mode = torch.is_grad_enabled()
         rows = spec.block_rows

@@ -126,7 +126,15 @@ class ParamSpec:
 
 def spec_of(param: torch.Tensor) -> ParamSpec | None:
     """The sharding spec of a parameter, or None when it is replicated (or not parallelized)."""
-    return getattr(param, "_axonn_spec", None)
+    spec = getattr(param, "_axonn_spec", None)
+    return spec if isinstance(spec, ParamSpec) else None
+
+
+def set_spec(param: torch.Tensor, spec: ParamSpec | None) -> torch.Tensor:
+    """Tag a parameter with its sharding spec (None: replicated, left untagged); returns it."""
+    if spec is not None:
+        param._axonn_spec = spec  # the one place the tag is written; spec_of reads it
+    return param
 
 
 def replicated_counted_here(grid: ProcessGrid) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 from axonn.grid import ProcessGrid
 from axonn.layers.cross_entropy import mark_vocab_sharded
 from axonn.layers.functions import GatherLastDim, ParallelMatmul, SplitLastDim
-from axonn.layers.layout import ParamSpec
+from axonn.layers.layout import ParamSpec, set_spec, spec_of
 from axonn.pairing import PairAxes, layer_axes
 
 STYLES = ("easy", "column", "row", "head")
@@ -42,13 +42,6 @@ def bias_spec(grid: ProcessGrid, out_features: int, style: str,
     return None
 
 
-def attach(param: nn.Parameter, spec: ParamSpec | None) -> nn.Parameter:
-    """Tag a parameter with its sharding spec (None: replicated)."""
-    if spec is not None:
-        param._axonn_spec = spec
-    return param
-
-
 def _local_param(full: torch.Tensor | None, spec: ParamSpec | None, shape: tuple[int, ...],
                  device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     """This rank's piece: sliced from a real full tensor, or left empty for a meta model."""
@@ -58,7 +51,7 @@ def _local_param(full: torch.Tensor | None, spec: ParamSpec | None, shape: tuple
         data = full.detach().to(device=device, dtype=dtype).clone()
     else:
         data = spec.local_from_full(full.detach()).to(device=device, dtype=dtype).clone()
-    return attach(nn.Parameter(data), spec)
+    return set_spec(nn.Parameter(data), spec)
 
 
 class ParallelLinear(nn.Module):
@@ -76,7 +69,7 @@ class ParallelLinear(nn.Module):
         self.scheduler: Any = None  # set by parallelize (axonn.layers.schedule.Scheduler)
         self.in_features, self.out_features = in_features, out_features
         spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
-        if isinstance(weight, nn.Parameter) and getattr(weight, "_axonn_spec", None) is not None:
+        if isinstance(weight, nn.Parameter) and spec_of(weight) is not None:
             self.weight = weight  # already a shard with this layout (tied LM head)
         else:
             self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
@@ -89,7 +82,7 @@ class ParallelLinear(nn.Module):
     @property
     def spec(self) -> ParamSpec:
         """Layout of the weight shard."""
-        return self.weight._axonn_spec
+        return spec_of(self.weight)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, style={self.style}, "

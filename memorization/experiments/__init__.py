@@ -43,14 +43,18 @@ def load_experiment(config_path: str | Path, overrides: Sequence[str] | None = N
 
 def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
                    overrides: Sequence[str] | None = None, overwrite: bool = False,
-                   grid: Any = None) -> dict[str, Any]:
-    """Run (or resume) an experiment; write OUT/report.{json,md}, plots and a W&B run; return the report."""
+                   grid: str | None = None) -> dict[str, Any]:
+    """Run (or resume) an experiment; write OUT/report.{json,md}, plots and a W&B run; return the report.
+
+    `grid` is the --grid text (None: the base config's `grid`); each sub-run resolves it into the
+    ProcessGrid that fits its own model (memorization.parallel.resolve_grid)."""
     from memorization.experiments.reporting import write_outputs
     from memorization.experiments.runner import Experiment
+    from memorization.parallel import grid_spec
 
     module, cfg = load_experiment(config_path, overrides)
-    _init_distributed(grid if grid is not None else cfg.base.grid, cfg.base.trainer.collective_timeout_s)
-    exp = Experiment(Path(out or Path("runs") / cfg.name), grid=grid, overwrite=overwrite).open()
+    _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)
+    exp = Experiment(Path(out or Path("runs") / cfg.name), grid_spec=grid, overwrite=overwrite).open()
     with _quiet_transformers():
         outputs = module.run(cfg, exp)
     if not exp.is_main:
@@ -58,7 +62,7 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
     return write_outputs(exp.out, outputs, cfg, exp.seconds)
 
 
-def _init_distributed(spec: Any, timeout_s: float) -> None:
+def _init_distributed(spec: str, timeout_s: float) -> None:
     """Under torchrun, join the process group before the first sub-run.
 
     Ranks then agree (by broadcast from rank 0) on which sub-runs are finished, even when every
@@ -66,7 +70,7 @@ def _init_distributed(spec: Any, timeout_s: float) -> None:
     """
     from memorization.parallel import wants_grid
 
-    if isinstance(spec, str) and wants_grid(spec):
+    if wants_grid(spec):
         import torch.distributed as dist
 
         if not dist.is_initialized():

@@ -94,7 +94,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             rc = size_config(cfg, size, loss)
 
             def train(rc: RunConfig, run_dir) -> dict[str, Any]:
-                return train_with_passes(rc, run_dir, data, grid=exp.grid)
+                return train_with_passes(rc, run_dir, data, grid_spec=exp.grid_spec)
 
             summary = exp.run(rc, data, train=train, per_run_wandb=cfg.per_run_wandb,
                               extra_key={"evaluated": "every pass"})

@@ -170,7 +170,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
         def train(rc: RunConfig, run_dir: Path, arm_data: PreparedData = arm_data) -> dict[str, Any]:
             with PeakRSS() as peak:
-                summary = run_training(rc, run_dir, overwrite=True, grid=exp.grid, data=arm_data,
+                summary = run_training(rc, run_dir, overwrite=True, grid_spec=exp.grid_spec, data=arm_data,
                                        progress=rc.trainer.progress)
             _annotate(run_dir, {"peak_rss_bytes": peak.peak})
             return summary

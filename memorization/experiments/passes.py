@@ -53,28 +53,27 @@ class PassExtraction:
 
 def serial_model(trainer: Trainer) -> torch.nn.Module | None:
     """The model as one serial module on the main rank (None elsewhere)."""
-    if trainer.grid is None:
-        return trainer.model
-    if getattr(trainer.model, "axonn_grid", None) is None:  # replicated, not sharded (e.g. LoRA at 1,1,1,D)
-        return trainer.model if trainer.is_main else None
     import axonn
+
+    if not axonn.is_parallel(trainer.model):  # serial, or replicated (e.g. LoRA at 1,1,1,D)
+        return trainer.model if trainer.is_main else None
 
     state = axonn.full_state_dict(trainer.model)  # collective: every rank takes part
     return axonn.serial_copy(trainer.model, state) if trainer.is_main else None
 
 
-def train_with_passes(cfg: RunConfig, out_dir: Path, data: PreparedData, *, grid: Any = None,
+def train_with_passes(cfg: RunConfig, out_dir: Path, data: PreparedData, *, grid_spec: str | None = None,
                       eval_passes: set[int] | None = None) -> dict[str, Any]:
     """Train cfg for cfg.trainer.epochs passes, scoring extraction after each pass in eval_passes (None: all).
 
-    `grid` is what run_training takes: a ProcessGrid, a spec ("X,Y,Z,D" or "auto"), or None for cfg.grid.
+    `grid_spec` is run_training's: the --grid text, or None for cfg.grid.
     """
     from memorization.parallel import is_main_process
 
     cfg = replace(cfg, eval=replace(cfg.eval, extraction=True))  # the last pass is the final extraction
     # the epochs run_training will train (a supervised-token budget lengthens goldfish runs)
     probe = PassExtraction(cfg, data, eval_passes, final=effective_trainer(cfg).epochs)
-    summary = run_training(cfg, out_dir, overwrite=True, grid=grid, data=data,
+    summary = run_training(cfg, out_dir, overwrite=True, grid_spec=grid_spec, data=data,
                            progress=cfg.trainer.progress, callbacks=[probe])
     if not is_main_process():
         return summary

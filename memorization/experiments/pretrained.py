@@ -142,7 +142,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
         def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
             probe = PassEvaluation(evaluator, set(cfg.eval_passes) or None, cfg.passes)
-            summary = run_training(rc, run_dir, overwrite=True, grid=exp.grid, data=data,
+            summary = run_training(rc, run_dir, overwrite=True, grid_spec=exp.grid_spec, data=data,
                                    progress=rc.trainer.progress, callbacks=[probe])
             if exp.is_main:
                 summary["passes"] = probe.records

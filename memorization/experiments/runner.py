@@ -58,7 +58,9 @@ class Experiment:
     """One experiment invocation: its output folder, grid, overwrite flag and clock."""
 
     out: Path
-    grid: Any = None  # None (serial or the base config's grid), "X,Y,Z,D"/"auto", or a ProcessGrid
+    # the --grid text ("X,Y,Z,D" or "auto"), or None for each sub-run's config grid; every sub-run
+    # resolves it into the grid that fits its own model (memorization.parallel.resolve_grid)
+    grid_spec: str | None = None
     overwrite: bool = False
     started: float = field(default_factory=time.perf_counter)
 
@@ -143,7 +145,7 @@ class Experiment:
             if train is not None:
                 train(cfg, d)
             else:
-                run_training(cfg, d, overwrite=True, grid=self.grid, data=data,
+                run_training(cfg, d, overwrite=True, grid_spec=self.grid_spec, data=data,
                              progress=cfg.trainer.progress)
         if not self.is_main:
             return {"name": cfg.name}
