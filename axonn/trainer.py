@@ -631,10 +631,10 @@ class Trainer:
     def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""
         out = Path(out_dir)
-        if self.on_engine:
+        if is_parallel(self.model):
             from axonn.state import save_pretrained
             save_pretrained(self.model, out)  # streams shards; rank 0 writes, never the whole model at once
-        elif self.is_main:
+        elif self.is_main:  # a serial model, or a replica at 1,1,1,D (DP-SGD): the main rank alone writes
             self.model.save_pretrained(out, safe_serialization=True)
         if self.is_main and tokenizer is not None:
             tokenizer.save_pretrained(out)
