@@ -23,7 +23,7 @@ _EXPORTS = {
     "VocabShardedLogits": "axonn.layers", "cross_entropy": "axonn.layers", "gather_logits": "axonn.layers",
     "token_cross_entropy": "axonn.layers",
     "spec_of": "axonn.layers",
-    "parallelize": "axonn.parallelize", "is_parallel": "axonn.engine",
+    "parallelize": "axonn.swap", "is_parallel": "axonn.engine",
     "EngineHandle": "axonn.handle", "engine_of": "axonn.handle",
     "full_grad_dict": "axonn.state", "full_state_dict": "axonn.state", "load_pretrained": "axonn.state",
     "save_pretrained": "axonn.state", "serial_copy": "axonn.state",

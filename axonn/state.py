@@ -164,7 +164,7 @@ def serial_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) 
 
     Without `state` it first calls `full_state_dict(model)` (a collective: call it on every rank).
     Holds the whole model on the calling rank: use it where the serial model fits (evals, export)."""
-    from axonn.parallelize import _materialize_meta
+    from axonn.swap import _materialize_meta
 
     if state is None:
         state = full_state_dict(model)

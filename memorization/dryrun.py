@@ -179,15 +179,11 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem."""
     import axonn
     from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
-
-    # resolve the lazy export first: importing the submodule before anything touched the package
-    # attribute would leave `axonn.parallelize` naming the module, not the function, in this process
-    parallelize = axonn.parallelize
-    from axonn.parallelize import trainable
     from axonn.plan import get_hardware, load_shape, plan, predict
     from axonn.plan.memory import local_params, memory_breakdown
     from axonn.plan.search import check_inputs
     from axonn.plan.volumes import Grid
+    from axonn.swap import parallelize, trainable
     from memorization.parallel import grid_spec
 
     hw = get_hardware(hardware)

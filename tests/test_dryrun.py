@@ -37,7 +37,7 @@ def _cfg(*overrides: str):
 def _allocated(rank: int, world: int, dims, mode: str) -> dict:
     """Bytes of parameters, gradients and AdamW state this rank really holds after one step."""
     import axonn
-    from axonn.parallelize import parallelize, trainable
+    from axonn.swap import parallelize, trainable
     from memorization.models import build_model
 
     grid = axonn.ProcessGrid(*dims)

@@ -124,3 +124,15 @@ def test_every_module_imports_alone():
             "        print(m, type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr[-2000:]
+
+
+def test_importing_engine_modules_never_shadows_a_lazy_export():
+    """`axonn.X` names the exported function even after every axonn submodule was imported first."""
+    mods = [m for m in MODULES if m.startswith("axonn.") and not m.endswith("__main__")]
+    code = ("import importlib, axonn\n"
+            f"for m in {mods!r}:\n"
+            "    importlib.import_module(m)\n"
+            "bad = [n for n in axonn.__all__ if type(getattr(axonn, n)).__name__ == 'module']\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
