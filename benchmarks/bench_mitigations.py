@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_finetune import _HWM
-from common import ROOT, write
+from common import ROOT, peak_rss, write
 
 EXPERIMENT = ROOT / "configs" / "experiments" / "mitigations.yaml"
 CONFIG = ROOT / "configs" / "train" / "smollm2-wiki.yaml"
@@ -55,22 +51,17 @@ def step_seconds(metrics: Path, skip: int = 2) -> float:
 
 def run_arm(arm: dict[str, Any], steps: int, threads: int) -> dict[str, Any]:
     """Train one arm for `steps` steps in a fresh process; its step time and peak RSS."""
+    res = {"name": arm["name"], "mitigation": arm["mitigation"], "overrides": arm.get("overrides", [])}
     with tempfile.TemporaryDirectory() as tmp:
-        out, hwm = Path(tmp) / "run", Path(tmp) / "hwm"
-        cmd = ["-m", "memorization", "train", str(CONFIG), "--steps", str(steps), "--out", str(out),
-               *QUIET, *arm.get("overrides", [])]
-        env = {**os.environ, "BENCH_HWM": str(hwm), "OMP_NUM_THREADS": str(threads)}
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _HWM, *cmd], cwd=ROOT, capture_output=True, text=True,
-                              check=False, env=env)
-        res = {"name": arm["name"], "mitigation": arm["mitigation"], "overrides": arm.get("overrides", []),
-               "rc": proc.returncode, "wall_s": time.perf_counter() - t0}
-        if proc.returncode:
-            res["log_tail"] = (proc.stdout + proc.stderr)[-2000:]
-            print(f"{arm['name']}: FAILED\n{res['log_tail']}", file=sys.stderr, flush=True)
+        out = Path(tmp) / "run"
+        run = peak_rss(["-m", "memorization", "train", str(CONFIG), "--steps", str(steps), "--out", str(out),
+                        *QUIET, *res["overrides"]], threads)
+        res.update(rc=run["rc"], wall_s=run["wall_s"])
+        if run["rc"]:
+            res["log_tail"] = run["log_tail"]
             return res
         summary = json.loads((out / "run.json").read_text())["summary"]
-        res.update(step_s=step_seconds(out / "metrics.jsonl"), peak_rss_gib=int(hwm.read_text()) / 2**20,
+        res.update(step_s=step_seconds(out / "metrics.jsonl"), peak_rss_gib=run["peak_rss_mib"] / 1024,
                    trainable_params=summary.get("trainable_params"), epsilon=summary.get("epsilon"))
     print(f"{arm['name']}: {res['step_s']:.2f} s/step, peak RSS {res['peak_rss_gib']:.2f} GiB", flush=True)
     return res

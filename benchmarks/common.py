@@ -6,7 +6,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,3 +93,42 @@ def write(out: str | None, default: str, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=2, default=str))
     print(f"wrote {path}", flush=True)
     return path
+
+
+# Runs the command given after it (`-m module` or a script) and, at exit, writes the process's own
+# peak resident set (VmHWM, kB) to $BENCH_HWM. wait4's ru_maxrss would not do: Linux carries the
+# parent's high-water mark over fork + exec, so every child would report the benchmark's own peak.
+_HWM = """import atexit, os, runpy, sys
+def _hwm():
+    with open('/proc/self/status') as f:
+        kb = next(line.split()[1] for line in f if line.startswith('VmHWM:'))
+    with open(os.environ['BENCH_HWM'], 'w') as f:
+        f.write(kb)
+atexit.register(_hwm)
+if sys.argv[1] == '-m':
+    sys.argv = sys.argv[2:]
+    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def peak_rss(cmd: list[str], threads: int) -> dict[str, Any]:
+    """Run `cmd` (python arguments); its own peak resident set (VmHWM, MiB), exit code, wall time."""
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # also for `memorize train`, which has no thread flag
+    with tempfile.TemporaryDirectory() as tmp:
+        hwm = Path(tmp) / "hwm"
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", _HWM, *cmd], cwd=ROOT, capture_output=True, text=True,
+                              check=False, env={**env, "BENCH_HWM": str(hwm)})
+        out = {"cmd": "python " + " ".join(cmd), "rc": proc.returncode, "wall_s": time.perf_counter() - t0,
+               "peak_rss_mib": int(hwm.read_text()) / 1024 if hwm.is_file() else float("nan")}
+    if proc.returncode:
+        out["log_tail"] = (proc.stdout + proc.stderr)[-2000:]
+        print(f"  FAILED (rc {proc.returncode}): {out['cmd']}\n{out['log_tail']}", file=sys.stderr,
+              flush=True)
+    return out

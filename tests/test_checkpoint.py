@@ -6,14 +6,11 @@ import math
 
 import pytest
 import torch
-from helpers import CHECKPOINT_STEPS, checkpoint_config, checkpoint_trainer, random_goldfish, rows, tiny_model
+from helpers import CHECKPOINT_STEPS, checkpoint_config, checkpoint_trainer, rows, tiny_model
 
 from axonn import checkpoint
 from axonn.trainer import NonFiniteError, Trainer
 from memorize_core import ConfigError
-
-STEPS = CHECKPOINT_STEPS
-_cfg, _goldfish, _trainer = checkpoint_config, random_goldfish, checkpoint_trainer
 
 
 def _weights(model):
@@ -36,14 +33,14 @@ class _KillAt:
 
 
 def test_resume_is_bit_identical_serial(tmp_path):
-    straight = _trainer()
+    straight = checkpoint_trainer()
     ref = [m["loss"] for m in straight.fit()]
-    killed = _trainer(tmp_path, checkpoint_every=3)
+    killed = checkpoint_trainer(tmp_path, checkpoint_every=3)
     killed.callbacks.append(_KillAt(4))
     with pytest.raises(_Killed):
         killed.fit()
     assert [m["loss"] for m in killed.state.history] == ref[:4]
-    resumed = _trainer()
+    resumed = checkpoint_trainer()
     resumed.load_checkpoint(checkpoint.latest_complete(tmp_path))
     assert resumed.state.step == 3
     assert [m["loss"] for m in resumed.fit()] == ref[3:]
@@ -52,7 +49,7 @@ def test_resume_is_bit_identical_serial(tmp_path):
 
 
 def test_fit_checkpoints_rotate_and_are_sealed(tmp_path):
-    t = _trainer(tmp_path, checkpoint_every=2, keep_last=2)
+    t = checkpoint_trainer(tmp_path, checkpoint_every=2, keep_last=2)
     t.fit()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-00000004", "step-00000006"]
@@ -64,7 +61,7 @@ def test_fit_checkpoints_rotate_and_are_sealed(tmp_path):
 
 
 def test_unsealed_and_corrupt_checkpoints(tmp_path):
-    t = _trainer(tmp_path, checkpoint_every=3, keep_last=0)
+    t = checkpoint_trainer(tmp_path, checkpoint_every=3, keep_last=0)
     t.fit()
     last = checkpoint.latest_complete(tmp_path)
     (last / "COMPLETE").unlink()  # as if killed before the marker
@@ -77,15 +74,15 @@ def test_unsealed_and_corrupt_checkpoints(tmp_path):
     data[-10] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match="rank-00000.safetensors fails its sha256 check"):
-        _trainer().load_checkpoint(good)
+        checkpoint_trainer().load_checkpoint(good)
     shard.write_bytes(bytes(data[:100]))  # truncated
     with pytest.raises(ConfigError, match="sha256"):
-        _trainer().load_checkpoint(good)
+        checkpoint_trainer().load_checkpoint(good)
 
 
 def test_wrong_model_is_refused(tmp_path):
-    _trainer(tmp_path, checkpoint_every=6).fit()
-    other = Trainer(tiny_model(vocab=96), _cfg(), rows(n=12))
+    checkpoint_trainer(tmp_path, checkpoint_every=6).fit()
+    other = Trainer(tiny_model(vocab=96), checkpoint_config(), rows(n=12))
     with pytest.raises(ConfigError, match="does not fit this model"):
         other.load_checkpoint(checkpoint.latest_complete(tmp_path))
 
@@ -111,17 +108,18 @@ class _Poison:
 
 def test_non_finite_steps_are_skipped_and_counted():
     model = tiny_model()
-    t = Trainer(model, _cfg(), rows(n=12), label_transform=_Poison(model, {2, 3}))
+    t = Trainer(model, checkpoint_config(), rows(n=12), label_transform=_Poison(model, {2, 3}))
     hist = t.fit()
     assert [m.get("skipped_steps", 0) for m in hist] == [0, 1, 2, 2, 2, 2]
     assert math.isnan(hist[1]["loss"]) and math.isfinite(hist[-1]["loss"])
-    assert t.scheduler.last_epoch == STEPS - 2  # no schedule step for skipped steps
+    assert t.scheduler.last_epoch == CHECKPOINT_STEPS - 2  # no schedule step for skipped steps
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_consecutive_non_finite_steps_abort_and_no_nan_checkpoint(tmp_path):
     model = tiny_model()
-    t = Trainer(model, _cfg(max_bad_steps=2), rows(n=12), label_transform=_Poison(model, {2, 3, 4}))
+    t = Trainer(model, checkpoint_config(max_bad_steps=2), rows(n=12),
+                label_transform=_Poison(model, {2, 3, 4}))
     with pytest.raises(NonFiniteError, match=r"trainer.max_bad_steps=2: 2 consecutive steps"):
         t.fit()
     model.model.norm.weight.data.fill_(float("nan"))

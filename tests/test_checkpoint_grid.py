@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CHECKPOINT_HALF, CHECKPOINT_STEPS, grid_trainer
+from helpers import CHECKPOINT_HALF, grid_trainer
 
 from axonn.spawn import run_distributed
-
-STEPS, HALF = CHECKPOINT_STEPS, CHECKPOINT_HALF
-_trainer = grid_trainer
 
 
 def _full(trainer):
@@ -25,10 +22,10 @@ def _straight_and_resumed(rank, world, dims, root):
     import axonn
 
     grid = axonn.ProcessGrid(*dims)
-    straight = _trainer(grid, root)
+    straight = grid_trainer(grid, root)
     ref = [m["loss"] for m in straight.fit()]
-    resumed = _trainer(grid)
-    resumed.load_checkpoint(f"{root}/step-{HALF:08d}")
+    resumed = grid_trainer(grid)
+    resumed.load_checkpoint(f"{root}/step-{CHECKPOINT_HALF:08d}")
     later = [m["loss"] for m in resumed.fit()]
     a, b = _full(straight), _full(resumed)
     # numpy, not tensors: torch's queue would share tensor storage by fd, gone when the rank exits
@@ -39,7 +36,7 @@ def _resume_at(rank, world, dims, path):
     import axonn
 
     grid = axonn.ProcessGrid(*dims)
-    t = _trainer(grid)
+    t = grid_trainer(grid)
     t.load_checkpoint(path)
     return [m["loss"] for m in t.fit()], {k: v.numpy() for k, v in _full(t).items()}
 
@@ -48,15 +45,15 @@ def _resume_at(rank, world, dims, path):
 def test_resume_equal_and_reshard(tmp_path):
     root = str(tmp_path / "ck")
     ref, later, same, weights = run_distributed(_straight_and_resumed, 2, (2, 1, 1, 1), root, timeout=180)[0]
-    assert later == ref[HALF:] and same  # bit-identical at the same grid
+    assert later == ref[CHECKPOINT_HALF:] and same  # bit-identical at the same grid
     for dims in [(1, 2, 1, 1)]:
-        losses, w = run_distributed(_resume_at, 2, dims, f"{root}/step-{HALF:08d}", timeout=180)[0]
-        _close(losses, ref[HALF:])
+        losses, w = run_distributed(_resume_at, 2, dims, f"{root}/step-{CHECKPOINT_HALF:08d}", timeout=180)[0]
+        _close(losses, ref[CHECKPOINT_HALF:])
         assert all(torch.allclose(torch.from_numpy(w[k]), torch.from_numpy(weights[k]), rtol=1e-4, atol=1e-5)
                    for k in weights)
-    t = _trainer(None)  # serial, in this process
-    t.load_checkpoint(f"{root}/step-{HALF:08d}")
-    _close([m["loss"] for m in t.fit()], ref[HALF:])
+    t = grid_trainer(None)  # serial, in this process
+    t.load_checkpoint(f"{root}/step-{CHECKPOINT_HALF:08d}")
+    _close([m["loss"] for m in t.fit()], ref[CHECKPOINT_HALF:])
 
 
 def _close(got, want, rel=1e-5):

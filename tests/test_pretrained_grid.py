@@ -75,3 +75,17 @@ def test_pretrained_streams_into_shards_and_equals_serial(pretrained, tmp_path, 
     grid = [json.loads(x)["loss"] for x in (tmp_path / "grid" / "metrics.jsonl").read_text().splitlines()]
     assert len(serial) == 3
     assert grid == pytest.approx(serial, rel=1e-5, abs=1e-6)  # so the streamed shards hold the weights
+
+
+def test_meta_build_of_a_bf16_saved_folder_is_float32(tmp_path):
+    """A grid build (meta) must have the dtype of the loaded weights, not the folder's saved bf16."""
+    from helpers import tiny_model
+
+    from memorization.models import build_model
+
+    tiny_model().to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == "bfloat16"
+    meta = build_model(str(tmp_path / "m"), meta=True)
+    loaded = build_model(str(tmp_path / "m"))
+    assert {p.dtype for p in meta.parameters()} == {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert all(p.is_meta for p in meta.parameters())
