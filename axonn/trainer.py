@@ -494,6 +494,14 @@ class Trainer:
             for sink in self.sinks:
                 sink.log(metrics)
 
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Send extra metrics (a callback's evaluation, say) to the sinks on the main rank, stamped with
+        the current step. They go to metrics.jsonl and W&B beside the step metrics but not into the
+        loss history; readers of metrics.jsonl tell them apart by the missing "loss" key."""
+        if self.is_main:
+            for sink in self.sinks:
+                sink.log({"step": self.state.step, **metrics})
+
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)

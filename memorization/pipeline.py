@@ -1,20 +1,49 @@
-"""One training run end to end: corpus -> tokenizer -> rows -> model -> trainer -> evals -> files."""
+"""One training run in four named stages, which the CLI, the demo and every experiment compose:
+
+1. `prepare_data(cfg)`: corpus -> tokenizer -> token rows (PreparedData);
+2. `start_run(cfg, out, data, ...)`: every check, the model built on its grid, OUT, sinks, the
+   Trainer (a `Run`, used as a context manager);
+3. `train(run)`: resume, fit, held-out loss;
+4. `finish(run)`: export the model, score extraction, write extraction.jsonl and run.json.
+
+`run_training` is the default composition. Per-pass evaluation is a Trainer callback (the
+`callbacks` of start_run; see memorization/experiments/passes.py), and `serial_model` is the one
+way to get the trained model as a serial module while the run is open.
+"""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+import shutil
+import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from axonn import checkpoint
 from axonn.config import to_dict
+from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
-from axonn.trainer import JsonlSink, Trainer
-from data_pipelines import split_documents
+from axonn.state import full_state_dict, load_pretrained, serial_copy
+from axonn.swap import parallelize
+from axonn.trainer import Callback, JsonlSink, MetricSink, Trainer
+from axonn.watchdog import Watchdog, start_watchdog
+from data_pipelines import (
+    chat_blocks,
+    extraction_pairs,
+    is_chat_spec,
+    load_chat,
+    load_corpus,
+    pack,
+    per_document,
+    render_chat,
+    split_documents,
+    tokenize_documents,
+)
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, check_lora_grid, check_lora_run, export_lora, trainable_params
@@ -26,10 +55,13 @@ from memorization.models import (
     resolve_model_dir,
     run_tokenizer,
 )
+from memorization.parallel import is_main_process, requested_grid, resolve_grid
 from memorization.privacy import OpacusPrivacy, check_dp_grid
+from memorization.tracking import WandbSink
 from memorize_core import fail
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
+EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
 CHECKPOINTS = "checkpoints"
 # model-config fields a checkpoint must agree on before any work starts
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -53,8 +85,6 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
     path = Path(out)
     taken = check_out_dir(out, overwrite)
     if taken:
-        import shutil
-
         for name in taken:
             target = path / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -84,8 +114,6 @@ class PreparedData:
 
 def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
     """Load the configured corpus, build the tokenizer, and cut documents into rows."""
-    from data_pipelines import load_corpus
-
     d = cfg.data
     if is_chat_data(cfg):
         return prepare_chat(cfg)
@@ -104,8 +132,6 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     whose corpora differ only by injected items). Held-out documents come from `held_docs`, or from
     the `data.held_out` corpus when that is set.
     """
-    from data_pipelines import load_corpus, pack, per_document, tokenize_documents
-
     d = cfg.data
     tok = tokenizer or run_tokenizer(d.tokenizer, cfg.model.name, texts=[doc.text for doc in docs],
                                      vocab_size=d.vocab_size)
@@ -134,16 +160,12 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
 
 def is_chat_data(cfg: RunConfig) -> bool:
     """Whether data.corpus is chat data (data.format chat, or auto and the corpus looks like chat)."""
-    from data_pipelines import is_chat_spec
-
     d = cfg.data
     return d.format == "chat" or (d.format == "auto" and is_chat_spec(d.corpus))
 
 
 def prepare_chat(cfg: RunConfig) -> PreparedData:
     """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
-    from data_pipelines import chat_blocks, extraction_pairs, is_chat_spec, load_chat, render_chat
-
     d = cfg.data
     examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
     held_examples = None
@@ -160,8 +182,6 @@ def prepare_chat(cfg: RunConfig) -> PreparedData:
     if held_examples:
         held = chat_blocks(render_chat(held_examples, tok, max_tokens=d.block_len), d.block_len, pad)
     elif d.held_out:  # a plain corpus: loss on every token of its documents
-        from data_pipelines import load_corpus, per_document, tokenize_documents
-
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
         held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
                             d.block_len, tok.eos_token_id)
@@ -173,7 +193,7 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
                        progress: bool = False) -> list[Any]:
     """Greedy extraction of every training item: prefix -> suffix of documents,
     prompt -> response of chats."""
-    from evals import extract, extract_pairs
+    from evals import extract, extract_pairs  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
 
     e = cfg.eval
     if data.is_chat:
@@ -198,15 +218,11 @@ def effective_trainer(cfg: RunConfig):
 
 def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
     """'auto' -> the newest sealed checkpoint in OUT/checkpoints (None: start fresh); else a sealed path."""
-    from axonn import checkpoint
-
     if not resume:
         return None
     if resume == "auto":
         found = checkpoint.latest_complete(Path(out) / CHECKPOINTS)
         if found is None:
-            import sys
-
             print(f"[resume] no complete checkpoint in {Path(out) / CHECKPOINTS}; starting from step 0",
                   file=sys.stderr)
     else:
@@ -218,8 +234,6 @@ def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
 
 def _check_resume_fits(ckpt: Path, model: Any) -> None:
     """ConfigError (before anything is written) when the checkpoint is of another model."""
-    from axonn import checkpoint
-
     saved = checkpoint.read_meta(ckpt, verify=False).get("model_config") or {}
     mine = model.config.to_dict()
     for key in _SHAPE_KEYS:
@@ -237,23 +251,78 @@ def _truncate_metrics(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
 
-def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, grid: ProcessGrid | None = None,
-                 grid_spec: str | None = None, data: PreparedData | None = None, progress: bool = True,
-                 resume: str | None = None, progress_position: int = 0,
-                 callbacks: list[Any] | None = None) -> dict[str, Any]:
-    """Train, export, evaluate; write metrics.jsonl, model/, extraction.jsonl and run.json.
+@dataclass
+class Run:
+    """One training run between its stages: built by `start_run`, trained by `train`, closed by `finish`.
 
+    Use it as a context manager (`with start_run(...) as run:`): inside it a collective that fails
+    because a peer rank was lost ends the process with the one-line lost-rank message; leaving it
+    waits for every rank, stops the watchdog and closes the metric sinks.
+    """
+
+    cfg: RunConfig
+    data: PreparedData
+    out_dir: Path
+    trainer: Trainer
+    checkpoint: Path | None = None  # the sealed checkpoint `train` resumes from
+    privacy: OpacusPrivacy | None = None
+    wandb: WandbSink | None = None
+    watchdog: Watchdog | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    train_seconds: float = 0.0
+    val_loss: float = float("nan")
+    _guard: Any = field(default=None, repr=False)  # the watchdog's guard while the run is open
+
+    @property
+    def grid(self) -> ProcessGrid:
+        """The grid the run trains on (the 1x1x1x1 grid for a serial run)."""
+        return self.trainer.grid
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the rank that writes files."""
+        return self.trainer.is_main
+
+    def __enter__(self) -> Run:
+        if self.watchdog is not None:
+            self._guard = self.watchdog.guard()
+            self._guard.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            if self._guard is not None:
+                if exc_type is None:
+                    try:
+                        dist.barrier()  # everyone is past the last collective before anyone stops watching
+                    except RuntimeError as e:
+                        self._guard.__exit__(type(e), e, e.__traceback__)  # the lost-rank exit, if so
+                        raise
+                self._guard.__exit__(exc_type, exc, tb)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            for sink in self.trainer.sinks:
+                sink.close()
+
+
+def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite: bool = False,
+              grid: ProcessGrid | None = None, grid_spec: str | None = None, resume: str | None = None,
+              progress: bool = True, progress_position: int = 0,
+              callbacks: list[Callback] | None = None) -> Run:
+    """Stage 2: check everything, build the model on its grid, open OUT and the sinks, make the Trainer.
+
+    Bad input (an occupied OUT, a checkpoint of another model, a grid LoRA or DP-SGD cannot use, a
+    tokenizer the model cannot take) fails here, before anything is written.
     `grid` is an initialised ProcessGrid to train on; without one the grid is resolved once the model
     is built (memorization.parallel.resolve_grid) from `grid_spec` (the --grid text) or cfg.grid.
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
-    `callbacks` are Trainer callbacks (on_step_end / on_epoch_end), called on every rank.
+    `callbacks` are Trainer callbacks (axonn.trainer.Callback: on_fit_start, on_step_end,
+    on_epoch_end), called on every rank: the hook for per-pass evaluation.
     """
-    from memorization.parallel import is_main_process, requested_grid, resolve_grid
-
     is_main = is_main_process()
-    check_out_dir(out, overwrite or bool(resume))  # bad input fails before anything is written
+    check_out_dir(out, overwrite or bool(resume))
     ckpt = resolve_resume(resume, out)
-    data = data or prepare_data(cfg)
     check_tokenizer(data.tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     dims, distributed = requested_grid(cfg, spec=grid_spec, grid=grid)
     lora = cfg.model.lora
@@ -272,9 +341,9 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     grid = resolve_grid(cfg, model.config, spec=grid_spec, grid=grid)  # the run's grid, from here on
     if lora.enabled:
         check_lora_grid(grid)  # "auto" resolved: still before anything is written
+    tcfg = effective_trainer(cfg)
     # DP-SGD (Opacus): delta vs N, the grid and the budget are checked before anything is written
-    privacy = OpacusPrivacy(effective_trainer(cfg), len(data.train), grid=grid) \
-        if cfg.trainer.dp.enabled else None
+    privacy = OpacusPrivacy(tcfg, len(data.train), grid=grid) if cfg.trainer.dp.enabled else None
     if resume:  # keep checkpoints and metrics; later results are rewritten
         out_dir = Path(out)
         if is_main:
@@ -286,104 +355,150 @@ def run_training(cfg: RunConfig, out: str | Path, *, overwrite: bool = False, gr
     # A serial run keeps the plain HF model; LoRA and DP-SGD at 1,1,1,D: data-parallel, unswapped
     # (lora.py, privacy.py)
     if grid.distributed and not lora.enabled and privacy is None:
-        import axonn
-
-        model = axonn.parallelize(model, grid, mode=cfg.parallel_mode)
+        model = parallelize(model, grid, mode=cfg.parallel_mode)
         if stream:
-            axonn.load_pretrained(model, resolve_model_dir(cfg.model.name))
-    tcfg = effective_trainer(cfg)
+            load_pretrained(model, resolve_model_dir(cfg.model.name))
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
-    transform = GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled else None
-    sinks: list[Any] = []
+    sinks: list[MetricSink] = []
     wb = None
     if is_main:
-        sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
-        from memorization.tracking import WandbSink
-
         wb = WandbSink(cfg.wandb, name=cfg.name, out_dir=out_dir, config=to_dict(cfg))
-        sinks.append(wb)
+        sinks += [JsonlSink(out_dir / "metrics.jsonl"), wb]
     tok = data.tokenizer
-    trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out, label_transform=transform,
+    trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out,
+                      label_transform=GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled
+                      else None,
                       grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
                       name=cfg.name, progress_position=progress_position, callbacks=callbacks,
                       privacy=privacy)
-    from axonn.watchdog import start_watchdog
+    return Run(cfg, data, out_dir, trainer, checkpoint=ckpt, privacy=privacy, wandb=wb,
+               watchdog=start_watchdog(grid, tcfg.collective_timeout_s))  # None for one process
 
-    dog = start_watchdog(grid, tcfg.collective_timeout_s)  # None for a single process
-    with dog.guard() if dog is not None else contextlib.nullcontext():
-        if ckpt is not None:
-            trainer.load_checkpoint(ckpt)
-        t0 = time.perf_counter()
-        history = trainer.fit()
-        train_s = time.perf_counter() - t0
-        val_loss = trainer.evaluate() if data.held_out is not None else float("nan")
-        if not lora.enabled:
-            trainer.export(out_dir / "model", data.tokenizer)
-        elif is_main:
-            export_lora(trainer.model, out_dir / "model", lora, tokenizer=data.tokenizer,
-                        base_dir=resolve_model_dir(cfg.model.name), base_name=cfg.model.name)
-        if dog is not None:
-            import torch.distributed as dist
 
-            dist.barrier()  # everyone is past the last collective before anyone stops watching
-    if dog is not None:
-        dog.stop()
-    summary: dict[str, Any] = {
-        "name": cfg.name, "loss": "goldfish" if cfg.goldfish.enabled else "standard",
-        "goldfish_strategy": cfg.goldfish.strategy if cfg.goldfish.enabled else None,
-        "goldfish_k": cfg.goldfish.k if cfg.goldfish.enabled else None,
-        "goldfish_h": cfg.goldfish.h if cfg.goldfish.enabled else None,
-        # a distributed run's rank holds shards (or, at 1,1,1,D, a replica): counted from the export
-        "model": cfg.model.name, "params": None if grid.distributed else count_params(trainer.model),
-        "trainable_params": (trainable_params(trainer.model) if lora.enabled or not grid.distributed
-                             else None),
-        "steps": trainer.state.step, "epochs": tcfg.epochs, "tokens": trainer.state.tokens,
-        "final_train_loss": history[-1]["loss"] if history else None,
-        "val_loss": val_loss, "train_seconds": round(train_s, 2),
-    }
-    if grid.distributed:
-        summary["grid"] = ",".join(map(str, grid.dims))
-    if privacy is not None:
-        summary.update(privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
-    if cfg.eval.extraction and is_main:
-        summary.update(_extraction(cfg, data, trainer, out_dir, wb))
-    if is_main:
-        (out_dir / "run.json").write_text(json.dumps({"summary": summary, "config": to_dict(cfg)}, indent=2))
-        if wb is not None:
-            wb.summary(summary)
-    for sink in sinks:
-        sink.close()
+def train(run: Run) -> list[dict[str, Any]]:
+    """Stage 3: resume if asked, fit, and measure the held-out loss; return the per-step history."""
+    trainer = run.trainer
+    if run.checkpoint is not None:
+        trainer.load_checkpoint(run.checkpoint)
+    t0 = time.perf_counter()
+    run.history = trainer.fit()
+    run.train_seconds = time.perf_counter() - t0
+    run.val_loss = trainer.evaluate() if run.data.held_out is not None else float("nan")
+    return run.history
+
+
+def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] | None = None
+           ) -> dict[str, Any]:
+    """Stage 4: export the model, score extraction, write extraction.jsonl and run.json; the summary.
+
+    Call it on every rank: exporting and gathering a sharded model are collectives. `scored` are
+    extraction results a caller already took from the final model (a per-pass hook's last pass):
+    the main rank passes them and finish writes them instead of extracting again (every rank then
+    skips extraction); `extra` adds keys to the summary (run.json).
+    """
+    cfg, trainer = run.cfg, run.trainer
+    export(run)
+    summary = summarise(run)
+    results = scored
+    if not _agree(scored is not None, run) and cfg.eval.extraction:
+        model = serial_model(trainer)  # a collective under a sharded grid
+        results = extraction_results(model, cfg, run.data) if model is not None else None
+    if results is not None and run.is_main:
+        summary.update(_record_extraction(run, results))
+    summary.update(extra or {})
+    if run.is_main:
+        (run.out_dir / "run.json").write_text(json.dumps({"summary": summary, "config": to_dict(cfg)},
+                                                         indent=2))
+        if run.wandb is not None:
+            run.wandb.summary(summary)
     return summary
 
 
-def _extraction(cfg: RunConfig, data: PreparedData, trainer: Trainer, out_dir: Path, wb) -> dict[str, Any]:
-    """Greedy extraction on every training document; write extraction.jsonl."""
-    from evals import summarize
+def _agree(flag: bool, run: Run) -> bool:
+    """The main rank's flag on every rank (a no-op for one process)."""
+    if run.grid.world_size == 1:
+        return flag
+    box = [flag]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
-    model = trainer.model
-    if trainer.grid.distributed:  # extraction on rank 0 alone: the exported serial model
-        model = _serial_model(out_dir / "model")
-    results = extraction_results(model, cfg, data)
-    write_extraction(out_dir / "extraction.jsonl", results)
+
+def run_training(cfg: RunConfig, out: str | Path, *, data: PreparedData | None = None,
+                 **options: Any) -> dict[str, Any]:
+    """The default run, the stages in order: prepare data, start the run, train, finish.
+
+    Writes metrics.jsonl, model/, extraction.jsonl and run.json under `out`; `options` are
+    start_run's (overwrite, grid, grid_spec, resume, progress, progress_position, callbacks).
+    """
+    check_out_dir(out, options.get("overwrite", False) or bool(options.get("resume")))  # before the data
+    data = data or prepare_data(cfg)
+    with start_run(cfg, out, data, **options) as run:
+        train(run)
+        return finish(run)
+
+
+def export(run: Run) -> Path:
+    """The trained model (or the LoRA adapter, or the merged model) and tokenizer in OUT/model."""
+    cfg, path = run.cfg, run.out_dir / "model"
+    if not cfg.model.lora.enabled:
+        return run.trainer.export(path, run.data.tokenizer)
+    if run.is_main:
+        export_lora(run.trainer.model, path, cfg.model.lora, tokenizer=run.data.tokenizer,
+                    base_dir=resolve_model_dir(cfg.model.name), base_name=cfg.model.name)
+    return path
+
+
+def summarise(run: Run) -> dict[str, Any]:
+    """The run's summary: what was trained, how long, and its losses (extraction is added by finish)."""
+    cfg, trainer, g = run.cfg, run.trainer, run.cfg.goldfish
+    distributed = run.grid.distributed
+    summary: dict[str, Any] = {
+        "name": cfg.name, "loss": "goldfish" if g.enabled else "standard",
+        "goldfish_strategy": g.strategy if g.enabled else None,
+        "goldfish_k": g.k if g.enabled else None, "goldfish_h": g.h if g.enabled else None,
+        # a distributed run's rank holds shards (or, at 1,1,1,D, a replica): counted from the export
+        "model": cfg.model.name, "params": None if distributed else count_params(trainer.model),
+        "trainable_params": (trainable_params(trainer.model) if cfg.model.lora.enabled or not distributed
+                             else None),
+        "steps": trainer.state.step, "epochs": trainer.cfg.epochs, "tokens": trainer.state.tokens,
+        "final_train_loss": run.history[-1]["loss"] if run.history else None,
+        "val_loss": run.val_loss, "train_seconds": round(run.train_seconds, 2),
+    }
+    if distributed:
+        summary["grid"] = ",".join(map(str, run.grid.dims))
+    if run.privacy is not None:
+        summary.update(run.privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
+    return summary
+
+
+def serial_model(trainer: Trainer) -> torch.nn.Module | None:
+    """The trained model as one serial module on the main rank (None elsewhere).
+
+    A sharded model's full weights are gathered into a fresh serial copy (a collective: call it on
+    every rank); a serial model, or a replica at 1,1,1,D (LoRA, DP-SGD), is used as it is.
+    """
+    if not is_parallel(trainer.model):
+        return trainer.model if trainer.is_main else None
+    state = full_state_dict(trainer.model)
+    return serial_copy(trainer.model, state) if trainer.is_main else None
+
+
+def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:
+    """Write extraction.jsonl (and a W&B samples table); the summary's extraction figures."""
+    from evals import summarize  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
+
+    write_extraction(run.out_dir / "extraction.jsonl", results)
     stats = summarize(results)
-    if wb is not None:
-        tok = data.tokenizer
+    if run.wandb is not None:
+        tok = run.data.tokenizer
         rows = [[str(r.doc), tok.decode(r.prefix_ids), tok.decode(r.target_ids), tok.decode(r.generated_ids),
                  bool(r.exact_match)] for r in results[:20]]
-        wb.log_table("samples", ["doc", "prefix", "target", "generated", "exact_match"], rows)
-    return {"docs": stats["docs"], "exact_match_rate": stats["exact_match_rate"],
-            "rougeL": stats["rougeL"], "token_accuracy": stats["token_accuracy"],
-            "lcp_mean": stats["lcp_mean"]}
+        run.wandb.log_table("samples", ["doc", "prefix", "target", "generated", "exact_match"], rows)
+    return {k: stats[k] for k in EXTRACTION_KEYS}
 
 
 def write_extraction(path: Path, results: list[Any]) -> None:
     """One JSON line per ExtractionResult (the format of a run's extraction.jsonl)."""
     with open(path, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(r.to_dict()) + "\n" for r in results)
-
-
-def _serial_model(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path)

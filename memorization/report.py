@@ -52,11 +52,13 @@ def markdown_table(runs: Sequence[dict[str, Any]], columns=TABLE_COLUMNS) -> str
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Load a metrics.jsonl file."""
+    """The per-step metrics of a metrics.jsonl file (lines a callback logged, which carry no "loss", are
+    left out: Trainer.log)."""
     p = Path(path)
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r]
 
 
 def plot_runs(runs: Sequence[dict[str, Any]], curves: dict[str, list[dict[str, Any]]],

@@ -21,14 +21,13 @@ import torch
 
 from axonn.trainer import Trainer
 from memorization.config import RunConfig
-from memorization.experiments.passes import serial_model
 from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
 from memorization.models import build_model, is_pretrained
-from memorization.pipeline import extraction_results, run_training, write_extraction
+from memorization.pipeline import extraction_results, finish, serial_model, start_run, train
 from memorize_core import fail
 
 
@@ -99,6 +98,8 @@ class PassEvaluation:
         record, self.last_results = self.evaluate(model)
         rec = {"pass": done, "step": trainer.state.step, **record}
         self.records.append(rec)
+        trainer.log({"pass": done, "pass_exact_match": rec["exact_match_rate"],
+                     "pass_val_loss": rec["val_loss"]})
         say(f"{trainer.name} pass {done}: exact match {rec['exact_match_rate']:.0%}, val loss "
             f"{rec['val_loss']:.3f}, MIA AUC "
             + ", ".join(f"{m} {v['auc']:.2f}" for m, v in rec["mia"].items()))
@@ -140,21 +141,18 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     for loss, pretrained in arms:
         rc = run_config(cfg, loss, pretrained)
 
-        def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
+        def train_arm(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
             probe = PassEvaluation(evaluator, set(cfg.eval_passes) or None, cfg.passes)
-            summary = run_training(rc, run_dir, overwrite=True, grid_spec=exp.grid_spec, data=data,
-                                   progress=rc.trainer.progress, callbacks=[probe])
+            with start_run(rc, run_dir, data, overwrite=True, grid_spec=exp.grid_spec,
+                           progress=rc.trainer.progress, callbacks=[probe]) as run:
+                train(run)  # the last pass is always scored: its extraction is the run's
+                summary = finish(run, scored=probe.last_results, extra={"passes": probe.records})
             if exp.is_main:
-                summary["passes"] = probe.records
                 with open(run_dir / "passes.jsonl", "w", encoding="utf-8") as fh:
                     fh.writelines(json.dumps(r) + "\n" for r in probe.records)
-                write_extraction(run_dir / "extraction.jsonl", probe.last_results)
-                payload = json.loads((run_dir / "run.json").read_text())
-                payload["summary"]["passes"] = probe.records
-                (run_dir / "run.json").write_text(json.dumps(payload, indent=2))
             return summary
 
-        summary = exp.run(rc, data, train=train, per_run_wandb=cfg.per_run_wandb,
+        summary = exp.run(rc, data, train=train_arm, per_run_wandb=cfg.per_run_wandb,
                           extra_key={"evaluated": "every pass", "mia": cfg.mia_methods, "k": cfg.mia_k,
                                      "bootstrap": cfg.bootstrap, "other": [cfg.other_held_out,
                                                                           cfg.other_held_out_limit],

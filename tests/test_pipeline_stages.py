@@ -1,0 +1,126 @@
+"""The run pipeline's stages: composed by hand they equal run_training; the per-pass hook; closing."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from memorization.config import load_run_config
+from memorization.experiments.passes import train_with_passes
+from memorization.models import REPO_ROOT
+from memorization.pipeline import finish, prepare_data, run_training, start_run, train
+from memorization.report import read_metrics
+
+MICRO = [
+    "data.limit=6", "data.vocab_size=300", "data.block_len=32", "data.min_tokens=16", "data.held_out_limit=4",
+    "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, "
+    "num_attention_heads: 2, num_key_value_heads: 2}",
+    "eval.prefix=8", "eval.suffix=8", "trainer.batch_size=2", "trainer.epochs=3", "trainer.warmup_steps=1",
+    "trainer.progress=false", "wandb.mode=disabled",
+]
+TIMING = {"train_seconds"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMORIZE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", MICRO)
+        yield cfg, prepare_data(cfg)
+
+
+def _same(a: dict, b: dict) -> None:
+    assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
+def test_stages_by_hand_equal_run_training(setup, tmp_path):
+    cfg, data = setup
+    whole = run_training(cfg, tmp_path / "whole", data=data)
+    with start_run(cfg, tmp_path / "staged", data) as run:
+        history = train(run)
+        staged = finish(run)
+    _same(whole, staged)
+    assert whole["exact_match_rate"] is not None and len(history) == whole["steps"] == 9
+    for name in ("extraction.jsonl", "metrics.jsonl"):
+        a, b = ((tmp_path / d / name).read_text().splitlines() for d in ("whole", "staged"))
+        if name == "metrics.jsonl":  # tokens/s differ run to run
+            a, b = ([{k: v for k, v in json.loads(x).items() if k != "tokens_per_s"} for x in s] for s in (a, b))
+        assert a == b
+    assert json.loads((tmp_path / "staged" / "run.json").read_text())["summary"]["steps"] == 9
+
+
+def test_finish_writes_results_it_is_given_instead_of_extracting(setup, tmp_path):
+    cfg, data = setup
+    with start_run(cfg, tmp_path / "run", data) as run:
+        train(run)
+        summary = finish(run, scored=[], extra={"note": "given"})
+    assert (tmp_path / "run" / "extraction.jsonl").read_text() == ""  # the given (empty) results
+    assert summary["docs"] == 0 and summary["note"] == "given"
+
+
+def test_per_pass_hook_scores_every_pass_once_and_logs_it(setup, tmp_path):
+    cfg, data = setup
+    out = tmp_path / "passes"
+    summary = train_with_passes(cfg, out, data)
+    passes = [json.loads(x) for x in (out / "passes.jsonl").read_text().splitlines()]
+    assert [p["pass"] for p in passes] == [1, 2, 3] and [p["step"] for p in passes] == [3, 6, 9]
+    assert passes == summary["passes"]
+    assert passes[-1]["exact_match_rate"] == summary["exact_match_rate"]  # the last pass is the final one
+    assert json.loads((out / "run.json").read_text())["summary"]["passes"] == passes
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [x for x in lines if "pass" in x]
+    assert [(x["step"], x["pass"], x["pass_exact_match"]) for x in logged] == \
+        [(p["step"], p["pass"], p["exact_match_rate"]) for p in passes]
+    assert len(read_metrics(out / "metrics.jsonl")) == 9  # step metrics only
+
+
+def test_max_steps_inside_a_pass_still_scores_the_final_model_once(setup, tmp_path):
+    cfg, data = setup
+    cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=4))
+    summary = train_with_passes(cfg, tmp_path / "cut", data)
+    assert [(p["pass"], p["step"]) for p in summary["passes"]] == [(1, 3), (3, 4)]
+    assert summary["passes"][-1]["exact_match_rate"] == summary["exact_match_rate"]
+
+
+class _Boom:
+    def on_step_end(self, trainer, metrics):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_run_closes_its_sinks(setup, tmp_path):
+    cfg, data = setup
+    with pytest.raises(RuntimeError, match="boom"):
+        with start_run(cfg, tmp_path / "fail", data, callbacks=[_Boom()]) as run:
+            train(run)
+    assert all(sink._fh.closed for sink in run.trainer.sinks if hasattr(sink, "_fh"))
+    assert not (tmp_path / "fail" / "run.json").exists()  # no summary of a run that did not finish
+
+
+def _grid_runs(rank, world, cfg, out):
+    from axonn.grid import ProcessGrid
+    from memorization.pipeline import prepare_data as prep
+
+    data = prep(cfg)  # every rank prepares the same rows (the tokenizer cache is shared)
+    grid = ProcessGrid(1, 1, 2, 1)
+    run_training(cfg, f"{out}/whole", data=data, grid=grid)
+    train_with_passes(cfg, f"{out}/passes", data, grid_spec="1,1,2,1")
+
+
+@pytest.mark.distributed
+def test_a_sharded_run_scores_the_same_extraction_as_the_serial_run(setup, tmp_path):
+    """finish and the per-pass hook gather the sharded weights (serial_model) on a 1,1,2,1 grid."""
+    from axonn.spawn import run_distributed
+
+    cfg, data = setup
+    serial = run_training(cfg, tmp_path / "serial", data=data)
+    serial_passes = train_with_passes(cfg, tmp_path / "serial-passes", data)
+    run_distributed(_grid_runs, 2, cfg, str(tmp_path / "grid"), timeout=240)
+    grid = json.loads((tmp_path / "grid" / "whole" / "run.json").read_text())["summary"]
+    assert grid["grid"] == "1,1,2,1"
+    for key in ("exact_match_rate", "rougeL", "token_accuracy", "docs"):
+        assert grid[key] == pytest.approx(serial[key], abs=1e-9), key
+    assert grid["val_loss"] == pytest.approx(serial["val_loss"], rel=1e-4)
+    passes = [json.loads(x) for x in (tmp_path / "grid" / "passes" / "passes.jsonl").read_text().splitlines()]
+    assert [p["pass"] for p in passes] == [1, 2, 3]
+    assert [p["exact_match_rate"] for p in passes] == [p["exact_match_rate"] for p in serial_passes["passes"]]
