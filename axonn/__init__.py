@@ -16,7 +16,7 @@ _EXPORTS = {
     "Comm": "axonn.comm", "CommStats": "axonn.comm",
     "all_reduce_sum": "axonn.engine", "batch_shard": "axonn.engine", "clip_grad_norm_": "axonn.engine",
     "grad_norm": "axonn.engine", "shard_batch": "axonn.engine", "sync_gradients": "axonn.engine",
-    "no_sync": "axonn.engine", "EngineOptions": "axonn.layers.schedule",
+    "no_sync": "axonn.engine", "EngineOptions": "axonn.comm",
     "ProcessGrid": "axonn.grid", "init": "axonn.grid", "launch_env": "axonn.grid", "parse_grid": "axonn.grid",
     "validate_grid_for_model": "axonn.grid",
     "ParallelEmbedding": "axonn.layers", "ParallelLinear": "axonn.layers", "ParamSpec": "axonn.layers",
@@ -24,10 +24,10 @@ _EXPORTS = {
     "token_cross_entropy": "axonn.layers",
     "spec_of": "axonn.layers",
     "parallelize": "axonn.swap", "is_parallel": "axonn.engine",
-    "EngineHandle": "axonn.handle", "engine_of": "axonn.handle",
+    "EngineHandle": "axonn.engine", "engine_of": "axonn.engine",
     "full_grad_dict": "axonn.state", "full_state_dict": "axonn.state", "load_pretrained": "axonn.state",
     "save_pretrained": "axonn.state", "serial_copy": "axonn.state",
-    "Trainer": "axonn.trainer", "TrainerConfig": "axonn.trainer",
+    "Trainer": "axonn.trainer", "TrainerConfig": "axonn.config",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,4 +1,5 @@
-"""Typed dataclass configs from YAML, dotted overrides, and the house error type.
+"""Typed dataclass configs from YAML, dotted overrides, and the trainer's own sections (TrainerConfig,
+DPConfig): pure Python, no torch, so configs load and fail fast.
 
 Every user-facing validation error in the project is a `ConfigError` whose message names the
 field, the bad value and the fix; CLIs print it as one line on stderr and exit with code 2.
@@ -170,3 +171,130 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+# -- the trainer's sections (axonn.trainer.Trainer reads them; memorization's RunConfig nests them) --
+
+ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
+
+
+@dataclasses.dataclass
+class DPConfig:
+    """DP-SGD settings (memorization.privacy runs them through Opacus; docs/usage.md, "DP-SGD").
+
+    Exactly one of noise_multiplier (sigma: noise std = sigma * max_grad_norm) and target_epsilon
+    (sigma solved for the planned steps) is set. delta must also be below 1/N, checked where the
+    number of training rows N is known.
+    """
+
+    enabled: bool = False
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0  # each row's gradient is clipped to this L2 norm
+    accountant: str = "rdp"  # rdp, prv or gdp
+    poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
+    secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
+
+    def validate(self, prefix: str = "trainer.dp") -> None:
+        """Raise ConfigError on out-of-range values (and, if enabled, unless exactly one of sigma/epsilon)."""
+        p = prefix
+        if self.accountant not in ACCOUNTANTS:
+            raise fail(f"{p}.accountant", self.accountant, f"choose one of {', '.join(ACCOUNTANTS)}")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
+        if not 0 < self.delta < 1:
+            raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
+        if not self.max_grad_norm > 0:
+            raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be > 0 (the per-row clipping bound)")
+        if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            both = "both" if self.noise_multiplier is not None else "neither"
+            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, f"{both} of noise_multiplier and "
+                       "target_epsilon is set; set exactly one (e.g. trainer.dp.target_epsilon=8)")
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Optimisation and loop settings (global batch = rows per optimizer step over all ranks)."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    micro_batch: int = 0  # rows per rank per micro-batch (the planner's unit); 0 = batch_size/grad_accum
+    activation_checkpointing: bool = False  # recompute each decoder block's forward in backward
+    epochs: int = 1
+    max_steps: int = 0  # > 0 overrides epochs
+    eval_every: int = 0  # optimizer steps; 0 = only at the end
+    eval_batch_size: int = 32
+    seed: int = 0
+    precision: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+    device: str = "auto"
+    progress: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0 = none
+    keep_last: int = 2  # sealed checkpoints kept (0 = all)
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run aborts
+    collective_timeout_s: float = 60.0  # a silent rank is declared lost after this long
+    dp: DPConfig = dataclasses.field(default_factory=DPConfig)  # DP-SGD (needs a Privacy plug-in: Trainer)
+
+    def accumulation(self, shards: int = 1) -> tuple[int, int]:
+        """(micro-batches per step, rows per rank per micro-batch) when the batch is cut into `shards`
+        (z*data) slices; ConfigError when it does not split evenly."""
+        if self.micro_batch:
+            per_step = self.micro_batch * shards
+            if self.batch_size % per_step:
+                raise fail("trainer.micro_batch", self.micro_batch,
+                           f"micro_batch x the {shards} batch shards of the grid (z*data) = {per_step} "
+                           f"must divide batch_size={self.batch_size}; change either")
+            return self.batch_size // per_step, self.micro_batch
+        micro = self.batch_size // self.grad_accum
+        if micro % shards:
+            raise fail("trainer.batch_size", self.batch_size,
+                       f"batch_size/grad_accum={micro} must be divisible by the {shards} batch shards of "
+                       "the grid (z*data in the engine); raise batch_size")
+        return self.grad_accum, micro // shards
+
+    def validate(self, prefix: str = "trainer") -> None:
+        """Raise ConfigError on out-of-range values."""
+        positive = {"lr": self.lr, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
+                    "eval_batch_size": self.eval_batch_size}
+        for name, value in positive.items():
+            if value <= 0:
+                raise fail(f"{prefix}.{name}", value, "must be > 0")
+        for name in ("warmup_steps", "max_steps", "eval_every", "epochs", "seed", "checkpoint_every",
+                     "keep_last"):
+            if getattr(self, name) < 0:
+                raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise fail(f"{prefix}.epochs", 0, "set epochs >= 1 or max_steps >= 1")
+        if self.micro_batch < 0:
+            raise fail(f"{prefix}.micro_batch", self.micro_batch, "must be >= 0 (0: batch_size/grad_accum)")
+        if self.micro_batch and self.grad_accum != 1:
+            raise fail(f"{prefix}.micro_batch", self.micro_batch, f"set either micro_batch (rows per rank) "
+                       f"or grad_accum (={self.grad_accum}), not both")
+        if self.batch_size % self.grad_accum:
+            raise fail(f"{prefix}.grad_accum", self.grad_accum,
+                       f"must divide batch_size={self.batch_size} (micro-batch = batch_size/grad_accum)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise fail(f"{prefix}.min_lr_ratio", self.min_lr_ratio, "must be within [0, 1]")
+        if self.grad_clip < 0:
+            raise fail(f"{prefix}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if self.max_bad_steps < 1:
+            raise fail(f"{prefix}.max_bad_steps", self.max_bad_steps, "must be >= 1")
+        if not self.collective_timeout_s > 0:
+            raise fail(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
+        self.dp.validate(f"{prefix}.dp")
+
+    def planned_steps(self, rows: int) -> tuple[int, int]:
+        """(steps per epoch, total optimizer steps) of a run over `rows` training rows."""
+        per_epoch = max(1, rows // self.batch_size)
+        return per_epoch, self.max_steps or self.epochs * per_epoch

@@ -18,13 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from axonn.engine import is_parallel
+from axonn.comm import Bucketer, EngineOptions, Scheduler, grad_buckets
+from axonn.engine import EngineHandle, is_parallel, set_engine
 from axonn.grid import ProcessGrid, model_dims, validate_grid_for_model
-from axonn.handle import EngineHandle, set_engine
-from axonn.layers.embedding import ParallelEmbedding
 from axonn.layers.layout import set_spec, spec_of
-from axonn.layers.linear import ParallelLinear
-from axonn.layers.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
+from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import layer_axes, pair_axes
 from memorize_core import fail
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axonn.config import apply_overrides, build, load_yaml
-from axonn.trainer import TrainerConfig
+from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
 from memorization.goldfish import GoldfishConfig
 from memorization.lora import LoraSettings
 from memorize_core import ConfigError, fail

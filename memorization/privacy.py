@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
+from axonn.config import TrainerConfig
 from axonn.grid import ProcessGrid
-from axonn.trainer import TrainerConfig
 from memorize_core import fail
 
 _SAMPLE, _NOISE = 1, 2  # salts: the batch and the noise of a step come from different streams

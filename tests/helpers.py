@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.trainer import Trainer, TrainerConfig
+from axonn.config import TrainerConfig
+from axonn.trainer import Trainer
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import IGNORE_INDEX
 

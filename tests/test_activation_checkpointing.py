@@ -52,7 +52,8 @@ def _model(tied: bool):
 def _run(grid, mode: str, tied: bool, ckpt: bool, micro_batch: int) -> dict:
     """Losses, grad norms and block-forward counts of STEPS steps."""
     import axonn
-    from axonn.trainer import Trainer, TrainerConfig
+    from axonn.config import TrainerConfig
+    from axonn.trainer import Trainer
 
     model = _model(tied)
     if grid is not None:
@@ -116,7 +117,8 @@ def test_losses_bit_identical_with_checkpointing(world):
 
 
 def test_unsupported_model_is_one_line_error():
-    from axonn.trainer import Trainer, TrainerConfig
+    from axonn.config import TrainerConfig
+    from axonn.trainer import Trainer
     from memorize_core import ConfigError
 
     model = torch.nn.Linear(4, 4)
@@ -128,7 +130,7 @@ def test_unsupported_model_is_one_line_error():
 @pytest.mark.parametrize("kw,field", [({"micro_batch": -1}, "trainer.micro_batch"),
                                       ({"micro_batch": 2, "grad_accum": 2}, "trainer.micro_batch")])
 def test_micro_batch_validation(kw, field):
-    from axonn.trainer import TrainerConfig
+    from axonn.config import TrainerConfig
     from memorize_core import ConfigError
 
     with pytest.raises(ConfigError, match=field):
@@ -136,7 +138,7 @@ def test_micro_batch_validation(kw, field):
 
 
 def test_micro_batch_is_rows_per_rank():
-    from axonn.trainer import TrainerConfig
+    from axonn.config import TrainerConfig
     from memorize_core import ConfigError
 
     cfg = TrainerConfig(batch_size=48, micro_batch=2)

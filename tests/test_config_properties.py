@@ -7,8 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axonn.config import apply_overrides, build
-from axonn.trainer import TrainerConfig
+from axonn.config import TrainerConfig, apply_overrides, build
 from memorization.config import RunConfig
 from memorize_core import ConfigError
 

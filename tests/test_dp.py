@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from axonn.config import build
+from axonn.config import DPConfig, TrainerConfig, build
 from axonn.spawn import run_distributed
-from axonn.trainer import IGNORE_INDEX, DPConfig, Trainer, TrainerConfig
+from axonn.trainer import IGNORE_INDEX, Trainer
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.privacy import OpacusPrivacy, check_dp_grid
 from memorize_core import ConfigError

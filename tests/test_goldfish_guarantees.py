@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axonn.trainer import IGNORE_INDEX, Trainer, TrainerConfig
+from axonn.config import TrainerConfig
+from axonn.trainer import IGNORE_INDEX, Trainer
 from data_pipelines import (
     CanarySpec,
     DuplicateSpec,

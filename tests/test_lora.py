@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from axonn.config import build
+from axonn.config import TrainerConfig, build
 from axonn.spawn import run_distributed
-from axonn.trainer import Trainer, TrainerConfig
+from axonn.trainer import Trainer
 from memorization.lora import LoraSettings, apply_lora, check_lora_grid, export_lora, trainable_params
 from memorize_core import ConfigError
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from helpers import rows, tiny_model
 
-from axonn.trainer import IGNORE_INDEX, JsonlSink, Trainer, TrainerConfig, lr_lambda
+from axonn.config import TrainerConfig
+from axonn.trainer import IGNORE_INDEX, JsonlSink, Trainer, lr_lambda
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 

@@ -54,7 +54,8 @@ def _model():
 
 def _losses(grid, goldfish: bool, mode: str = "easy", options=None, grad_accum: int = 1) -> list[float]:
     import axonn
-    from axonn.trainer import Trainer, TrainerConfig
+    from axonn.config import TrainerConfig
+    from axonn.trainer import Trainer
     from memorization.goldfish import GoldfishConfig, GoldfishTransform
 
     model = _model()
@@ -116,7 +117,7 @@ def _run_grids_paired(rank: int, world: int) -> dict:
 
 def _run_bucketed(rank: int, world: int) -> dict:
     import axonn
-    from axonn.engine import EngineOptions
+    from axonn.comm import EngineOptions
 
     grid = axonn.ProcessGrid(1, 1, 1, 2)
     opts = EngineOptions(bucket_grads=True, bucket_mb=0.01)  # several buckets, launched in backward

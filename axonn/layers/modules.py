@@ -1,13 +1,21 @@
-"""A drop-in replacement for nn.Linear (and GPT-2's Conv1D) whose weight is a 3D shard.
+"""The swapped nn.Modules of the 3D engine: `ParallelLinear` and `ParallelEmbedding` (functions.py
+holds the autograd Functions they call).
 
-Every layer splits its input over one tensor axis and its output over the other: (X, Y) for easy
-and head layers; for a paired block (a, b) for the first layer and (b, a) for the second, where
+ParallelLinear is a drop-in replacement for nn.Linear (and GPT-2's Conv1D) whose weight is a 3D
+shard.  Every layer splits its input over one tensor axis and its output over the other: (X, Y) for
+easy and head layers; for a paired block (a, b) for the first layer and (b, a) for the second, where
 (a, b) = `axonn.pairing.pair_axes` is (x, y) unless X > Y and the model's heads divide by X.
 Styles (which collectives wrap the 3D matmul; docs/engine.md):
   easy    full-width in, full-width out: split input over X, matmul, all-gather output over Y
   column  full-width in, output left split over b (first layer of a paired block: heads over b)
   row     input split over b, full-width out: matmul with the transposed layout, all-gather over a
-  head    the LM head: like column over (X, Y); logits stay vocab-split over Y (see cross_entropy)
+  head    the LM head: like column over (X, Y); logits stay vocab-split over Y (see
+          functions.VocabShardedLogits)
+
+ParallelEmbedding is a vocab-parallel nn.Embedding: table [vocab, hidden] cut like an LM-head
+weight (so they can tie).  Rows (vocab) are split over Y and then Z, columns (hidden) over X.
+Forward: all-gather the block over Z, look up the tokens this Y-rank owns (zeros elsewhere),
+all-reduce over Y, all-gather the hidden slices over X -> full-width embeddings on every X/Y rank.
 """
 from __future__ import annotations
 
@@ -18,8 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from axonn.grid import ProcessGrid
-from axonn.layers.cross_entropy import mark_vocab_sharded
-from axonn.layers.functions import GatherLastDim, ParallelMatmul, SplitLastDim
+from axonn.layers.functions import (
+    GatherLastDim,
+    ParallelMatmul,
+    SplitLastDim,
+    VocabEmbedding,
+    mark_vocab_sharded,
+)
 from axonn.layers.layout import ParamSpec, set_spec, spec_of
 from axonn.pairing import PairAxes, layer_axes
 
@@ -66,7 +79,7 @@ class ParallelLinear(nn.Module):
             raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
         self.grid, self.style, self.conv1d = grid, style, conv1d
         self.in_axis, self.out_axis = layer_axes(style, pair)
-        self.scheduler: Any = None  # set by parallelize (axonn.layers.schedule.Scheduler)
+        self.scheduler: Any = None  # set by parallelize (axonn.comm.Scheduler)
         self.in_features, self.out_features = in_features, out_features
         spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
         if isinstance(weight, nn.Parameter) and spec_of(weight) is not None:
@@ -117,3 +130,32 @@ class ParallelLinear(nn.Module):
         if self.style == "head":
             y = mark_vocab_sharded(y, g)
         return y
+
+
+class ParallelEmbedding(nn.Module):
+    """Token embedding whose table is sharded over X, Y and Z (the same layout as the LM head)."""
+
+    def __init__(self, grid: ProcessGrid, num_embeddings: int, embedding_dim: int, *,
+                 padding_idx: int | None = None, weight: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.grid = grid
+        self.scheduler: Any = None  # set by parallelize (axonn.comm.Scheduler)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        spec = weight_spec(grid, num_embeddings, embedding_dim, "easy")
+        self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+                f"local={tuple(self.weight.shape)}")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full-width embeddings of `ids` (identical on the X/Y ranks of a batch shard)."""
+        g = self.grid
+        spec = spec_of(self.weight)
+        if self.scheduler is not None:
+            self.scheduler.grad_mode = torch.is_grad_enabled()
+        rows = spec.block_rows
+        out = VocabEmbedding.apply(ids, self.weight, g.comm, "y", rows, g.y_rank * rows, self.padding_idx,
+                                   self.scheduler, id(self))
+        return GatherLastDim.apply(out, g.comm, "x", g.x_rank) if g.x > 1 else out
