@@ -26,6 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from axonn.grid import ProcessGrid
@@ -75,7 +78,6 @@ def _all_ok(ok: bool, grid: ProcessGrid) -> bool:
     """True when `ok` holds on every rank (a barrier that also carries a verdict)."""
     if grid.world_size == 1:
         return ok
-    import torch.distributed as dist
 
     flag = torch.tensor([0.0 if ok else 1.0], device=grid.device)
     dist.all_reduce(flag)
@@ -139,8 +141,6 @@ def save(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.
     `meta` (JSON-able, taken from rank 0) and `rank_tensors` (per rank, e.g. RNG states) ride along;
     `main_files(dir)` lets rank 0 add files (a tokenizer) before the folder is sealed; no `grid`:
     a serial model."""
-    from safetensors.torch import save_file
-
     grid = grid or ProcessGrid.serial()
     rank, world = grid.rank, grid.world_size
     root = Path(root)
@@ -284,8 +284,6 @@ class _Pieces:
     """Rebuilds full serial tensors from the pieces of a checkpoint (safetensors, one tensor at a time)."""
 
     def __init__(self, path: Path, meta: dict) -> None:
-        from safetensors import safe_open
-
         self.meta = meta
         self.handles = {f: safe_open(str(path / f), framework="pt") for f in meta["files"]}
 

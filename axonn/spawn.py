@@ -27,6 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 
 @dataclass
 class RankResult:
@@ -62,9 +65,6 @@ def _context() -> Any:
 def _child(fn: Callable, rank: int, world: int, port: int, init: bool, timeout: float,
            env: dict, args: tuple, out: Any) -> None:
     os.environ.update(env)
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     try:
         torch.set_num_interop_threads(1)

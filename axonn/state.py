@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from axonn.engine import model_grid
 from axonn.layers.layout import ParamSpec, spec_of
+from axonn.swap import _materialize_meta
 from memorize_core import fail
 
 _DTYPES = {
@@ -164,8 +166,6 @@ def serial_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) 
 
     Without `state` it first calls `full_state_dict(model)` (a collective: call it on every rank).
     Holds the whole model on the calling rank: use it where the serial model fits (evals, export)."""
-    from axonn.swap import _materialize_meta
-
     if state is None:
         state = full_state_dict(model)
     with torch.device("meta"):
@@ -183,8 +183,6 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
 
     Streams: parameters are gathered one at a time and written in shards of at most
     `max_shard_bytes`, so rank 0 never holds more than one shard.  Tied duplicates are written once."""
-    from safetensors.torch import save_file
-
     writer = model_grid(model).rank == 0
     out = Path(out_dir)
     shard: dict[str, torch.Tensor] = {}

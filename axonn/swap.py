@@ -20,7 +20,7 @@ from torch import nn
 
 from axonn.comm import Bucketer, EngineOptions, Scheduler, grad_buckets
 from axonn.engine import EngineHandle, is_parallel, set_engine
-from axonn.grid import ProcessGrid, model_dims, validate_grid_for_model
+from axonn.grid import ProcessGrid, init, model_dims, validate_grid_for_model
 from axonn.layers.layout import set_spec, spec_of
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import layer_axes, pair_axes
@@ -136,12 +136,12 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> None:
                 module._buffers[key] = torch.zeros_like(b, device=device)
     # Non-persistent buffers (rotary inv_freq) are never in a checkpoint: recompute them the way
     # transformers does after its own meta-device loading.
-    init = getattr(model, "_init_weights", None)
-    if callable(init):
+    init_weights = getattr(model, "_init_weights", None)
+    if callable(init_weights):
         with torch.no_grad():
             for module in model.modules():
                 if module._non_persistent_buffers_set and not any(True for _ in module.parameters(False)):
-                    init(module)
+                    init_weights(module)
 
 
 def grad_group(p: torch.Tensor) -> str:
@@ -188,8 +188,6 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     if is_parallel(model):
         raise fail("model", type(model).__name__, "is already parallelized")
     if not isinstance(grid, ProcessGrid):
-        from axonn.grid import init
-
         grid = init()  # no grid given: plain data parallelism over the whole world
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads"):

@@ -8,6 +8,7 @@ gradients, so the optimizer sees exactly the serial gradient.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +18,22 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from axonn import checkpoint
 from axonn.config import TrainerConfig
-from axonn.engine import all_reduce_sum, is_parallel, no_sync, shard_batch
+from axonn.engine import (
+    all_reduce_sum,
+    clip_grad_norm_,
+    grad_norm,
+    is_parallel,
+    no_sync,
+    shard_batch,
+    sync_gradients,
+)
 from axonn.grid import ProcessGrid
+from axonn.layers.functions import cross_entropy, token_cross_entropy
+from axonn.state import save_pretrained
 from memorize_core import IGNORE_INDEX, Batch, fail
 
 
@@ -245,8 +258,7 @@ class Trainer:
     def _ce_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of CE over non-ignored targets, their count) for this rank's rows."""
         if self.on_engine:
-            import axonn
-            return axonn.cross_entropy(logits, targets, self.grid, ignore_index=IGNORE_INDEX)
+            return cross_entropy(logits, targets, self.grid, ignore_index=IGNORE_INDEX)
         flat = logits.float().reshape(-1, logits.shape[-1])
         loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, (targets != IGNORE_INDEX).sum()
@@ -259,8 +271,7 @@ class Trainer:
         One CE over every real token -- what standard loss costs -- split by mask, instead of a
         second softmax pass for the dropped-token metric.
         """
-        import axonn
-        ce = axonn.token_cross_entropy(logits, real, self.grid, ignore_index=IGNORE_INDEX)
+        ce = token_cross_entropy(logits, real, self.grid, ignore_index=IGNORE_INDEX)
         keep = (targets != IGNORE_INDEX).reshape(-1)
         dropped = (real != IGNORE_INDEX).reshape(-1) & ~keep
         return torch.where(keep, ce, 0.0), torch.where(dropped, ce.detach(), 0.0).sum(), dropped.sum()
@@ -316,12 +327,10 @@ class Trainer:
         if self.privacy is not None:
             self.privacy.privatize(self.state.step)  # replaces the all-reduce: clip, sum, noise
         elif self.on_engine:
-            import axonn
-            axonn.sync_gradients(model, self.grid)
+            sync_gradients(model, self.grid)
         if self.on_engine:
-            import axonn
-            norm = (axonn.clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid) if cfg.grad_clip > 0
-                    else axonn.grad_norm(model.parameters(), self.grid))
+            norm = (clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid) if cfg.grad_clip > 0
+                    else grad_norm(model.parameters(), self.grid))
         elif cfg.grad_clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False))
         else:
@@ -387,8 +396,6 @@ class Trainer:
 
     def fit(self) -> list[dict[str, Any]]:
         """Train to total_steps; return the per-step metrics history."""
-        from tqdm.auto import tqdm
-
         cfg = self.cfg
         bar = tqdm(total=self.total_steps, initial=self.state.step, unit="step", desc=self.name or None,
                    position=self.progress_position, disable=not (cfg.progress and self.is_main),
@@ -495,8 +502,6 @@ class Trainer:
 
     def save_checkpoint(self, root: str | Path) -> Path:
         """Write an atomic checkpoint of everything needed to resume exactly (every rank calls it)."""
-        from axonn import checkpoint
-
         state = self.state_dict()
         tensors = state.pop("tensors")
         cfg = getattr(self.model, "config", None)
@@ -507,8 +512,6 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Resume from a checkpoint saved at any grid; returns its meta."""
-        from axonn import checkpoint
-
         meta, tensor = checkpoint.load(path, self.model, self.optimizer, grid=self.grid)
         self.load_state_dict(meta, tensor)
         return meta
@@ -517,7 +520,6 @@ class Trainer:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""
         out = Path(out_dir)
         if is_parallel(self.model):
-            from axonn.state import save_pretrained
             save_pretrained(self.model, out)  # streams shards; rank 0 writes, never the whole model at once
         elif self.is_main:  # a serial model, or a replica at 1,1,1,D (DP-SGD): the main rank alone writes
             self.model.save_pretrained(out, safe_serialization=True)
@@ -530,16 +532,13 @@ class JsonlSink:
     """Append one JSON object per metrics dict to a file (flushed every line)."""
 
     def __init__(self, path: str | Path):
-        import json
-
-        self._json = json
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Write one line."""
-        self._fh.write(self._json.dumps(metrics) + "\n")
+        self._fh.write(json.dumps(metrics) + "\n")
         self._fh.flush()
 
     def close(self) -> None:

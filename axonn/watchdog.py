@@ -20,10 +20,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from axonn.grid import ProcessGrid
+import torch.distributed as dist
+
+from axonn.grid import ProcessGrid, launch_env
 
 EXIT_LOST = 3
 _PREFIX = "axonn/watchdog"
@@ -50,8 +50,6 @@ class Watchdog:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, *, host: str, port: int,
                  interval_s: float | None = None, on_lost: Callable[[str], None] | None = None) -> None:
-        import torch.distributed as dist
-
         self.rank, self.world, self.timeout_s = rank, world_size, float(timeout_s)
         self.interval = interval_s or max(0.05, min(1.0, self.timeout_s / 10))
         self.where = f"{host}:{port}"
@@ -196,8 +194,6 @@ class Watchdog:
 
 def start_watchdog(grid: ProcessGrid, timeout_s: float, **kw: object) -> Watchdog | None:
     """A started Watchdog for a multi-rank grid launched with a TCP rendezvous (else None)."""
-    from axonn.grid import launch_env
-
     env = launch_env()
     world = grid.world_size
     if world <= 1 or env.master_addr is None:

@@ -13,15 +13,22 @@ writes JSON (default benchmarks/results/engine.json).
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+import contextlib
+from typing import Any
 
 import common
 import torch
 import torch.nn.functional as F
 from common import alternate, ratio, report
 
-if TYPE_CHECKING:
-    from axonn.grid import ProcessGrid
+import axonn
+from axonn.comm import EngineOptions
+from axonn.config import TrainerConfig
+from axonn.grid import ProcessGrid
+from axonn.spawn import run_distributed
+from axonn.trainer import Trainer
+from data_pipelines import per_document
+from memorization.goldfish import GoldfishConfig, GoldfishTransform
 
 
 def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
@@ -43,10 +50,6 @@ def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
                 labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None) -> None:
     """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip);
     `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast)."""
-    import contextlib
-
-    import axonn
-
     # every rank holds the global batch (as in the Trainer): the token count needs no collective
     count = max(int((labels[:, 1:] != -100).sum()), 1)
     ids, labels = axonn.shard_batch(ids, grid), axonn.shard_batch(labels, grid)
@@ -63,10 +66,6 @@ def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
 
 def single_rank(args: argparse.Namespace) -> dict:
     """Engine 1,1,1,1 vs torch, GEMM tuning on vs off, goldfish vs standard (one process)."""
-    import axonn
-    from axonn.engine import EngineOptions
-    from memorization.goldfish import GoldfishConfig, GoldfishTransform
-
     torch.set_num_threads(args.threads)
     grid = common.single_process_grid()
     ids = common.batch(args.batch, args.seq, common.SMALL["vocab_size"])
@@ -77,9 +76,6 @@ def single_rank(args: argparse.Namespace) -> dict:
             (("torch", plain), ("engine", eng), ("tuned", tuned))}
     # goldfish vs standard: the Trainer's whole step as `memorize train` runs it (label transform,
     # forward, loss, dropped-token metric, backward, clip, AdamW) on per-document rows
-    from axonn.trainer import Trainer, TrainerConfig
-    from data_pipelines import per_document
-
     rows = per_document(ids.tolist(), args.seq, 0)
     batch = rows[list(range(len(rows)))]
     cfg = TrainerConfig(batch_size=args.batch, lr=1e-4, warmup_steps=0, progress=False, device="cpu")
@@ -109,9 +105,6 @@ def single_rank(args: argparse.Namespace) -> dict:
 
 def _overlap_rank(rank: int, world: int, dims: tuple, mode: str, rows: int, seq: int,
                   reps: int) -> dict:
-    import axonn
-    from axonn.engine import EngineOptions
-
     grid = axonn.ProcessGrid(*dims)
     ids = common.batch(rows, seq, common.SMALL["vocab_size"])
     models = {"on": EngineOptions(bucket_grads=True), "off": EngineOptions.no_overlap()}
@@ -127,8 +120,6 @@ def _overlap_rank(rank: int, world: int, dims: tuple, mode: str, rows: int, seq:
 
 def overlap(args: argparse.Namespace) -> dict:
     """Overlap on vs off at a few grids (gloo ranks, one thread each)."""
-    from axonn.spawn import run_distributed
-
     out = {}
     for dims, mode in (((1, 1, 2, 1), "easy"), ((1, 1, 2, 2), "easy"), ((2, 1, 2, 1), "paired")):
         world = dims[0] * dims[1] * dims[2] * dims[3]

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+from data_pipelines import load_corpus  # noqa: E402
 from evals.decoding import greedy_generate, verified_greedy  # noqa: E402
 
 
@@ -169,10 +170,6 @@ def _compare(model, prefixes: torch.Tensor, targets: torch.Tensor, args) -> dict
 
 def _trained(args) -> dict:
     """The trained model on the first documents of its corpus (prefix = first P tokens)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from data_pipelines import load_corpus
-
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device).eval()
     need = args.prefix_len + args.new_tokens

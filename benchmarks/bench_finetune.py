@@ -34,15 +34,21 @@ from typing import Any
 
 import common
 import torch
+import yaml
 from common import ROOT, alternate, peak_rss, ratio, report
+
+from axonn.config import to_dict
+from axonn.trainer import Trainer, epoch_order
+from memorization.config import load_run_config
+from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.models import build_model
+from memorization.pipeline import effective_trainer, prepare_data
 
 CONFIG = ROOT / "configs" / "train" / "smollm2-wiki.yaml"
 
 
 def run_config(args: argparse.Namespace):
     """The fine-tuning RunConfig: the project's smollm2-wiki.yaml when present, else its equivalent."""
-    from memorization.config import load_run_config
-
     over = [f"trainer.batch_size={args.batch}", f"data.block_len={args.seq}", "trainer.progress=false",
             "trainer.device=cpu"]
     if args.config and Path(args.config).is_file():
@@ -56,16 +62,12 @@ def run_config(args: argparse.Namespace):
 
 def rows(cfg):
     """The training rows exactly as `memorize train` builds them (no held-out corpus needed here)."""
-    from memorization.pipeline import prepare_data
-
     cfg = replace(cfg, data=replace(cfg.data, held_out="", held_out_fraction=0.0))
     return prepare_data(cfg, check_lengths=False)
 
 
 def load_model(cfg, vocab: int) -> torch.nn.Module:
     """The pretrained model as the pipeline loads it (fp32)."""
-    from memorization.models import build_model
-
     return build_model(cfg.model.name, vocab_size=vocab, seed=cfg.seed, overrides=cfg.model.overrides)
 
 
@@ -89,9 +91,6 @@ def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict,
 
 def trainer(cfg, data, transform=None):
     """A Trainer on a freshly loaded model, as run_training builds it for a serial grid."""
-    from axonn.trainer import Trainer
-    from memorization.pipeline import effective_trainer
-
     return Trainer(load_model(cfg, len(data.tokenizer)), effective_trainer(cfg), data.train,
                    label_transform=transform)
 
@@ -114,8 +113,6 @@ def loss_check(cfg, ours, plain: torch.nn.Module, opt, batch: dict) -> dict[str,
 
 def timing(args: argparse.Namespace, cfg, data) -> dict[str, Any]:
     """Loss check, then ours / plain (/ goldfish) alternated round by round."""
-    from memorization.goldfish import GoldfishConfig, GoldfishTransform
-
     batch = data.train[torch.arange(cfg.trainer.batch_size)]
     t0 = time.perf_counter()
     ours = trainer(cfg, data)
@@ -146,8 +143,6 @@ def timing(args: argparse.Namespace, cfg, data) -> dict[str, Any]:
 # -- peak RSS: one subprocess per path ------------------------------------------------------------
 def child(args: argparse.Namespace) -> int:
     """`--child ours|plain`: load, train --rss-steps steps on the epoch's first batches, print a JSON line."""
-    from axonn.trainer import epoch_order
-
     cfg, _ = run_config(args)
     cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=args.rss_steps))
     data = rows(cfg)
@@ -173,10 +168,6 @@ def rss(args: argparse.Namespace, cfg, config_path: str | None) -> dict[str, Any
         with tempfile.TemporaryDirectory() as tmp:
             path = config_path
             if path is None:  # the project config is missing: run the equivalent one
-                import yaml
-
-                from axonn.config import to_dict
-
                 path = str(Path(tmp) / "smollm2-wiki.yaml")
                 Path(path).write_text(yaml.safe_dump(to_dict(cfg)))
             out["memorize_train"] = peak_rss(["-m", "memorization", "train", path, "--steps",

@@ -21,12 +21,18 @@ import common
 import torch
 from bench_engine import engine_step
 from common import report
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import axonn
+from axonn.comm import EngineOptions
+from axonn.plan.calibrate import get_hardware
+from axonn.plan.model import model_flops, predict
+from axonn.plan.shapes import load_shape
+from axonn.plan.volumes import Grid
 
 
 def build(shape, seq: int, device: str, checkpoint: bool) -> torch.nn.Module:
     """A random-init Llama of the planner's shape, built on `device`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
                       num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                       num_key_value_heads=shape.kv_heads, max_position_embeddings=seq,
@@ -41,13 +47,6 @@ def build(shape, seq: int, device: str, checkpoint: bool) -> torch.nn.Module:
 
 def main(argv: list[str] | None = None) -> int:
     """Check, measure, print the table, write the JSON."""
-    import axonn
-    from axonn.engine import EngineOptions
-    from axonn.plan.calibrate import get_hardware
-    from axonn.plan.model import model_flops, predict
-    from axonn.plan.shapes import load_shape
-    from axonn.plan.volumes import Grid
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--seq", type=int, default=2048)

@@ -23,6 +23,15 @@ import common
 import torch
 from bench_engine import engine_step, torch_step
 from common import alternate, ratio, report
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import axonn
+from axonn.plan.search import factorizations
+from axonn.spawn import run_distributed
 
 PAIRS = {"x2_vs_dtensor_tp": ((2, 1, 1, 1), "paired", "tp"),
          "y2_paired_vs_dtensor_tp": ((1, 2, 1, 1), "paired", "tp"),
@@ -32,8 +41,6 @@ PAIRS = {"x2_vs_dtensor_tp": ((2, 1, 1, 1), "paired", "tp"),
 
 def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
     """Megatron-style plan: q/k/v/gate/up column-parallel, o/down row-parallel."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     plan: dict[str, Any] = {}
     for i in range(len(model.model.layers)):
         p = f"model.layers.{i}"
@@ -48,10 +55,6 @@ def tp_plan(model: torch.nn.Module) -> dict[str, Any]:
 
 def torch_parallel(kind: str, tp: int = 1, dp: int = 1) -> torch.nn.Module:
     """The SMALL model under torch's TP (DTensor), FSDP2, TP x FSDP2 or DDP."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
     model = common.llama()
     if kind == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
@@ -73,8 +76,6 @@ def torch_parallel(kind: str, tp: int = 1, dp: int = 1) -> torch.nn.Module:
 @torch.no_grad()
 def dtensor_clip(model: torch.nn.Module, max_norm: float = 1.0) -> None:
     """Global-norm clipping over a mix of DTensor (any mesh) and plain gradients."""
-    from torch.distributed.tensor import DTensor
-
     sq = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
         if p.grad is not None:
@@ -94,8 +95,6 @@ def _local_rows(ids: torch.Tensor, shards: int, index: int) -> torch.Tensor:
 
 def _pair_rank(rank: int, world: int, dims: tuple, mode: str, kind: str, rows: int, seq: int,
                reps: int) -> dict:
-    import axonn
-
     torch.set_num_threads(1)
     grid = axonn.ProcessGrid(*dims)
     ids = common.batch(rows, seq, common.SMALL["vocab_size"])
@@ -116,8 +115,6 @@ class ByteCounter:
     """Counts bytes of every c10d / functional collective dispatched while active (engine definition)."""
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         counter = self
         self.bytes: dict[str, int] = {}
 
@@ -150,9 +147,6 @@ class ByteCounter:
 
 
 def _bytes_rank(rank: int, world: int, rows: int, seq: int) -> dict:
-    import axonn
-    from axonn.plan.search import factorizations
-
     torch.set_num_threads(1)
     ids = common.batch(rows, seq, common.SMALL["vocab_size"])
     ours = {}
@@ -183,8 +177,6 @@ def _bytes_rank(rank: int, world: int, rows: int, seq: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and write its JSON."""
-    from axonn.spawn import run_distributed
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)

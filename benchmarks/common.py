@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+import axonn  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -29,8 +31,6 @@ SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidde
 
 def llama(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A random-init Llama of the SMALL shape (fields overridable)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**SMALL, **overrides}))
 
@@ -75,8 +75,6 @@ def machine() -> dict[str, Any]:
 
 def single_process_grid() -> Any:
     """A one-rank gloo world and its 1,1,1,1 grid (no port needed)."""
-    import axonn
-
     return axonn.init(1, 1, 1, 1)
 
 

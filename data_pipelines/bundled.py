@@ -51,7 +51,7 @@ def _gensim_data(filename: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def _wiki_pages() -> tuple[tuple[str, str], ...]:
     """(title, wikitext) of every non-redirect article in the packaged dump, in dump order."""
-    from gensim.corpora.wikicorpus import extract_pages  # slow import: only when needed
+    from gensim.corpora.wikicorpus import extract_pages  # deferred: gensim +1.2 s, wiki corpora only
 
     with bz2.open(_gensim_data(WIKI_DUMP), "rb") as f:
         pages = [(title, text) for title, text, _pageid in extract_pages(f)]
@@ -87,7 +87,7 @@ def _clean_paragraphs(plain: str) -> list[str]:
 
 def wiki_leads() -> list[tuple[str, str]]:
     """Lead sections (text before the first `==` heading) of the packaged Wikipedia articles."""
-    from gensim.corpora.wikicorpus import filter_wiki
+    from gensim.corpora.wikicorpus import filter_wiki  # deferred: gensim +1.2 s, wiki corpora only
 
     out = []
     for title, wikitext in _wiki_pages():
@@ -102,7 +102,7 @@ def wiki_leads() -> list[tuple[str, str]]:
 
 def wiki_articles() -> list[tuple[str, str]]:
     """Whole packaged Wikipedia articles as plain text, headings and reference sections removed."""
-    from gensim.corpora.wikicorpus import filter_wiki
+    from gensim.corpora.wikicorpus import filter_wiki  # deferred: gensim +1.2 s, wiki corpora only
 
     out = []
     for title, wikitext in _wiki_pages():

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from data_pipelines.canaries import SecretSpace, render, stable_int
+from data_pipelines.corpora import load_corpus
 from data_pipelines.packing import IGNORE_INDEX, Blocks, _check_id, _check_len
 from memorize_core import ConfigError, fail
 
@@ -199,8 +200,6 @@ def _messages(record: Any, where: str) -> list[dict[str, str]]:
 
 
 def _wiki_chat() -> list[ChatExample]:
-    from data_pipelines.corpora import load_corpus
-
     out = []
     for doc in load_corpus("wiki-leads"):
         key = doc.id.split("/", 1)[1]

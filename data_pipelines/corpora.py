@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from data_pipelines import bundled
 from memorize_core import ConfigError, fail
 
@@ -152,8 +154,6 @@ def _load_jsonl(path: Path, spec: str, text_field: str) -> list[Document]:
 
 
 def _load_parquet(path: Path, spec: str, text_field: str) -> list[Document]:
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for unreadable files
@@ -182,7 +182,7 @@ def _load_hub(spec: str, text_field: str, split: str, limit: int | None) -> list
     if not name:
         raise fail("corpus", spec, "write hf:NAME or hf:NAME:CONFIG, e.g. hf:wikitext:wikitext-2-raw-v1")
     try:
-        import datasets  # slow import: only for hub specs
+        import datasets  # deferred: datasets +0.5 s import (after transformers), hf: corpus specs only
 
         ds = datasets.load_dataset(name, config or None, split=split)
     except ConfigError:

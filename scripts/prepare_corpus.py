@@ -66,7 +66,9 @@ def _source(spec: str) -> dict[str, Any]:
 
 def collect(args: argparse.Namespace) -> tuple[list[dict[str, str]], dict[str, Any]]:
     """The kept documents and the manifest's account of inputs and drops."""
-    from data_pipelines import load_corpus
+    # deferred: data_pipelines +3.1 s import (torch, transformers); --help and usage errors answer
+    # without it
+    from data_pipelines import load_corpus  # deferred: +3.1 s import
 
     if args.min_chars < 0:
         raise fail("--min-chars", args.min_chars, "must be >= 0")
@@ -99,7 +101,7 @@ def collect(args: argparse.Namespace) -> tuple[list[dict[str, str]], dict[str, A
 def count_tokens(docs: list[dict[str, str]], spec: str, block_len: int) -> dict[str, Any]:
     """Tokens with `spec` and the packed blocks they make
     (documents joined by EOS, as data.packing=packed)."""
-    from data_pipelines import load_tokenizer
+    from data_pipelines import load_tokenizer  # deferred: +3.1 s import, as in collect
 
     if spec == "bpe":
         raise fail("--tokenizer", spec,

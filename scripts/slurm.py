@@ -113,7 +113,9 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
     if not args.dry_run and "{account}" in " ".join(c["sbatch"]) and not args.account:
         raise fail("--account", None, f"{args.cluster} charges a project account; pass --account")
     command = command_of(args.config)
-    from memorization.dryrun import dry_run_command
+    # deferred: memorization.dryrun +2.8 s import (torch, transformers); --help and bad cluster, time,
+    # node or account input are answered before it
+    from memorization.dryrun import dry_run_command  # deferred: +2.8 s import
 
     world = args.nodes * gpn
     hardware = args.hardware or c["hardware"]
@@ -251,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _checkpoints(config: str, overrides: Sequence[str]) -> bool:
     """Whether the train config writes periodic checkpoints."""
-    from memorization.config import load_run_config
+    from memorization.config import load_run_config  # deferred: +2.8 s import, as dryrun in plan_job
 
     return load_run_config(config, list(overrides)).trainer.checkpoint_every > 0
 
