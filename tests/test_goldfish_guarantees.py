@@ -174,12 +174,12 @@ class _SpyTrainer(Trainer):
 def test_each_rank_gets_the_slice_of_the_serial_goldfish_labels(dims, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import axonn
+    import axonn.trainer
 
     # Only the labels matter here: stand in for the collectives a real grid would run.
-    monkeypatch.setattr(axonn, "sync_gradients", lambda *a, **k: None)
-    monkeypatch.setattr(axonn, "grad_norm", lambda *a, **k: 0.0)
-    monkeypatch.setattr(axonn, "clip_grad_norm_", lambda *a, **k: 0.0)
+    monkeypatch.setattr(axonn.trainer, "sync_gradients", lambda *a, **k: None)
+    monkeypatch.setattr(axonn.trainer, "grad_norm", lambda *a, **k: 0.0)
+    monkeypatch.setattr(axonn.trainer, "clip_grad_norm_", lambda *a, **k: 0.0)
     blocks = per_document(_docs(16, lo=30, hi=48), 48, 0)
     tf = GoldfishTransform(GoldfishConfig(enabled=True, k=K, h=H))
     batch = blocks[list(range(16))]
