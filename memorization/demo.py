@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 
 from memorization.config import RunConfig, load_run_config
 from memorization.models import REPO_ROOT
-from memorization.parallel import is_main_process
+from memorization.parallel import grid_spec, is_main_process, wants_grid
 from memorization.pipeline import check_out_dir, prepare_data, prepare_out_dir, run_training
 from memorization.report import read_metrics, text_table, write_report
 
@@ -35,8 +37,6 @@ def _side_by_side(grid: str | None, cfg: RunConfig) -> bool:
     much of the second core to synchronisation on small models (and collapses when another job
     shares the machine), so this roughly halves the demo's wall time on a laptop.
     """
-    from memorization.parallel import grid_spec, wants_grid
-
     return (not wants_grid(grid_spec(grid, cfg)) and not torch.cuda.is_available()
             and (os.cpu_count() or 1) >= 2)
 
@@ -50,9 +50,6 @@ def _train_job(job: tuple) -> dict[str, Any]:
 
 def _run_side_by_side(jobs: list[tuple]) -> list[dict[str, Any]]:
     """Run the demo's trainings concurrently in spawned processes; results in job order."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
     with ProcessPoolExecutor(max_workers=len(jobs), mp_context=get_context("spawn")) as pool:
         return list(pool.map(_train_job, jobs))
 

@@ -11,14 +11,30 @@ against the sharded model. A grid that cannot run is refused with one line (Conf
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from transformers import AutoModelForCausalLM
 
-from memorization.config import RunConfig
+import axonn
+from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
+from axonn.layers.layout import spec_of
+from axonn.plan import get_hardware, load_shape, plan, predict, valid_grids
+from axonn.plan.memory import local_params, memory_breakdown
+from axonn.plan.search import check_inputs
+from axonn.plan.volumes import Grid
+from axonn.state import SafetensorsSlices
+from axonn.swap import parallelize, trainable
+from data_pipelines import load_tokenizer
+from memorization.config import RunConfig, load_run_config
+from memorization.experiments import load_experiment
+from memorization.models import pretrained_config, resolve_model_dir, run_tokenizer, zoo_config
+from memorization.parallel import grid_spec
 from memorize_core import ConfigError, fail
 
 GiB = 2**30
@@ -31,9 +47,6 @@ def model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
     Mirrors memorization.models (build_model, run_tokenizer, check_tokenizer): a zoo shape takes the
     tokenizer's vocabulary; a pretrained folder keeps its own, and a tokenizer that is not the
     model's is refused here as it would be before the run loads any weight."""
-    from data_pipelines import load_tokenizer
-    from memorization.models import pretrained_config, resolve_model_dir, run_tokenizer, zoo_config
-
     name, spec = cfg.model.name, cfg.data.tokenizer
     local = resolve_model_dir(name)
     if local is None:
@@ -67,9 +80,6 @@ def precision_for(trainer_precision: str, hw: Any) -> str:
 def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int, hw: Any,
                 headroom: float, precision: str) -> tuple[int, int, int, int]:
     """The predicted-fastest grid that runs this config as written (micro-batch, checkpointing)."""
-    from axonn.grid import validate_grid_for_model
-    from axonn.plan import predict, valid_grids
-
     t, mode = cfg.trainer, cfg.parallel_mode
     best, least, reasons = None, None, []
     for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
@@ -108,8 +118,6 @@ def _fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
 
 def _meta_model(hf_config: Any) -> torch.nn.Module:
     """The model with fp32 parameters (as the trainer builds it) and no storage."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         try:
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -119,9 +127,6 @@ def _meta_model(hf_config: Any) -> torch.nn.Module:
 
 def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
     """Every tensor rank 0 will load is in the folder's safetensors with the serial shape."""
-    from axonn.layers.layout import spec_of
-    from axonn.state import SafetensorsSlices
-
     files = SafetensorsSlices(folder)
     seen: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -149,8 +154,6 @@ def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
 
 def _cluster_for(hw_name: str) -> str:
     """The cluster in configs/clusters.yaml whose hardware preset this is (else generic)."""
-    import yaml
-
     if CLUSTERS_FILE.is_file():
         for name, entry in (yaml.safe_load(CLUSTERS_FILE.read_text()) or {}).items():
             if isinstance(entry, dict) and entry.get("hardware") == hw_name and name != "generic":
@@ -177,15 +180,6 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
             hardware: Any = "h100", headroom: float = 0.1, command: str = "train",
             config_path: str = "CONFIG", overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem."""
-    import axonn
-    from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
-    from axonn.plan import get_hardware, load_shape, plan, predict
-    from axonn.plan.memory import local_params, memory_breakdown
-    from axonn.plan.search import check_inputs
-    from axonn.plan.volumes import Grid
-    from axonn.swap import parallelize, trainable
-    from memorization.parallel import grid_spec
-
     hw = get_hardware(hardware)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     t, seq, mode = cfg.trainer, cfg.data.block_len, cfg.parallel_mode
@@ -318,12 +312,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> list[RunConfig]:
     """The RunConfigs a command would train: the one of `train`, or an experiment's distinct models."""
-    from memorization.config import load_run_config
-
     if command == "train":
         return [load_run_config(config_path, list(overrides))]
-    from memorization.experiments import load_experiment
-
     module, exp = load_experiment(config_path, overrides)
     runs = [dataclasses.replace(exp.base, name=exp.name)]  # names the job and its folder
     if hasattr(module, "size_config"):  # catastrophic-memorization: one model per size
@@ -348,8 +338,6 @@ def dry_run_command(command: str, config_path: str, overrides: Sequence[str], *,
 
 def cli_dry_run(args: Any, command: str) -> int:
     """`memorize train|run CONFIG --dry-run --world N ...`: print the report(s); 0, or ConfigError."""
-    import json
-
     if not args.dry_run:
         used = "--world" if args.world is not None else "--gpus-per-node/--hardware/--json"
         raise fail(used, args.world, "sizes a job without running it; add --dry-run")

@@ -13,6 +13,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from data_pipelines import load_corpus, tokenize_documents
+from evals import extract, summarize
+from evals.mia import membership_inference
+from evals.perplexity import corpus_loss
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorize_core import ConfigError, fail
 
@@ -88,9 +96,6 @@ def _load(flag: str, path: str) -> tuple[Any, Any]:
     if not (folder / "config.json").is_file():
         raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
                    "folder such as OUT/model of a training run")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     # The weight-loading progress bar would put lines on stderr before a one-line input error.
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -106,8 +111,6 @@ def _load(flag: str, path: str) -> tuple[Any, Any]:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError):
         tok = None
-    import torch
-
     if torch.cuda.is_available():
         model = model.to("cuda")
     return model, tok
@@ -143,8 +146,6 @@ def _max_tokens(o: EvalOptions, model: Any) -> int:
 
 def _corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, limit: int) -> _Corpus:
     """Load and tokenize one corpus with the model's tokenizer; documents under 2 tokens are dropped."""
-    from data_pipelines import load_corpus, tokenize_documents
-
     try:
         docs = load_corpus(spec, limit=limit or None)
     except ConfigError as e:  # its message names `corpus`; say which flag the spec came from
@@ -239,8 +240,6 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
 
 
 def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus) -> tuple[dict[str, Any], list[dict]]:
-    from evals import extract, summarize
-
     t = time.perf_counter()
     results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
                       batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=True)
@@ -250,8 +249,6 @@ def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus) -> tuple[dict[
 
 
 def _mia(o: EvalOptions, model: Any, tok: Any, ref: Any, m: _Corpus, n: _Corpus) -> dict[str, Any]:
-    from evals.mia import membership_inference
-
     t = time.perf_counter()
     methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
                                    batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed)
@@ -264,8 +261,6 @@ def _mia(o: EvalOptions, model: Any, tok: Any, ref: Any, m: _Corpus, n: _Corpus)
 
 
 def _perplexity(o: EvalOptions, model: Any, c: _Corpus) -> dict[str, Any]:
-    from evals.perplexity import corpus_loss
-
     t = time.perf_counter()
     res = corpus_loss(model, c.seqs, batch_size=o.batch_size)
     return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}

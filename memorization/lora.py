@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from axonn.grid import ProcessGrid
+from memorization.models import is_pretrained
 from memorize_core import fail
 
 EXPORTS = ("merged", "adapter")
@@ -76,8 +77,6 @@ def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
     `dims` is the requested X,Y,Z,D (memorization.parallel.requested_grid), None for `auto`: that
     grid is checked once resolved (check_lora_grid).
     """
-    from memorization.models import is_pretrained
-
     lora = cfg.model.lora
     if not lora.enabled:
         return
@@ -129,7 +128,7 @@ def _unmatched(targets: list[str] | str, model: torch.nn.Module) -> list[str] | 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int = 0) -> torch.nn.Module:
     """Freeze `model` and wrap it with peft LoRA adapters (seeded init; the global RNG is untouched)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # deferred: peft +2.7 s, LoRA runs only
 
     field_name = "model.lora.target_modules"
     missing = _unmatched(settings.target_modules, model)

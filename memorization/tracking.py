@@ -24,7 +24,7 @@ class WandbSink:
         mode = os.environ.get("WANDB_MODE") or cfg.mode
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
-            import wandb
+            import wandb  # deferred: wandb +0.6 s, may be off
         except ImportError:
             _say("wandb is not installed; metrics stay in metrics.jsonl")
             return
@@ -57,7 +57,7 @@ class WandbSink:
         """Log a table (e.g. sample generations)."""
         if self.run is None:
             return
-        import wandb
+        import wandb  # deferred: wandb +0.6 s, may be off
 
         self.run.log({key: wandb.Table(columns=columns, data=rows)})
 
@@ -65,7 +65,7 @@ class WandbSink:
         """Log a PNG plot."""
         if self.run is None:
             return
-        import wandb
+        import wandb  # deferred: wandb +0.6 s, may be off
 
         self.run.log({key: wandb.Image(str(path))})
 

@@ -18,7 +18,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+from transformers.utils import logging as hf_logging
+
+import axonn
+from memorization.experiments.reporting import write_outputs
+from memorization.experiments.runner import Experiment
 from memorization.experiments.spec import build_experiment, load_experiment_dict
+from memorization.parallel import grid_spec, wants_grid
 from memorize_core import fail
 
 KINDS = {
@@ -48,10 +55,6 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
 
     `grid` is the --grid text (None: the base config's `grid`); each sub-run resolves it into the
     ProcessGrid that fits its own model (memorization.parallel.resolve_grid)."""
-    from memorization.experiments.reporting import write_outputs
-    from memorization.experiments.runner import Experiment
-    from memorization.parallel import grid_spec
-
     module, cfg = load_experiment(config_path, overrides)
     _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)
     exp = Experiment(Path(out or Path("runs") / cfg.name), grid_spec=grid, overwrite=overwrite).open()
@@ -68,22 +71,14 @@ def _init_distributed(spec: str, timeout_s: float) -> None:
     Ranks then agree (by broadcast from rank 0) on which sub-runs are finished, even when every
     one of them is reused; each sub-run still builds the grid that fits its own model.
     """
-    from memorization.parallel import wants_grid
-
     if wants_grid(spec):
-        import torch.distributed as dist
-
         if not dist.is_initialized():
-            import axonn
-
             axonn.init(1, 1, 1, timeout_s=timeout_s)
 
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """Hide transformers' per-save/per-load progress bars (dozens per sweep), restoring them afterwards."""
-    from transformers.utils import logging as hf_logging
-
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -12,12 +12,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 
+from data_pipelines import CanarySpec, DuplicateSpec, inject, record_token_positions, tokenize_documents
+from evals import extract
 from memorization.experiments.exposure import canary_scores
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+from memorization.goldfish import goldfish_mask
+from memorization.models import run_tokenizer
+from memorization.pipeline import prepare_documents
 from memorize_core import fail
 
 DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
@@ -69,16 +75,12 @@ class InjectionConfig(ExperimentConfig):
 
     def canary_spec(self):
         """The data_pipelines CanarySpec: per_count canaries for every count."""
-        from data_pipelines import CanarySpec
-
         c = self.canaries
         return CanarySpec(num_canaries=c.per_count * len(self.counts), template=c.template,
                           space=dict(c.space), repeats=list(self.counts))
 
     def duplicate_spec(self):
         """The data_pipelines DuplicateSpec, or None without duplicates."""
-        from data_pipelines import DuplicateSpec
-
         n = self.duplicates.per_count
         return DuplicateSpec(counts=list(self.counts), per_count=n) if n else None
 
@@ -98,10 +100,6 @@ class Config(InjectionConfig):
 def build_corpus(cfg: InjectionConfig, exp: Experiment):
     """(PreparedData, manifest, duplicated documents' tokens, the injected Documents): base corpus +
     injected items, tokenized."""
-    from data_pipelines import inject, record_token_positions, tokenize_documents
-    from memorization.models import run_tokenizer
-    from memorization.pipeline import prepare_documents
-
     b = cfg.base
     docs, held, _ = load_documents(b)
     # The tokenizer never sees the canaries: merges learnt from a secret would shorten it and skew
@@ -184,8 +182,6 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: Any,
                    dup_tokens: dict[str, list[int]]) -> dict[str, Any]:
     """Every canary's exposure and extraction, and every duplicated document's greedy extraction."""
-    from evals import extract
-
     b, c = cfg.base, cfg.canaries
     canaries, dups = manifest.of_kind("canary"), manifest.of_kind("duplicate")
     scores = canary_scores(model, tokenizer, c.template, cfg.canary_spec().space,
@@ -207,10 +203,6 @@ def _secret_mask(text: str, tokenizer: Any, start: int, gold: Any) -> dict[str, 
 
     Computed for standard-loss runs too: it groups canaries the same way in both runs.
     """
-    import torch
-
-    from memorization.goldfish import goldfish_mask
-
     ids = tokenizer.encode(text, add_special_tokens=False)
     drop = goldfish_mask(torch.tensor([ids]), strategy=gold.strategy, k=gold.k, h=gold.h)[0]
     return {"secret_tokens": len(ids) - start, "secret_tokens_dropped": int(drop[start:].sum())}

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from data_pipelines.canaries import MAX_ENUMERATE, render
+from evals import exposure_extrapolated, exposure_rank, greedy_generate, sequence_log_perplexity
 from memorize_core import fail
 
 
@@ -43,8 +45,6 @@ def secret_start(template: str, id_lists: Sequence[Sequence[int]], tokenizer: An
 
 def candidate_secrets(space: Any, canaries: list[str], num: int, seed: int) -> tuple[list[str], bool]:
     """(secrets to score, exact?): all of R when num == 0, else num sampled secrets that are not canaries."""
-    from data_pipelines.canaries import MAX_ENUMERATE
-
     if num == 0:
         if space.size > MAX_ENUMERATE:
             raise fail("canaries.candidates", 0, f"the space holds {space.size} secrets, too many to score "
@@ -59,9 +59,6 @@ def candidate_secrets(space: Any, canaries: list[str], num: int, seed: int) -> t
 def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets: list[str],
                   batch_size: int = 256) -> tuple[np.ndarray, int, list[list[int]]]:
     """(-log2 p(secret tokens | template prefix) per secret, start position, token ids)."""
-    from data_pipelines.canaries import render
-    from evals import sequence_log_perplexity
-
     texts = [render(template, s) for s in secrets]
     backend = tokenizer.backend_tokenizer
     ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
@@ -74,8 +71,6 @@ def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets
 def canary_scores(model: torch.nn.Module, tokenizer: Any, template: str, space: Any, canaries: list[str],
                   *, candidates: int = 0, seed: int = 0) -> dict[str, Any]:
     """Exposure, rank and extraction of every canary, plus the greedy continuation of the template prefix."""
-    from evals import exposure_extrapolated, exposure_rank, greedy_generate
-
     pool, exact = candidate_secrets(space, canaries, candidates, seed)
     secrets = pool if exact else canaries + pool
     scores, start, ids = secret_logppl(model, tokenizer, template, secrets)

@@ -108,8 +108,8 @@ MARKERS = {("hash", False): "o", ("hash", True): "s", ("static", False): "^", ("
 
 def _plot_tradeoff(runs: list[dict[str, Any]], path):
     """Exact match, RougeL and MIA AUC against validation loss, one point per run (colour = k)."""
-    import matplotlib
-    from matplotlib.lines import Line2D
+    import matplotlib  # deferred: matplotlib +0.7 s
+    from matplotlib.lines import Line2D  # deferred: matplotlib +0.7 s
 
     cmap = matplotlib.colormaps["viridis"]
     ks = sorted({r["goldfish_k"] for r in runs if r.get("goldfish_k")})

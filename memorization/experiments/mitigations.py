@@ -14,6 +14,7 @@ arm is data, not code), or on the deduplicated corpus. Then every arm is asked:
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -21,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from axonn.config import apply_overrides, build, to_dict
-from data_pipelines import DedupConfig
+from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
+from evals import extract, summarize
 from memorization.config import RunConfig
 from memorization.experiments.canary_exposure import InjectionConfig, build_corpus, score_injected
 from memorization.experiments.pretrained import require_pretrained_split
@@ -96,8 +99,6 @@ class PeakRSS:
     """Peak resident memory of this process while a block runs (sampled every 20 ms)."""
 
     def __enter__(self) -> PeakRSS:
-        import psutil
-
         self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -116,8 +117,6 @@ class PeakRSS:
 
 def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list, exp: Experiment) -> PreparedData:
     """The injected corpus after deduplication (manifest in OUT/dedup.json)."""
-    from data_pipelines import deduplicate, per_document, tokenize_documents
-
     tok, block = data.tokenizer, cfg.base.data.block_len
     kept, manifest = deduplicate(injected_docs, tokenize_documents(injected_docs, tok), cfg.dedup)
     if exp.is_main:
@@ -130,8 +129,6 @@ def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list, exp: Exp
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train every arm on the injected corpus (or its deduplicated copy); ask each the five questions."""
-    from data_pipelines import tokenize_documents
-
     data, manifest, dup_tokens, injected_docs = build_corpus(cfg, exp)
     b = cfg.base
     injected = {cid for it in manifest.items for cid in it.copy_ids}
@@ -154,8 +151,6 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                         "space": cfg.canaries.space}}
 
     def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
-        from evals import extract, summarize
-
         e = b.eval
         seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
                                       tokenizer=data.tokenizer, batch_size=e.batch_size))
@@ -194,8 +189,6 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
 def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
     """Add values to a finished run's run.json summary (main rank only)."""
-    import json
-
     path = run_dir / "run.json"
     if path.is_file():
         payload = json.loads(path.read_text())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from axonn.trainer import Trainer
+from evals import summarize
 from memorization.config import RunConfig
 from memorization.pipeline import (
     EXTRACTION_KEYS,
@@ -51,8 +52,6 @@ class PassExtraction:
         model = serial_model(trainer)
         if model is None:
             return
-        from evals import summarize  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
-
         self.last_results = extraction_results(model, self.cfg, self.data)
         stats = summarize(self.last_results)
         record = {"pass": label, "step": trainer.state.step, **{k: stats[k] for k in EXTRACTION_KEYS}}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from axonn.trainer import Trainer
+from evals import summarize
 from memorization.config import RunConfig
 from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
 from memorization.experiments.reporting import Outputs, Table, figure, save
@@ -74,8 +75,6 @@ class Evaluator:
 
     def __call__(self, model: torch.nn.Module) -> tuple[dict[str, Any], list[Any]]:
         """(record: extraction, MIA per method and held-out losses of `model`; extraction results)."""
-        from evals import summarize
-
         results = extraction_results(model, self.cfg.base, self.split.prepared)
         stats = summarize(results)
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],

@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from data_pipelines import load_corpus, tokenize_documents
+from evals.mia import bootstrap_ci, roc_metrics, score_sequences
+from evals.perplexity import corpus_loss
+from memorization.experiments.spec import choice_list
 from memorize_core import fail
 
 MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
@@ -28,8 +33,6 @@ class MiaSettings:
 
     def check(self) -> None:
         """Range checks with house-style errors."""
-        from memorization.experiments.spec import choice_list
-
         choice_list("mia_methods", self.mia_methods, MIA_METHODS)
         if not 0 < self.mia_k <= 1:
             raise fail("mia_k", self.mia_k, "must be a fraction in (0, 1], e.g. 0.2")
@@ -41,8 +44,6 @@ class MiaSettings:
 
 def other_domain(settings: MiaSettings, tokenizer: Any, block_len: int) -> list[list[int]]:
     """Token lists of the other-domain corpus, cut to block_len ([] when none is set)."""
-    from data_pipelines import load_corpus, tokenize_documents
-
     if not settings.other_held_out:
         return []
     docs = load_corpus(settings.other_held_out, limit=settings.other_held_out_limit or None)
@@ -55,8 +56,6 @@ class PrivacyUtility:
     def __init__(self, settings: MiaSettings, tokenizer: Any, members: list[list[int]],
                  nonmembers: list[list[int]], other: list[list[int]], reference: torch.nn.Module | None,
                  seed: int = 0):
-        from evals.mia import score_sequences
-
         if len(members) < 2 or len(nonmembers) < 2:
             raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)}",
                        "membership inference needs at least 2 members and 2 non-members; use more documents")
@@ -78,11 +77,6 @@ class PrivacyUtility:
         non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1
         tokens), so no second pass is needed for utility.
         """
-        import numpy as np
-
-        from evals.mia import bootstrap_ci, roc_metrics, score_sequences
-        from evals.perplexity import corpus_loss
-
         scores = {name: score_sequences(model, seqs, tokenizer=self.tok, k=self.s.mia_k, batch_size=16)
                   for name, seqs in self.sets.items()}
         scored = np.array([len(x) - 1 for x in self.sets["nonmembers"]], dtype=np.float64)

@@ -10,6 +10,7 @@ from typing import Any
 
 from axonn.config import to_dict
 from memorization.report import markdown_table, text_table
+from memorization.tracking import WandbSink
 
 Columns = Sequence[tuple[str, str, str]]  # (key, title, format) as memorization.report uses
 
@@ -40,10 +41,10 @@ class Outputs:
 
 def figure(n_panels: int = 1, width: float = 5.5, height: float = 4.0):
     """A matplotlib (fig, axes list) on the Agg backend (no display needed)."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib +0.7 s
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib +0.7 s
 
     fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False)
     return fig, list(axes[0])
@@ -51,7 +52,7 @@ def figure(n_panels: int = 1, width: float = 5.5, height: float = 4.0):
 
 def save(fig: Any, path: Path) -> Path:
     """Save a figure compactly (small PNGs keep docs commit-sized) and close it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib +0.7 s
 
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -93,8 +94,6 @@ def write_outputs(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> di
 
 def _log_wandb(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> str | None:
     """One W&B run for the experiment: summary tables, sample generations and the plots."""
-    from memorization.tracking import WandbSink
-
     wcfg = exp_cfg.base.wandb
     wcfg = replace(wcfg, group=wcfg.group or exp_cfg.name)
     sink = WandbSink(wcfg, name=exp_cfg.name, out_dir=out_dir, config=to_dict(exp_cfg))

@@ -19,9 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from axonn.config import to_dict
+from data_pipelines import load_corpus, split_documents, tokenize_documents
 from memorization.config import RunConfig
+from memorization.parallel import is_main_process
 from memorization.pipeline import PreparedData, prepare_documents, run_training
 from memorize_core import fail
 
@@ -30,8 +34,6 @@ REPORT_FILES = ("report.json", "report.md")
 
 def say(msg: str) -> None:
     """One progress line on stdout from the main rank (flushed, so it interleaves with tqdm)."""
-    from memorization.parallel import is_main_process
-
     if is_main_process():
         print(f"[experiment] {msg}", flush=True)
 
@@ -67,8 +69,6 @@ class Experiment:
     @property
     def is_main(self) -> bool:
         """True on the rank that writes files (rank 0 of a torchrun launch, or a plain process)."""
-        from memorization.parallel import is_main_process
-
         return is_main_process()
 
     def open(self) -> Experiment:
@@ -167,8 +167,6 @@ class Experiment:
                     return stored["values"]
             except (json.JSONDecodeError, AttributeError, KeyError):
                 pass  # unreadable or old: compute again
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_pretrained(d / "model")
         model.eval()
         values = _jsonable(evaluate(model, d))
@@ -178,8 +176,6 @@ class Experiment:
 
 def exported_params(model_dir: Path) -> int | None:
     """Parameter count of a save_pretrained folder (tied weights are stored once)."""
-    from safetensors import safe_open
-
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
@@ -218,8 +214,6 @@ class SplitData:
 
 def load_documents(cfg: RunConfig) -> tuple[list, list | None, str]:
     """(training documents, held-out documents or None, a description of the held-out source)."""
-    from data_pipelines import load_corpus, split_documents
-
     d = cfg.data
     docs = load_corpus(d.corpus, text_field=d.text_field, limit=d.limit or None)
     if d.held_out:
@@ -234,8 +228,6 @@ def load_documents(cfg: RunConfig) -> tuple[list, list | None, str]:
 
 def prepare_split(cfg: RunConfig) -> SplitData:
     """Tokenize training and held-out documents; non-members get the members' cut and length filter."""
-    from data_pipelines import tokenize_documents
-
     docs, held, source = load_documents(cfg)
     prepared = prepare_documents(cfg, docs, held)
     nonmembers: list[list[int]] = []

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from evals import membership_inference
+
 SAMPLE_COLUMNS = ["run", "doc", "prefix", "target", "generated", "exact_match"]
 
 
@@ -15,8 +17,6 @@ def mia_metrics(model: torch.nn.Module, members: list[list[int]], nonmembers: li
     """ROC AUC of loss / zlib / min-k% membership scores, training documents vs held-out ones."""
     if len(members) < 2 or len(nonmembers) < 2:
         return {"mia_auc": None, "mia": None}
-    from evals import membership_inference
-
     res = membership_inference(model, members, nonmembers, tokenizer=tokenizer, batch_size=32)
     return {"mia_auc": res["loss"]["auc"], "mia_tpr_at_1pct_fpr": res["loss"]["tpr_at_1pct_fpr"],
             "mia": res, "mia_members": len(members), "mia_nonmembers": len(nonmembers)}
