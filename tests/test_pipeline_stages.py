@@ -45,7 +45,8 @@ def test_stages_by_hand_equal_run_training(setup, tmp_path):
     for name in ("extraction.jsonl", "metrics.jsonl"):
         a, b = ((tmp_path / d / name).read_text().splitlines() for d in ("whole", "staged"))
         if name == "metrics.jsonl":  # tokens/s differ run to run
-            a, b = ([{k: v for k, v in json.loads(x).items() if k != "tokens_per_s"} for x in s] for s in (a, b))
+            a, b = ([{k: v for k, v in json.loads(x).items() if k != "tokens_per_s"} for x in s]
+                    for s in (a, b))
         assert a == b
     assert json.loads((tmp_path / "staged" / "run.json").read_text())["summary"]["steps"] == 9
 
