@@ -344,6 +344,8 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     tcfg = effective_trainer(cfg)
     # DP-SGD (Opacus): delta vs N, the grid and the budget are checked before anything is written
     privacy = OpacusPrivacy(tcfg, len(data.train), grid=grid) if cfg.trainer.dp.enabled else None
+    if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
+        dist.barrier()
     if resume:  # keep checkpoints and metrics; later results are rewritten
         out_dir = Path(out)
         if is_main:
