@@ -59,7 +59,7 @@ def test_a_memorized_canary_has_maximal_exposure_and_is_extracted(setup):
     ids = torch.tensor([tok.encode(render(TEMPLATE, canary), add_special_tokens=False)] * 4)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     model.train()
-    for _ in range(60):
+    for _ in range(150):  # 60 steps left " is " ambiguous for this 1-layer model on some tokenizer builds
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
