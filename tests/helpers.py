@@ -76,11 +76,11 @@ def checkpoint_trainer(root=None, **kw):
 
 
 def grid_trainer(grid, root=None):
-    """A Trainer on `grid` (None: serial) that checkpoints at CHECKPOINT_HALF of CHECKPOINT_STEPS steps."""
+    """A Trainer on `grid` (serial: the plain model), checkpointing at CHECKPOINT_HALF of the steps."""
     import axonn
 
     model = tiny_model()
-    if grid is not None:
+    if grid.distributed:
         model = axonn.parallelize(model, grid)
     cfg = TrainerConfig(lr=1e-2, warmup_steps=2, batch_size=4, max_steps=CHECKPOINT_STEPS, progress=False,
                         seed=3, device="cpu", checkpoint_every=CHECKPOINT_HALF, keep_last=0, weight_decay=0.1)

@@ -56,7 +56,7 @@ def _run(grid, mode: str, tied: bool, ckpt: bool, micro_batch: int) -> dict:
     from axonn.trainer import Trainer
 
     model = _model(tied)
-    if grid is not None:
+    if grid.distributed:
         model = axonn.parallelize(model, grid, mode=mode)
     calls = [0]
     # a module inside the block: the block's own hooks stay outside the checkpoint (transformers)
@@ -76,7 +76,7 @@ def _compare(rank: int, world: int, cases: list) -> list:
 
     out = []
     for i, (dims, micro_batch) in enumerate(cases):
-        grid = axonn.ProcessGrid(*dims) if world > 1 else None
+        grid = axonn.ProcessGrid(*dims) if world > 1 else axonn.ProcessGrid.serial()
         mode, tied = ("easy", "paired")[i % 2], bool(i // 2 % 2)
         off = _run(grid, mode, tied, False, micro_batch)
         on = _run(grid, mode, tied, True, micro_batch)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import CHECKPOINT_HALF, grid_trainer
 
+from axonn.grid import ProcessGrid
 from axonn.spawn import run_distributed
 
 
@@ -51,7 +52,7 @@ def test_resume_equal_and_reshard(tmp_path):
         _close(losses, ref[CHECKPOINT_HALF:])
         assert all(torch.allclose(torch.from_numpy(w[k]), torch.from_numpy(weights[k]), rtol=1e-4, atol=1e-5)
                    for k in weights)
-    t = grid_trainer(None)  # serial, in this process
+    t = grid_trainer(ProcessGrid.serial())  # serial, in this process
     t.load_checkpoint(f"{root}/step-{CHECKPOINT_HALF:08d}")
     _close([m["loss"] for m in t.fit()], ref[CHECKPOINT_HALF:])
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import grid_trainer
 
+from axonn.grid import ProcessGrid
 from axonn.spawn import run_ranks
 
 LIMIT = 6.0  # collective_timeout_s used here (the default is 60)
@@ -96,6 +97,6 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     root = tmp_path / "ck"
     assert checkpoint.latest_complete(root).name == "step-00000002"
     assert (root / ".tmp-step-00000004").exists() and not (root / "step-00000004").exists()
-    t = grid_trainer(None)
+    t = grid_trainer(ProcessGrid.serial())
     t.load_checkpoint(checkpoint.latest_complete(root))  # loads, checksums verified
     assert t.state.step == 2

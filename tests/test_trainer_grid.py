@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from axonn.grid import ProcessGrid
 from axonn.spawn import run_distributed
 
 STEPS, REL = 20, 1e-4
@@ -59,7 +60,7 @@ def _losses(grid, goldfish: bool, mode: str = "easy", options=None, grad_accum: 
     from memorization.goldfish import GoldfishConfig, GoldfishTransform
 
     model = _model()
-    if grid is not None:
+    if grid.distributed:
         model = axonn.parallelize(model, grid, mode=mode, options=options)
     cfg = TrainerConfig(lr=3e-3, warmup_steps=3, batch_size=8, max_steps=STEPS, grad_clip=0.5, seed=1,
                         progress=False, device="cpu", grad_accum=grad_accum)
@@ -81,7 +82,7 @@ def _run_grids(rank: int, world: int, mode: str) -> dict:
 @pytest.fixture(scope="module")
 def serial():
     torch.set_num_threads(1)
-    return {"standard": _losses(None, False), "goldfish": _losses(None, True)}
+    return {"standard": _losses(ProcessGrid.serial(), False), "goldfish": _losses(ProcessGrid.serial(), True)}
 
 
 def _check(serial, per_grid):
