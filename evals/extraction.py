@@ -6,6 +6,7 @@ longest common prefix and RougeL say how close the misses came.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,11 @@ class ExtractionResult:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict of every field."""
         return dataclasses.asdict(self)
+
+
+def to_jsonl(results: Sequence[ExtractionResult]) -> str:
+    """The text of an extraction.jsonl file: one JSON line per result, every field."""
+    return "".join(json.dumps(r.to_dict()) + "\n" for r in results)
 
 
 def _positive_int(field: str, value: Any) -> int:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from data_pipelines import load_corpus, tokenize_documents
-from evals import extract, summarize
+from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
@@ -223,9 +223,9 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     ppl = [load("--perplexity", spec) for spec in o.perplexity or []]
 
     report: dict[str, Any] = {"model": o.model, "args": asdict(o), "max_tokens": max_tokens}
-    rows: list[dict] = []
+    results: list[ExtractionResult] = []
     if extraction is not None:
-        report["extraction"], rows = _extraction(o, model, tok, extraction)
+        report["extraction"], results = _extraction(o, model, tok, extraction)
     if o.mia:
         report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
     if ppl:
@@ -234,18 +234,19 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     if out is not None:
         files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}
         if extraction is not None:
-            files["extraction.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows)
+            files["extraction.jsonl"] = to_jsonl(results)
         write_files(out, files, replace=EVAL_FILES)
     return report
 
 
-def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus) -> tuple[dict[str, Any], list[dict]]:
+def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus
+                ) -> tuple[dict[str, Any], list[ExtractionResult]]:
     t = time.perf_counter()
     results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
                       batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=True)
     section = {"corpus": c.spec, "prefix": o.prefix, "suffix": o.suffix, "beams": o.beams,
                "loaded": c.loaded, **summarize(results), "seconds": time.perf_counter() - t}
-    return section, [r.to_dict() for r in results]
+    return section, results
 
 
 def _mia(o: EvalOptions, model: Any, tok: Any, ref: Any, m: _Corpus, n: _Corpus) -> dict[str, Any]:

@@ -488,9 +488,9 @@ def serial_model(trainer: Trainer) -> torch.nn.Module | None:
 
 def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:
     """Write extraction.jsonl (and a W&B samples table); the summary's extraction figures."""
-    from evals import summarize  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
+    from evals import summarize, to_jsonl  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
 
-    write_extraction(run.out_dir / "extraction.jsonl", results)
+    (run.out_dir / "extraction.jsonl").write_text(to_jsonl(results), encoding="utf-8")
     stats = summarize(results)
     if run.wandb is not None:
         tok = run.data.tokenizer
@@ -499,8 +499,3 @@ def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:
         run.wandb.log_table("samples", ["doc", "prefix", "target", "generated", "exact_match"], rows)
     return {k: stats[k] for k in EXTRACTION_KEYS}
 
-
-def write_extraction(path: Path, results: list[Any]) -> None:
-    """One JSON line per ExtractionResult (the format of a run's extraction.jsonl)."""
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(r.to_dict()) + "\n" for r in results)
