@@ -31,8 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from axonn.engine import named_layouts
 from axonn.grid import ProcessGrid
-from axonn.layers.layout import ParamSpec, spec_of
+from axonn.layers.layout import ParamSpec
 from memorize_core import fail
 
 FORMAT = "axonn-checkpoint-v1"
@@ -84,17 +85,6 @@ def _all_ok(ok: bool, grid: ProcessGrid) -> bool:
     return float(flag) == 0.0
 
 
-def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(first state-dict name, tensor) for every distinct parameter and persistent buffer."""
-    seen: set[int] = set()
-    out = []
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((key, t))
-    return out
-
-
 def _serial_piece(t: torch.Tensor, grid: ProcessGrid, spec: ParamSpec | None = None
                   ) -> tuple[torch.Tensor, list[list[int]], list[int]] | None:
     """This rank's piece in serial layout, its slice of the full tensor, and the full shape.
@@ -117,18 +107,8 @@ def _serial_piece(t: torch.Tensor, grid: ProcessGrid, spec: ParamSpec | None = N
     return piece.cpu().contiguous(), [[r0, r1], [c0, c1]], [spec.rows, spec.cols]
 
 
-def _serial_shape(t: torch.Tensor) -> list[int]:
-    spec = spec_of(t)
-    if spec is None:
-        return list(t.shape)
-    if spec.cols is None:
-        return [spec.rows]
-    return [spec.cols, spec.rows] if spec.transposed else [spec.rows, spec.cols]
-
-
-def _local_from_full(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of the full serial tensor, cut with the parameter `t`'s spec."""
-    spec = spec_of(t)
+def _local_from_full(spec: ParamSpec | None, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the full serial tensor, cut with the parameter's spec."""
     return full if spec is None else spec.local_from_full(full)
 
 
@@ -146,12 +126,13 @@ def save(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
-    names = {id(p): n for n, p in _unique_tensors(model)}
+    unique = list(named_layouts(model))
+    names = {id(t): n for n, t, _ in unique}
     tensors: dict[str, torch.Tensor] = {}
     index: dict[str, dict] = {}
     finite = True
-    for name, t in _unique_tensors(model):
-        got = _serial_piece(t, grid, spec_of(t))
+    for name, t, spec in unique:
+        got = _serial_piece(t, grid, spec)
         states = optimizer.state.get(t, {}) if optimizer is not None and isinstance(t, nn.Parameter) else {}
         for kind in ("param", "exp_avg", "exp_avg_sq"):
             src = t if kind == "param" else states.get(kind)
@@ -160,7 +141,7 @@ def save(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.
             finite = finite and bool(torch.isfinite(src).all())
             if got is None:
                 continue
-            piece, sl, shape = _serial_piece(src, grid, spec_of(t)) if kind != "param" else got
+            piece, sl, shape = _serial_piece(src, grid, spec) if kind != "param" else got
             key = f"{kind}/{name}"
             tensors[key] = piece
             index[key] = {"shape": shape, "slice": sl}
@@ -324,21 +305,21 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     meta = read_meta(path)
     pieces = _Pieces(path, meta)
     rank = (grid or ProcessGrid.serial()).rank  # no grid: a serial model
-    for name, t in _unique_tensors(model):
+    for name, t, spec in named_layouts(model):
         key = f"param/{name}"
         if not pieces.has(key):
             raise fail("checkpoint", str(path), f"has no tensor {name}; it was saved from another model")
         full = pieces.full(key)
-        if list(full.shape) != _serial_shape(t):
+        if list(full.shape) != (list(t.shape) if spec is None else spec.serial_shape):
             raise fail("checkpoint", str(path), f"tensor {name} has shape {tuple(full.shape)}, which does "
                        "not fit this model; resume with the same model config")
-        t.copy_(_local_from_full(t, full).to(t.dtype))
+        t.copy_(_local_from_full(spec, full).to(t.dtype))
         if optimizer is None or not isinstance(t, nn.Parameter):
             continue
         state = {}
         for kind in ("exp_avg", "exp_avg_sq"):
             if pieces.has(f"{kind}/{name}"):
-                state[kind] = _local_from_full(t, pieces.full(f"{kind}/{name}")).to(t.device, t.dtype)
+                state[kind] = _local_from_full(spec, pieces.full(f"{kind}/{name}")).to(t.device, t.dtype)
         if state:
             state["step"] = torch.tensor(float(meta["optimizer_steps"].get(name, 0.0)))
             optimizer.state[t] = state

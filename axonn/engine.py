@@ -9,17 +9,17 @@ data) -- so each rank ends with exactly the serial gradient of its piece of ever
 It also holds what `parallelize` did to a model, in one typed handle: `engine_of(model) ->
 EngineHandle | None`.  The engine keeps no module-level state, so the model carries its own: the
 grid it is sharded over, the mode and pair orientation of its layers, the options and the scheduler
-its layers call, and the layout of every sharded parameter. All of it sits in one frozen
+its layers call, and the layout of every sharded parameter by name. All of it sits in one frozen
 `EngineHandle`, stored in one attribute by `parallelize` (`set_engine`) and read back only through
 `engine_of`: a plain model has none, so "is this model sharded by the engine?" is
-`engine_of(model) is not None` (`axonn.is_parallel`). Each sharded parameter also carries its own
-layout (`axonn.layers.layout.spec_of`), because the engine's functions that take bare parameters
-(`grad_norm`, `clip_grad_norm_`, the layers) see no model; `EngineHandle.layouts` is the same
-layouts by parameter name.
+`engine_of(model) is not None` (`axonn.is_parallel`).  Everything that needs a parameter's layout
+(gradient sync, norms, state dicts, checkpoints) takes the model and reads `layouts_of(model)`: the
+handle's, or, for a model built from ParallelLinear / ParallelEmbedding directly, the layouts those
+layers own.  Nothing is tagged on the parameters themselves.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,7 +29,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from axonn.comm import EngineOptions, Scheduler, grad_buckets
 from axonn.grid import ProcessGrid
-from axonn.layers.layout import ParamSpec, spec_of
+from axonn.layers.layout import ParamSpec
+from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import PairAxes
 from memorize_core import fail
 
@@ -45,7 +46,8 @@ class EngineHandle:
     pair_axes: PairAxes | None  # the paired blocks' orientation (None in easy mode)
     options: EngineOptions
     scheduler: Scheduler  # the one every parallel layer of the model calls
-    layouts: Mapping[str, ParamSpec]  # parameter name -> its sharding; absent: replicated
+    # state-dict name -> its sharding, tied aliases included; a name that is absent: replicated
+    layouts: Mapping[str, ParamSpec]
 
 
 def engine_of(model: nn.Module) -> EngineHandle | None:
@@ -57,6 +59,40 @@ def engine_of(model: nn.Module) -> EngineHandle | None:
 def set_engine(model: nn.Module, handle: EngineHandle) -> None:
     """Store `handle` on `model` (parallelize's last step)."""
     setattr(model, _ATTR, handle)
+
+
+def module_layouts(model: nn.Module) -> dict[str, ParamSpec]:
+    """Every sharded parameter's layout by state-dict name (tied aliases included), from the
+    parallel layers that own them."""
+    out = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, (ParallelLinear, ParallelEmbedding)):
+            out.update({f"{name}.{key}" if name else key: spec for key, spec in m.layouts().items()})
+    return out
+
+
+def layouts_of(model: nn.Module) -> Mapping[str, ParamSpec]:
+    """State-dict name -> layout of every sharded tensor of the model: its handle's, or for a model
+    built from parallel layers directly (no parallelize), theirs; {} for a plain model."""
+    handle = engine_of(model)
+    return handle.layouts if handle is not None else module_layouts(model)
+
+
+def named_layouts(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, ParamSpec | None]]:
+    """(first state-dict name, tensor, layout or None when replicated) of every distinct parameter and
+    persistent buffer; a plain model's are all replicated."""
+    layouts = layouts_of(model)
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t, layouts.get(name)
+
+
+def param_layouts(model: nn.Module) -> list[tuple[nn.Parameter, ParamSpec | None]]:
+    """(parameter, layout or None when replicated) for every distinct parameter, in registration order."""
+    layouts = layouts_of(model)
+    return [(p, layouts.get(name)) for name, p in model.named_parameters()]
 
 
 def is_parallel(model: nn.Module) -> bool:
@@ -105,19 +141,10 @@ def all_reduce_sum(tensor: torch.Tensor, grid: ProcessGrid, group: str = "batch"
     return tensor
 
 
-def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def _group_of(p: torch.Tensor) -> str:
-    spec = spec_of(p)
-    return spec.grad_group if spec is not None else "batch"
+def grad_groups(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the group `sync_gradients` sums its gradient over (data for 3D weights, else
+    batch: Z x data)."""
+    return {id(p): spec.grad_group if spec is not None else "batch" for p, spec in param_layouts(model)}
 
 
 def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb: float | None = None) -> None:
@@ -133,7 +160,7 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
     sched = handle.scheduler if handle is not None else None
     if sched is not None:
         sched.finish_backward()  # no-op unless a backward ended outside autograd's callback
-    params = [p for p in _unique(model.parameters()) if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:  # keep every rank's collective sequence identical
             p.grad = torch.zeros_like(p)
@@ -142,7 +169,8 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
         return
     if bucket_mb is None:
         bucket_mb = (handle.options if handle is not None else EngineOptions()).bucket_mb
-    for group, bucket in grad_buckets(params, _group_of, grid.sizes, bucket_mb):
+    groups = grad_groups(model)
+    for group, bucket in grad_buckets(params, lambda p: groups[id(p)], grid.sizes, bucket_mb):
         grads = [p.grad for p in bucket]
         flat = _flatten_dense_tensors(grads)
         grid.comm.all_reduce(flat, group)
@@ -165,13 +193,15 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         bucketer.enabled = True
 
 
-def _grid_of(params: list[torch.Tensor]) -> ProcessGrid:
-    """The grid the parameters are sharded over; the serial grid (on their device) for plain ones."""
-    for p in params:
-        spec = spec_of(p)
-        if spec is not None:
-            return spec.grid
-    return ProcessGrid.serial(device=params[0].grad.device if params else "cpu")
+def _grid_of(model: nn.Module, grid: ProcessGrid | None) -> ProcessGrid:
+    """`grid`, else the grid the model is sharded over, else the serial grid on its device."""
+    if grid is not None:
+        return grid
+    handle = engine_of(model)
+    if handle is not None:
+        return handle.grid
+    first = next(model.parameters(), None)
+    return ProcessGrid.serial(device=first.device if first is not None else "cpu")
 
 
 def _sq_norm(g: torch.Tensor) -> torch.Tensor:
@@ -185,34 +215,30 @@ _TENSOR = ("x", "y", "z")
 
 
 @torch.no_grad()
-def grad_norm(params: Iterable[torch.Tensor], grid: ProcessGrid | None = None) -> float:
-    """Global L2 norm of the gradients over the whole grid, each distinct piece counted once.
+def grad_norm(model: nn.Module, grid: ProcessGrid | None = None) -> float:
+    """Global L2 norm of the model's gradients over the whole grid, each distinct piece counted once.
 
     Call it after `sync_gradients`: data replicas then hold identical gradients, so each replica
-    sums its own tensor group (X x Y x Z) and gets the same bits; no collective over `data`."""
-    params = [p for p in _unique(params) if p.grad is not None]
-    grid = grid or _grid_of(params)
+    sums its own tensor group (X x Y x Z) and gets the same bits; no collective over `data`.
+    `grid` defaults to the model's (pass it for a plain replica trained over several ranks)."""
+    grid = _grid_of(model, grid)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     first = all(grid.coord(d) == 0 for d in _TENSOR)  # counts the replicated parameters
-    for p in params:
-        spec = spec_of(p)
-        if (spec.counted_here(_TENSOR) if spec is not None else first):
+    for p, spec in param_layouts(model):
+        if p.grad is not None and (spec.counted_here(_TENSOR) if spec is not None else first):
             total += _sq_norm(p.grad)
     grid.comm.all_reduce(total, "tensor")
     return float(total.sqrt())
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float,
-                    grid: ProcessGrid | None = None) -> float:
-    """Scale gradients so the global norm (over the grid) is at most `max_norm`; returns the norm before."""
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = _unique(params)
-    norm = grad_norm(params, grid)
+def clip_grad_norm_(model: nn.Module, max_norm: float, grid: ProcessGrid | None = None) -> float:
+    """Scale the model's gradients so the global norm (over the grid) is at most `max_norm`; returns
+    the norm before."""
+    norm = grad_norm(model, grid)
     coef = float(max_norm) / (norm + 1e-6)
     if coef < 1.0:
-        for p in params:
+        for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm

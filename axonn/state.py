@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from axonn.engine import model_grid
-from axonn.layers.layout import ParamSpec, spec_of
+from axonn.engine import layouts_of, model_grid
+from axonn.layers.layout import ParamSpec
 from axonn.swap import _materialize_meta
 from memorize_core import fail
 
@@ -33,6 +33,7 @@ _CHUNK_BYTES = 8 * 2**20  # bound on the staging buffer for column-sliced reads
 def _gather_all(model: nn.Module, pick: Callable[[torch.Tensor], torch.Tensor | None],
                 rank0_only: bool, offload: bool) -> dict[str, torch.Tensor]:
     keep = not rank0_only or model_grid(model).rank == 0
+    layouts = layouts_of(model)
     done: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -40,7 +41,7 @@ def _gather_all(model: nn.Module, pick: Callable[[torch.Tensor], torch.Tensor | 
             src = pick(t)
             if src is None:
                 continue
-            spec = spec_of(t)
+            spec = layouts.get(key)
             full = spec.full_from_local(src.detach()) if spec is not None else src.detach()
             full = full.cpu() if offload else full
             if full.untyped_storage().data_ptr() == src.untyped_storage().data_ptr():
@@ -137,6 +138,7 @@ def _reader_for(files: SafetensorsSlices, key: str, spec: ParamSpec) -> Callable
 def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike) -> nn.Module:
     """Fill a parallelized model (e.g. built on the meta device) with its shards from HF safetensors."""
     files = SafetensorsSlices(hf_dir)
+    layouts = layouts_of(model)
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -148,7 +150,7 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike) -> nn.Module:
         if key is None:
             raise fail("load_pretrained", keys[0], f"not found in {hf_dir}; the checkpoint does not "
                        "match this model's architecture")
-        spec = spec_of(t)
+        spec = layouts.get(keys[0])
         if spec is None:
             stored = files.shape(key)
             piece = files.read(key, 0, stored[0]) if stored else files.read(key, 0, 1)
@@ -184,6 +186,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
     Streams: parameters are gathered one at a time and written in shards of at most
     `max_shard_bytes`, so rank 0 never holds more than one shard.  Tied duplicates are written once."""
     writer = model_grid(model).rank == 0
+    layouts = layouts_of(model)
     out = Path(out_dir)
     shard: dict[str, torch.Tensor] = {}
     size, total, done, files = 0, 0, set(), []
@@ -202,7 +205,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
         if id(t) in done:
             continue
         done.add(id(t))
-        spec = spec_of(t)
+        spec = layouts.get(key)
         full = spec.full_from_local(t.detach()) if spec is not None else t.detach()
         if writer:
             shard[key] = full.cpu().contiguous()

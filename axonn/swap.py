@@ -13,15 +13,12 @@ empty shards (fill them with `axonn.load_pretrained`); a real model is sliced lo
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from axonn.comm import Bucketer, EngineOptions, Scheduler, grad_buckets
-from axonn.engine import EngineHandle, is_parallel, set_engine
+from axonn.engine import EngineHandle, grad_groups, is_parallel, module_layouts, set_engine
 from axonn.grid import ProcessGrid, init, model_dims, validate_grid_for_model
-from axonn.layers.layout import set_spec, spec_of
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import layer_axes, pair_axes
 from memorize_core import fail
@@ -128,8 +125,8 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> None:
         for key, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
                 if id(p) not in memo:
-                    new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                    memo[id(p)] = set_spec(new, spec_of(p))
+                    new = torch.empty_like(p, device=device)
+                    memo[id(p)] = nn.Parameter(new, requires_grad=p.requires_grad)
                 module._parameters[key] = memo[id(p)]
         for key, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
@@ -144,12 +141,6 @@ def _materialize_meta(model: nn.Module, device: torch.device) -> None:
                     init_weights(module)
 
 
-def grad_group(p: torch.Tensor) -> str:
-    """The group `sync_gradients` sums a parameter's gradient over (data for 3D weights, else batch)."""
-    spec = spec_of(p)
-    return spec.grad_group if spec is not None else "batch"
-
-
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The model's distinct trainable parameters, in registration order."""
     seen: set[int] = set()
@@ -161,20 +152,21 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
     return out
 
 
-def _schedule(model: nn.Module, grid: ProcessGrid, options: EngineOptions) -> Scheduler:
-    """One Scheduler for the model: every parallel layer enrolled, gradient hooks if bucketing."""
-    sched = Scheduler(grid.comm, options, grid.device)
+def _enrol(model: nn.Module, sched: Scheduler, grid: ProcessGrid, options: EngineOptions) -> None:
+    """Enrol every parallel layer in the model's scheduler; gradient hooks if bucketing (the groups
+    come from the model's handle, so it is set first)."""
     for m in model.modules():
         if isinstance(m, (ParallelLinear, ParallelEmbedding)):
             m.scheduler = sched
-            sched.register(m, m.weight, spec_of(m.weight).block_rows)
+            sched.register(m, m.weight, m.spec.block_rows)
     if options.bucket_grads:
         params = trainable(model)
-        bucketer = Bucketer(grid.comm, grad_buckets(params, grad_group, grid.sizes, options.bucket_mb))
+        groups = grad_groups(model)
+        buckets = grad_buckets(params, lambda p: groups[id(p)], grid.sizes, options.bucket_mb)
+        bucketer = Bucketer(grid.comm, buckets)
         deferred = {id(w) for w, _ in sched._layers.values()} if sched.defers_grads() else set()
         bucketer.hook(params, deferred)
         sched.bucketer = bucketer
-    return sched
 
 
 def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "easy",
@@ -205,19 +197,16 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
             new: nn.Module = new_emb
         else:
             fin, fout = _features(m)
-            weight: Any = m.weight
-            if style == "head" and tied:
-                weight = new_emb.weight
-            new = ParallelLinear(grid, fin, fout, bias=m.bias is not None, style=style, weight=weight,
+            new = ParallelLinear(grid, fin, fout, bias=m.bias is not None, style=style, weight=m.weight,
                                  bias_value=m.bias, conv1d=_is_conv1d(m), dtype=m.weight.dtype,
-                                 pair=pair)
+                                 pair=pair, tied_to=new_emb.weight if style == "head" and tied else None)
         _swap(model, name, new)
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         _materialize_meta(model, grid.device)
     model.to(grid.device)
     options = options or EngineOptions()
-    layouts = {name: spec for name, p in model.named_parameters() if (spec := spec_of(p)) is not None}
+    sched = Scheduler(grid.comm, options, grid.device)
     set_engine(model, EngineHandle(grid=grid, mode=mode, pair_axes=pair if mode == "paired" else None,
-                                   options=options, scheduler=_schedule(model, grid, options),
-                                   layouts=layouts))
+                                   options=options, scheduler=sched, layouts=module_layouts(model)))
+    _enrol(model, sched, grid, options)
     return model

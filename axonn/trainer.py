@@ -329,8 +329,8 @@ class Trainer:
         elif self.on_engine:
             sync_gradients(model, self.grid)
         if self.on_engine:
-            norm = (clip_grad_norm_(model.parameters(), cfg.grad_clip, self.grid) if cfg.grad_clip > 0
-                    else grad_norm(model.parameters(), self.grid))
+            norm = (clip_grad_norm_(model, cfg.grad_clip, self.grid) if cfg.grad_clip > 0
+                    else grad_norm(model, self.grid))
         elif cfg.grad_clip > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False))
         else:

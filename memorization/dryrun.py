@@ -22,8 +22,8 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import axonn
+from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
-from axonn.layers.layout import spec_of
 from axonn.plan import get_hardware, load_shape, plan, predict, valid_grids
 from axonn.plan.memory import local_params, memory_breakdown
 from axonn.plan.search import check_inputs
@@ -128,6 +128,7 @@ def _meta_model(hf_config: Any) -> torch.nn.Module:
 def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
     """Every tensor rank 0 will load is in the folder's safetensors with the serial shape."""
     files = SafetensorsSlices(folder)
+    layouts = layouts_of(model)
     seen: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -138,12 +139,8 @@ def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
         if key is None:
             raise fail("model.name", str(folder), f"{keys[0]} is not in its safetensors files; the "
                        "weights do not match this model's config.json")
-        spec, t = spec_of(tensors[tid]), tensors[tid]
-        if spec is None:
-            want = list(t.shape)
-        else:
-            want = [spec.rows] if spec.cols is None else [spec.rows, spec.cols]
-            want = want[::-1] if spec.transposed else want
+        spec, t = layouts.get(keys[0]), tensors[tid]
+        want = list(t.shape) if spec is None else spec.serial_shape
         if list(files.shape(key)) != want:
             raise fail("model.name", str(folder), f"{key} is stored as {files.shape(key)} but the model "
                        f"expects {want}; was it saved from this config?")

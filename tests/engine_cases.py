@@ -146,8 +146,9 @@ def check_grid(serial: torch.nn.Module, ref: dict, ids: torch.Tensor, labels: to
            "loss": abs(loss.item() - ref["loss"]) / abs(ref["loss"])}
     worst, worst_name, params_exact = 0.0, "", True
     serial_params = dict(serial.named_parameters())
+    layouts = axonn.layouts_of(model)
     for name, p in model.named_parameters():
-        spec = axonn.spec_of(p)
+        spec = layouts.get(name)
         want_g, want_p = ref["grads"][name], serial_params[name].detach()
         if spec is not None:
             want_g, want_p = spec.local_from_full(want_g), spec.local_from_full(want_p)
@@ -156,7 +157,7 @@ def check_grid(serial: torch.nn.Module, ref: dict, ids: torch.Tensor, labels: to
         if e > worst:
             worst, worst_name = e, name
     out.update(grad=worst, grad_name=worst_name, params_exact=params_exact)
-    norm = axonn.grad_norm(model.parameters(), grid)
+    norm = axonn.grad_norm(model, grid)
     out["norm"] = abs(norm - ref["norm"]) / ref["norm"]
     if gather:
         full = axonn.full_state_dict(model)

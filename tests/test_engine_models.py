@@ -89,8 +89,8 @@ def _stats(rank: int, world: int) -> dict:
     serial.zero_grad()
     serial(x).sum().backward()
     want = serial.weight.grad.norm().item()
-    before = axonn.clip_grad_norm_(layer.parameters(), want / 2, grid)
-    after = axonn.grad_norm(layer.parameters(), grid)
+    before = axonn.clip_grad_norm_(layer, want / 2, grid)  # a bare layer: its own layout
+    after = axonn.grad_norm(layer, grid)
     # all_to_all with uneven splits over x (the gloo-safe single-tensor form): rank i sends i+1+j
     # rows filled with its rank to peer j
     me = grid.x_rank

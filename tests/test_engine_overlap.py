@@ -54,7 +54,7 @@ def _train(grid, options, mode: str, tied: bool, ckpt: bool, accum: int) -> dict
                 and b.params[0].grad.untyped_storage().nbytes()
                 == sum(p.numel() * p.element_size() for p in b.params)
                 for b in bucketer.buckets) and any(len(b.params) > 1 for b in bucketer.buckets))
-        norm = axonn.clip_grad_norm_(model.parameters(), 0.5, grid)
+        norm = axonn.clip_grad_norm_(model, 0.5, grid)
         opt.step()
         # gradients dropped (autograd allocates, the bucket copies in) or kept (accumulated in place)
         opt.zero_grad(set_to_none=step % 2 == 0)

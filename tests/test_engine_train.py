@@ -28,7 +28,7 @@ def _step(model, grid, ids, labels, opt) -> tuple[float, float]:
     total = axonn.all_reduce_sum(count.clone(), grid)
     (loss_sum / total).backward()
     axonn.sync_gradients(model, grid)
-    norm = axonn.clip_grad_norm_(model.parameters(), CLIP, grid)
+    norm = axonn.clip_grad_norm_(model, CLIP, grid)
     opt.step()
     return (axonn.all_reduce_sum(loss_sum.detach().clone(), grid) / total).item(), norm
 

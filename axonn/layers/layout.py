@@ -6,8 +6,9 @@ paired block).  Each block is then split by rows over Z (the block flattened and
 padded with zeros to a multiple of Z), so every rank holds a [ceil(rows/R/Z), cols/C] piece: a
 contiguous row range and column range of the full tensor, which is what lets `load_pretrained` read
 exactly its piece out of a safetensors file.  A 1-D parameter (a bias) is either split over one axis
-or replicated.  The spec is attached to the nn.Parameter as `param._axonn_spec`; parameters without a
-spec are replicated on every rank.
+or replicated.  The swapped module that owns a parameter holds its spec (`ParallelLinear.layouts()`),
+and `parallelize` collects them by parameter name into the model's `EngineHandle.layouts`; a
+parameter without a spec is replicated on every rank.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ Reader = Callable[[int, int, int, int], torch.Tensor]
 
 @dataclass(frozen=True, eq=False)
 class ParamSpec:
-    """How one parameter is sharded over a grid (attached as `param._axonn_spec`)."""
+    """How one parameter is sharded over a grid (`EngineHandle.layouts` maps names to these)."""
 
     grid: ProcessGrid
     rows: int                  # full size of dim 0 (out features / vocab / bias length)
@@ -46,6 +47,13 @@ class ParamSpec:
     def grad_group(self) -> str:
         """Group over which `sync_gradients` sums this gradient (Z is already summed by the layer)."""
         return "data" if self.z_split else "batch"
+
+    @property
+    def serial_shape(self) -> list[int]:
+        """Shape of the full tensor as the serial model stores it ([cols, rows] when transposed)."""
+        if self.cols is None:
+            return [self.rows]
+        return [self.cols, self.rows] if self.transposed else [self.rows, self.cols]
 
     def _n(self, dim: str | None) -> int:
         return 1 if dim is None else self.grid.size(dim)
@@ -122,21 +130,3 @@ class ParamSpec:
         """True on exactly one rank among those that hold identical copies and differ only along
         `dims` (default: the whole grid; norms pass the tensor axes)."""
         return all(self.grid.coord(d) == 0 for d in dims if d not in self.shard_dims)
-
-
-def spec_of(param: torch.Tensor) -> ParamSpec | None:
-    """The sharding spec of a parameter, or None when it is replicated (or not parallelized)."""
-    spec = getattr(param, "_axonn_spec", None)
-    return spec if isinstance(spec, ParamSpec) else None
-
-
-def set_spec(param: torch.Tensor, spec: ParamSpec | None) -> torch.Tensor:
-    """Tag a parameter with its sharding spec (None: replicated, left untagged); returns it."""
-    if spec is not None:
-        param._axonn_spec = spec  # the one place the tag is written; spec_of reads it
-    return param
-
-
-def replicated_counted_here(grid: ProcessGrid) -> bool:
-    """For a replicated parameter: whether this rank is the one that counts it."""
-    return grid.rank == 0

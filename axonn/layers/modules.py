@@ -33,7 +33,7 @@ from axonn.layers.functions import (
     VocabEmbedding,
     mark_vocab_sharded,
 )
-from axonn.layers.layout import ParamSpec, set_spec, spec_of
+from axonn.layers.layout import ParamSpec
 from axonn.pairing import PairAxes, layer_axes
 
 STYLES = ("easy", "column", "row", "head")
@@ -64,16 +64,20 @@ def _local_param(full: torch.Tensor | None, spec: ParamSpec | None, shape: tuple
         data = full.detach().to(device=device, dtype=dtype).clone()
     else:
         data = spec.local_from_full(full.detach()).to(device=device, dtype=dtype).clone()
-    return set_spec(nn.Parameter(data), spec)
+    return nn.Parameter(data)
 
 
 class ParallelLinear(nn.Module):
-    """y = x W^T + b with W cut over X, Y, Z; `style` picks the activation layouts (module docstring)."""
+    """y = x W^T + b with W cut over X, Y, Z; `style` picks the activation layouts (module docstring).
+
+    `weight` is the full serial weight to slice (or a meta tensor: empty shards); `tied_to` is a
+    shard with this layout to share instead (the embedding's, for a tied LM head)."""
 
     def __init__(self, grid: ProcessGrid, in_features: int, out_features: int, *, bias: bool,
-                 style: str = "easy", weight: torch.Tensor | nn.Parameter | None = None,
+                 style: str = "easy", weight: torch.Tensor | None = None,
                  bias_value: torch.Tensor | None = None, conv1d: bool = False,
-                 dtype: torch.dtype = torch.float32, pair: PairAxes = ("x", "y")) -> None:
+                 dtype: torch.dtype = torch.float32, pair: PairAxes = ("x", "y"),
+                 tied_to: nn.Parameter | None = None) -> None:
         super().__init__()
         if style not in STYLES:
             raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
@@ -81,21 +85,26 @@ class ParallelLinear(nn.Module):
         self.in_axis, self.out_axis = layer_axes(style, pair)
         self.scheduler: Any = None  # set by parallelize (axonn.comm.Scheduler)
         self.in_features, self.out_features = in_features, out_features
-        spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
-        if isinstance(weight, nn.Parameter) and spec_of(weight) is not None:
-            self.weight = weight  # already a shard with this layout (tied LM head)
+        self.spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
+        if tied_to is not None:
+            if tuple(tied_to.shape) != self.spec.local_shape:
+                raise ValueError(f"tied_to has shape {tuple(tied_to.shape)}, this layout needs "
+                                 f"{self.spec.local_shape}")
+            self.weight = tied_to
         else:
-            self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
+            self.weight = _local_param(weight, self.spec, self.spec.local_shape, grid.device, dtype)
         self.bias: nn.Parameter | None = None
+        self.bias_spec = bias_spec(grid, out_features, style, pair) if bias else None
         if bias:
-            bspec = bias_spec(grid, out_features, style, pair)
-            shape = bspec.local_shape if bspec is not None else (out_features,)
-            self.bias = _local_param(bias_value, bspec, shape, grid.device, dtype)
+            shape = self.bias_spec.local_shape if self.bias_spec is not None else (out_features,)
+            self.bias = _local_param(bias_value, self.bias_spec, shape, grid.device, dtype)
 
-    @property
-    def spec(self) -> ParamSpec:
-        """Layout of the weight shard."""
-        return spec_of(self.weight)
+    def layouts(self) -> dict[str, ParamSpec]:
+        """Layout of each sharded parameter by its name in this module (a replicated bias is absent)."""
+        out = {"weight": self.spec}
+        if self.bias_spec is not None:
+            out["bias"] = self.bias_spec
+        return out
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, style={self.style}, "
@@ -142,8 +151,12 @@ class ParallelEmbedding(nn.Module):
         self.grid = grid
         self.scheduler: Any = None  # set by parallelize (axonn.comm.Scheduler)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        spec = weight_spec(grid, num_embeddings, embedding_dim, "easy")
-        self.weight = _local_param(weight, spec, spec.local_shape, grid.device, dtype)
+        self.spec = weight_spec(grid, num_embeddings, embedding_dim, "easy")
+        self.weight = _local_param(weight, self.spec, self.spec.local_shape, grid.device, dtype)
+
+    def layouts(self) -> dict[str, ParamSpec]:
+        """Layout of the table shard by its name in this module."""
+        return {"weight": self.spec}
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
@@ -152,10 +165,9 @@ class ParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Full-width embeddings of `ids` (identical on the X/Y ranks of a batch shard)."""
         g = self.grid
-        spec = spec_of(self.weight)
         if self.scheduler is not None:
             self.scheduler.grad_mode = torch.is_grad_enabled()
-        rows = spec.block_rows
+        rows = self.spec.block_rows
         out = VocabEmbedding.apply(ids, self.weight, g.comm, "y", rows, g.y_rank * rows, self.padding_idx,
                                    self.scheduler, id(self))
         return GatherLastDim.apply(out, g.comm, "x", g.x_rank) if g.x > 1 else out
