@@ -42,7 +42,8 @@ from axonn.trainer import Trainer, epoch_order
 from memorization.config import load_run_config
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.models import build_model
-from memorization.pipeline import effective_trainer, prepare_data
+from memorization.pipeline import effective_trainer
+from memorization.prepare import prepare_data
 
 CONFIG = ROOT / "configs" / "train" / "smollm2-wiki.yaml"
 

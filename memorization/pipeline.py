@@ -1,6 +1,6 @@
 """One training run in four named stages, which the CLI, the demo and every experiment compose:
 
-1. `prepare_data(cfg)`: corpus -> tokenizer -> token rows (PreparedData);
+1. `prepare_data(cfg)` (memorization/prepare.py): corpus -> tokenizer -> token rows (PreparedData);
 2. `start_run(cfg, out, data, ...)`: every check, the model built on its grid, OUT, sinks, the
    Trainer (a `Run`, used as a context manager);
 3. `train(run)`: resume, fit, held-out loss;
@@ -32,18 +32,6 @@ from axonn.state import full_state_dict, load_pretrained, serial_copy
 from axonn.swap import parallelize
 from axonn.trainer import Callback, JsonlSink, MetricSink, Trainer
 from axonn.watchdog import Watchdog, start_watchdog
-from data_pipelines import (
-    chat_blocks,
-    extraction_pairs,
-    is_chat_spec,
-    load_chat,
-    load_corpus,
-    pack,
-    per_document,
-    render_chat,
-    split_documents,
-    tokenize_documents,
-)
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, check_lora_grid, check_lora_run, export_lora, trainable_params
@@ -53,9 +41,9 @@ from memorization.models import (
     count_params,
     is_pretrained,
     resolve_model_dir,
-    run_tokenizer,
 )
 from memorization.parallel import is_main_process, requested_grid, resolve_grid
+from memorization.prepare import PreparedData, prepare_data
 from memorization.privacy import OpacusPrivacy, check_dp_grid
 from memorization.tracking import WandbSink
 from memorize_core import fail
@@ -90,103 +78,6 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
             shutil.rmtree(target) if target.is_dir() else target.unlink()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-@dataclass
-class PreparedData:
-    """Token rows ready for the trainer, with what evals need to find the documents again."""
-
-    tokenizer: Any
-    train: Any  # data_pipelines.Blocks
-    train_docs: list[list[int]]  # the token lists the model was trained on (as cut to block_len)
-    train_doc_ids: list[str]
-    held_out: Any | None
-    # chat data: the prompt before each training response (the extraction input) and that response
-    # (the extraction target, cut to eval.suffix); None for plain documents
-    prompts: list[list[int]] | None = None
-    responses: list[list[int]] | None = None
-
-    @property
-    def is_chat(self) -> bool:
-        """True when the rows are conversations (only assistant tokens supervised)."""
-        return self.prompts is not None
-
-
-def prepare_data(cfg: RunConfig, *, check_lengths: bool = True) -> PreparedData:
-    """Load the configured corpus, build the tokenizer, and cut documents into rows."""
-    d = cfg.data
-    if is_chat_data(cfg):
-        return prepare_chat(cfg)
-    docs = load_corpus(d.corpus, text_field=d.text_field, limit=d.limit or None)
-    held_docs = None
-    if not d.held_out and d.held_out_fraction > 0:
-        docs, held_docs = split_documents(docs, d.held_out_fraction, cfg.seed)
-    return prepare_documents(cfg, docs, held_docs, check_lengths=check_lengths)
-
-
-def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None, *,
-                      tokenizer: Any = None, check_lengths: bool = True) -> PreparedData:
-    """Tokenize given Documents (e.g. a corpus with injected canaries) into training rows.
-
-    The tokenizer is trained on `docs` unless one is passed (pass one to share it across runs
-    whose corpora differ only by injected items). Held-out documents come from `held_docs`, or from
-    the `data.held_out` corpus when that is set.
-    """
-    d = cfg.data
-    tok = tokenizer or run_tokenizer(d.tokenizer, cfg.model.name, texts=[doc.text for doc in docs],
-                                     vocab_size=d.vocab_size)
-    cut = d.block_len if d.packing == "per-document" else None
-    tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
-    kept = tokens.kept
-    if not tokens:
-        raise fail("data.min_tokens", d.min_tokens, f"no document of '{d.corpus}' is that long; lower it")
-    if check_lengths and cfg.eval.extraction:
-        need = cfg.eval.prefix + cfg.eval.suffix
-        longest = max(len(t) for t in tokens)
-        if longest < need:
-            raise fail("eval.prefix+eval.suffix", need,
-                       f"longer than every training document (longest {longest} tokens); shorten them")
-    eos = tok.eos_token_id
-    rows = (per_document(tokens, d.block_len, eos) if d.packing == "per-document"
-            else pack(tokens, d.block_len, eos))
-    held = None
-    if d.held_out:
-        held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
-    if held_docs:
-        held_tokens = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
-        held = per_document(held_tokens, d.block_len, eos)
-    return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held)
-
-
-def is_chat_data(cfg: RunConfig) -> bool:
-    """Whether data.corpus is chat data (data.format chat, or auto and the corpus looks like chat)."""
-    d = cfg.data
-    return d.format == "chat" or (d.format == "auto" and is_chat_spec(d.corpus))
-
-
-def prepare_chat(cfg: RunConfig) -> PreparedData:
-    """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
-    d = cfg.data
-    examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
-    held_examples = None
-    if not d.held_out and d.held_out_fraction > 0:
-        examples, held_examples = split_documents(examples, d.held_out_fraction, cfg.seed)
-    tok = run_tokenizer(d.tokenizer, cfg.model.name, vocab_size=d.vocab_size,
-                        texts=[m["content"] for ex in examples for m in ex.messages])
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    chats = render_chat(examples, tok, max_tokens=d.block_len)
-    prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
-    held = None
-    if d.held_out and is_chat_spec(d.held_out):
-        held_examples = load_chat(d.held_out, limit=d.held_out_limit or None, seed=cfg.seed)
-    if held_examples:
-        held = chat_blocks(render_chat(held_examples, tok, max_tokens=d.block_len), d.block_len, pad)
-    elif d.held_out:  # a plain corpus: loss on every token of its documents
-        held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
-        held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
-                            d.block_len, tok.eos_token_id)
-    return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
-                        [c.id for c in chats], held, prompts, responses)
 
 
 def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,

@@ -10,7 +10,7 @@ from data_pipelines import IGNORE_INDEX
 from memorization.cli import main
 from memorization.config import load_run_config
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
-from memorization.pipeline import prepare_data
+from memorization.prepare import prepare_data
 
 CFG = """
 name: chat

@@ -23,7 +23,7 @@ from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
 from memorization.goldfish import goldfish_mask
 from memorization.models import run_tokenizer
-from memorization.pipeline import prepare_documents
+from memorization.prepare import prepare_documents
 from memorize_core import fail
 
 DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"

@@ -35,7 +35,8 @@ from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.models import build_model
-from memorization.pipeline import PreparedData, run_training
+from memorization.pipeline import run_training
+from memorization.prepare import PreparedData
 from memorize_core import fail
 
 

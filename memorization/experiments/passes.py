@@ -17,7 +17,6 @@ from evals import summarize
 from memorization.config import RunConfig
 from memorization.pipeline import (
     EXTRACTION_KEYS,
-    PreparedData,
     effective_trainer,
     extraction_results,
     finish,
@@ -25,6 +24,7 @@ from memorization.pipeline import (
     start_run,
     train,
 )
+from memorization.prepare import PreparedData
 
 
 class PassExtraction:

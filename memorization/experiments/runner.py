@@ -26,7 +26,8 @@ from axonn.config import to_dict
 from data_pipelines import load_corpus, split_documents, tokenize_documents
 from memorization.config import RunConfig
 from memorization.parallel import is_main_process
-from memorization.pipeline import PreparedData, prepare_documents, run_training
+from memorization.pipeline import run_training
+from memorization.prepare import PreparedData, prepare_documents
 from memorize_core import fail
 
 REPORT_FILES = ("report.json", "report.md")
