@@ -74,15 +74,26 @@ class Privacy(Protocol):
     def metrics(self, steps: int) -> dict[str, Any]: ...
 
 
-class Callback(Protocol):
-    """Optional hooks, called on every rank: on_fit_start(trainer), on_step_end(trainer, metrics),
-    on_epoch_end(trainer, epoch).
+class Callback:
+    """The trainer's hook for evaluation during a run (per pass, every N steps): override any method.
 
-    A callback may define any of them; `epoch` counts completed passes from 1. on_fit_start runs
-    once before the first step of a fresh run (not on resume), so it sees the untrained model
-    ("pass 0"). Step and epoch hooks run after the step's metrics are emitted, so anything they
-    measure belongs to the model as it is then.
+    Every hook runs on every rank, in the order the callbacks were given (an evaluation that gathers
+    a sharded model is a collective).  on_fit_start runs once before the first step of a fresh run
+    (not on resume), so it sees the untrained model ("pass 0"); on_step_end and on_epoch_end run
+    after that step's metrics were emitted, so what they measure belongs to the model as it is then
+    (`epoch` counts completed passes from 1; `trainer.state.step % N == 0` in on_step_end gives
+    every N steps).  Report results with `trainer.log(...)`: metrics.jsonl and W&B, on rank 0.
+    Duck-typed objects work too: the trainer calls only the methods an object has.
     """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Before the first step of a fresh run."""
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        """After every optimizer step (`metrics`: what the step emitted)."""
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int) -> None:
+        """After the step that completes pass `epoch` over the training rows."""
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from axonn.trainer import Trainer
+from axonn.trainer import Callback, Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.pipeline import (
@@ -27,7 +27,7 @@ from memorization.pipeline import (
 from memorization.prepare import PreparedData
 
 
-class PassExtraction:
+class PassExtraction(Callback):
     """Trainer callback: greedy extraction of every training document after the chosen passes and the last.
 
     Each scored pass adds a record (pass, step, extraction figures) to `records` and to the run's

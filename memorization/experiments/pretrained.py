@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from axonn.trainer import Trainer
+from axonn.trainer import Callback, Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
@@ -82,7 +82,7 @@ class Evaluator:
         return record, results
 
 
-class PassEvaluation:
+class PassEvaluation(Callback):
     """Trainer callback: the Evaluator's record before training (pass 0) and after chosen passes."""
 
     def __init__(self, evaluate: Evaluator, passes: set[int] | None, last: int):
