@@ -221,6 +221,9 @@ def grad_norm(model: nn.Module, grid: ProcessGrid | None = None) -> float:
     Call it after `sync_gradients`: data replicas then hold identical gradients, so each replica
     sums its own tensor group (X x Y x Z) and gets the same bits; no collective over `data`.
     `grid` defaults to the model's (pass it for a plain replica trained over several ranks)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"grad_norm/clip_grad_norm_ take the model (its layouts say which pieces each rank "
+                        f"holds), not {type(model).__name__}; pass the nn.Module")
     grid = _grid_of(model, grid)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     first = all(grid.coord(d) == 0 for d in _TENSOR)  # counts the replicated parameters

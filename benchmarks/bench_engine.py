@@ -59,7 +59,7 @@ def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
     loss, _ = axonn.cross_entropy(logits, labels[:, 1:], grid)
     (loss / count).backward()
     axonn.sync_gradients(model, grid)
-    axonn.clip_grad_norm_(model.parameters(), 1.0, grid)
+    axonn.clip_grad_norm_(model, 1.0, grid)
     opt.step()
     opt.zero_grad(set_to_none=True)
 

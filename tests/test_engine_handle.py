@@ -47,3 +47,12 @@ def test_plain_model_has_no_handle_and_no_layouts():
     model = _meta_llama(True)
     assert axonn.engine_of(model) is None and not axonn.is_parallel(model)
     assert axonn.layouts_of(model) == {}
+
+
+def test_norms_take_the_model_not_its_parameters():
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(TypeError, match="take the model"):
+        axonn.clip_grad_norm_(model.parameters(), 1.0)
+    want = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    assert axonn.grad_norm(model) == pytest.approx(want, rel=1e-6)  # a plain model: all replicated
