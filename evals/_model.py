@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 
@@ -33,6 +34,26 @@ def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward keyword that takes a KV cache: `cache` where transformers has renamed it (5.x; the
+    old `past_key_values` goes in 5.40), else `past_key_values`. Looked up once per model class."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    try:
+        return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    except (TypeError, ValueError, AttributeError):
+        return "past_key_values"
+
+
+def returned_cache(out: object) -> object:
+    """The KV cache a forward returned, under either name (`cache`, or `past_key_values` before 5.x)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def float_logits(model: torch.nn.Module, input_ids: torch.Tensor,

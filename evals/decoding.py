@@ -2,7 +2,7 @@
 
 Memorization evals compare a fixed-length continuation with the true suffix, so both decoders
 always emit exactly `max_new_tokens` tokens and ignore EOS. They drive the model's forward pass
-by hand (prefill once, then one token per step through `past_key_values`) instead of calling
+by hand (prefill once, then one token per step through the KV cache) instead of calling
 `model.generate`: that skips generate's per-step bookkeeping for features these evals never use
 (logits processors, stopping criteria, mask/input re-preparation, a host sync per step to test for
 finished sequences) and lets the cache be preallocated (evals/kv_cache.py).
@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from evals._model import accepts_logits_to_keep, evaluating, model_device
+from evals._model import accepts_logits_to_keep, cache_keyword, evaluating, model_device, returned_cache
 from evals.kv_cache import preallocated_cache
 from memorize_core import fail
 
@@ -36,6 +36,12 @@ def _step_kwargs(model: torch.nn.Module) -> dict:
     return {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
 
 
+def _step(model: torch.nn.Module, ids: torch.Tensor, cache, **kw) -> tuple[torch.Tensor, object]:
+    """One forward of `ids` after what `cache` holds: (logits, the cache with `ids` added)."""
+    out = model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}, **kw)
+    return out.logits, returned_cache(out)
+
+
 def greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor,
                     max_new_tokens: int) -> torch.LongTensor:
     """Batched greedy continuation of equal-length prefixes: returns [B, max_new_tokens] new tokens."""
@@ -49,9 +55,9 @@ def greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor,
     kw = _step_kwargs(model)
     cache = preallocated_cache(model, prefixes.shape[1] + max_new_tokens)
     with evaluating(model):
-        step = model(input_ids=prefixes, past_key_values=cache, use_cache=True, **kw)
-        out[:, 0] = step.logits[:, -1].argmax(dim=-1)
-        out[:, 1:] = _continue(model, step.past_key_values, out[:, 0], max_new_tokens - 1, kw)
+        logits, cache = _step(model, prefixes, cache, **kw)
+        out[:, 0] = logits[:, -1].argmax(dim=-1)
+        out[:, 1:] = _continue(model, cache, out[:, 0], max_new_tokens - 1, kw)
     return out
 
 
@@ -71,10 +77,9 @@ def beam_generate(model: torch.nn.Module, prefixes: torch.LongTensor, max_new_to
     with evaluating(model):
         # Prefill each prefix once, then copy its cache to the n beams.
         cache = preallocated_cache(model, prefixes.shape[1] + max_new_tokens)
-        step = model(input_ids=prefixes, past_key_values=cache, use_cache=True, **kw)
-        cache = step.past_key_values
+        logits, cache = _step(model, prefixes, cache, **kw)
         cache.batch_repeat_interleave(n)
-        logits = step.logits[:, -1].float().repeat_interleave(n, dim=0)
+        logits = logits[:, -1].float().repeat_interleave(n, dim=0)
         # All beams start identical; only beam 0 may expand at step 0, or the first step would
         # pick n copies of the same token.
         scores = torch.full((batch, n), float("-inf"), device=device)
@@ -91,9 +96,8 @@ def beam_generate(model: torch.nn.Module, prefixes: torch.LongTensor, max_new_to
             if t + 1 == max_new_tokens:
                 break
             cache.reorder_cache((rows + src).view(-1))
-            step = model(input_ids=tok.view(-1, 1), past_key_values=cache, use_cache=True, **kw)
-            cache = step.past_key_values
-            logits = step.logits[:, -1].float()
+            logits, cache = _step(model, tok.view(-1, 1), cache, **kw)
+            logits = logits[:, -1].float()
     return seqs[:, 0]
 
 
@@ -112,9 +116,8 @@ def _continue(model, cache, last: torch.Tensor, n: int, kw: dict) -> torch.Tenso
     out = torch.empty(last.shape[0], n, dtype=torch.long, device=last.device)
     tok = last
     for t in range(n):
-        step = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True, **kw)
-        cache = step.past_key_values
-        tok = step.logits[:, -1].argmax(dim=-1)
+        logits, cache = _step(model, tok[:, None], cache, **kw)
+        tok = logits[:, -1].argmax(dim=-1)
         out[:, t] = tok
     return out
 
@@ -142,10 +145,8 @@ def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
     kw = _step_kwargs(model)
     out = torch.empty(batch, s, dtype=torch.long, device=device)
     with evaluating(model):
-        step = model(input_ids=prefixes, past_key_values=preallocated_cache(model, p + s), use_cache=True,
-                     **kw)
-        cache = step.past_key_values
-        out[:, 0] = step.logits[:, -1].argmax(dim=-1)
+        logits, cache = _step(model, prefixes, preallocated_cache(model, p + s), **kw)
+        out[:, 0] = logits[:, -1].argmax(dim=-1)
         if s == 1:
             return out
         agree = out[:, 0] == targets[:, 0]
@@ -154,8 +155,7 @@ def verified_greedy(model: torch.nn.Module, prefixes: torch.LongTensor,
         if agree.any():
             rows = agree.nonzero().squeeze(1)
             vcache = _rows_of(cache, rows, p, copy_rows=not bool(agree.all()))
-            pred = model(input_ids=targets[rows, :-1], past_key_values=vcache,
-                         use_cache=True).logits.argmax(-1)
+            pred = _step(model, targets[rows, :-1], vcache)[0].argmax(-1)
             out[rows, 1:] = pred  # pred[:, j] is the greedy token at j + 1 given target[:j + 1]
             wrong = pred != targets[rows, 1:]
             first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1) + 1, s)

@@ -21,6 +21,7 @@ from evals import (
     sequence_logprobs,
     summarize,
 )
+from evals._model import cache_keyword
 from evals.kv_cache import preallocated_cache
 from memorize_core import ConfigError
 
@@ -100,10 +101,11 @@ def test_preallocated_cache_grows_past_its_capacity():
     model = tiny_llama().eval()
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
     cache = preallocated_cache(model, capacity=3)  # too small on purpose
+    key = {cache_keyword(model): cache}  # `cache` since transformers 5.x renamed `past_key_values`
     with torch.no_grad():
         full = model(ids).logits
-        first = model(ids[:, :5], past_key_values=cache, use_cache=True).logits
-        rest = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(5, 9)]
+        first = model(ids[:, :5], use_cache=True, **key).logits
+        rest = [model(ids[:, t:t + 1], use_cache=True, **key).logits for t in range(5, 9)]
     assert cache.get_seq_length() == 9
     assert torch.allclose(torch.cat([first, *rest], dim=1), full, atol=1e-5)
 
