@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from axonn.engine import layouts_of, model_grid
+from axonn.engine import layouts_of, model_grid, named_layouts
 from axonn.layers.layout import ParamSpec
 from axonn.swap import _materialize_meta
 from memorize_core import fail
@@ -186,10 +186,9 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
     Streams: parameters are gathered one at a time and written in shards of at most
     `max_shard_bytes`, so rank 0 never holds more than one shard.  Tied duplicates are written once."""
     writer = model_grid(model).rank == 0
-    layouts = layouts_of(model)
     out = Path(out_dir)
     shard: dict[str, torch.Tensor] = {}
-    size, total, done, files = 0, 0, set(), []
+    size, total, files = 0, 0, []
 
     def flush() -> None:
         nonlocal shard, size
@@ -201,11 +200,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
 
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) in done:
-            continue
-        done.add(id(t))
-        spec = layouts.get(key)
+    for key, t, spec in named_layouts(model):  # tied duplicates once
         full = spec.full_from_local(t.detach()) if spec is not None else t.detach()
         if writer:
             shard[key] = full.cpu().contiguous()

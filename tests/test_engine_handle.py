@@ -40,7 +40,7 @@ def test_handle_layouts_cover_every_sharded_tensor_and_nothing_is_tagged(dims, m
         assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
     # the engine's state is on the handle only: parameters carry no attribute they lacked before
     for n, p in model.named_parameters():
-        assert set(vars(p)) <= params_before.get(n, set()) | {"_is_hf_initialized"}, n
+        assert set(vars(p)) <= params_before.get(n, set()), n
 
 
 def test_plain_model_has_no_handle_and_no_layouts():
