@@ -239,6 +239,10 @@ def read_meta(path: str | os.PathLike, *, verify: bool = True) -> dict:
     if not p.is_dir():
         raise fail("checkpoint", str(path), "no such checkpoint folder; pass OUT/checkpoints/step-NNNNNNNN "
                    "or --resume auto")
+    if not (p / "COMPLETE").is_file() and (p / "config.json").is_file() and not (p / "meta.json").exists():
+        raise fail("checkpoint", str(path), "is a Hugging Face model folder (config.json, no meta.json), not "
+                   "a training checkpoint; use it as it is (e.g. model.name or memorize eval --model), or "
+                   "pass OUT/checkpoints/step-NNNNNNNN")
     if not (p / "COMPLETE").is_file():
         raise fail("checkpoint", str(path), "incomplete checkpoint (no COMPLETE marker: the save was "
                    "interrupted); use an earlier one or --resume auto")
@@ -293,6 +297,18 @@ class _Pieces:
             if h is not None and f"rank/{name}" in h.keys():
                 return h.get_tensor(f"rank/{name}")
         return None
+
+
+def check_fits(path: str | os.PathLike, meta: dict, model: nn.Module) -> None:
+    """The refusals `load` would make, from meta.json alone (no tensor read): every tensor of `model`
+    (a serial or meta model, or a sharded one) is in the checkpoint with its serial shape."""
+    for name, t, spec in named_layouts(model):
+        info = meta["tensors"].get(f"param/{name}")
+        if info is None:
+            raise fail("checkpoint", str(path), f"has no tensor {name}; it was saved from another model")
+        if list(info["shape"]) != (list(t.shape) if spec is None else spec.serial_shape):
+            raise fail("checkpoint", str(path), f"tensor {name} has shape {tuple(info['shape'])}, which does "
+                       "not fit this model; resume with the same model config")
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ field, the bad value and the fix; CLIs print it as one line on stderr and exit w
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -25,7 +26,9 @@ def load_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise fail("config", str(path), "no such file; pass the path of an existing YAML config")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise fail("config", str(path), "is not a text file (not UTF-8); pass a YAML config") from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
@@ -201,14 +204,15 @@ class DPConfig:
         p = prefix
         if self.accountant not in ACCOUNTANTS:
             raise fail(f"{p}.accountant", self.accountant, f"choose one of {', '.join(ACCOUNTANTS)}")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:
             raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
+        if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
             raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
         if not 0 < self.delta < 1:
             raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
-        if not self.max_grad_norm > 0:
-            raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be > 0 (the per-row clipping bound)")
+        if not 0 < self.max_grad_norm < math.inf:
+            raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be a finite number > 0 (the per-row "
+                       "clipping bound; an infinite one makes every step non-finite), e.g. 1.0")
         if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
             both = "both" if self.noise_multiplier is not None else "neither"
             raise fail(f"{p}.noise_multiplier", self.noise_multiplier, f"{both} of noise_multiplier and "

@@ -107,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None,
                    help="write report.json, report.md (and extraction.jsonl) here (default: print JSON only)")
     e.add_argument("--overwrite", action="store_true", help="replace eval results already in --out")
+    e.add_argument("--grid", default=None, metavar="X,Y,Z,D|auto",
+                   help="evaluate sharded over this grid (launch with torchrun / srun; default: one process)")
+    e.add_argument("--mode", default="auto", choices=["auto", "easy", "paired"],
+                   help="parallel layers for --grid (auto: paired for Llama-family: a KV cache of local "
+                        "heads)")
+    e.add_argument("--keep-gathered", action="store_true",
+                   help="with a Z split: gather the weights once and hold them for the whole evaluation")
     return parser
 
 
@@ -126,13 +133,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Train one run."""
-    if _wants_dry_run(args):
-        from memorization.dryrun import cli_dry_run  # deferred: see the module docstring
-
-        return cli_dry_run(args, "train")
+    """Train one run (or, with --dry-run, check and size it: the same refusals)."""
     from memorization.config import load_run_config  # deferred: see the module docstring
-    from memorization.pipeline import run_training  # deferred: see the module docstring
 
     cfg = load_run_config(args.config, args.overrides)
     _positive("--steps", args.steps)
@@ -144,6 +146,12 @@ def cmd_train(args) -> int:
         cfg = replace(cfg, trainer=replace(cfg.trainer, max_steps=args.steps))
     if args.checkpoint_every:
         cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_every=args.checkpoint_every))
+    if _wants_dry_run(args):
+        from memorization.dryrun import cli_dry_run  # deferred: see the module docstring
+
+        return cli_dry_run(args, "train", cfg)
+    from memorization.pipeline import run_training  # deferred: see the module docstring
+
     out = args.out or f"runs/{cfg.name}"
     summary = run_training(cfg, out, overwrite=args.overwrite, grid_spec=args.grid, resume=args.resume)
     from memorization.parallel import is_main_process  # deferred: see the module docstring
@@ -156,9 +164,11 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     """Extraction, membership inference and/or perplexity of a saved model (memorization.evaluate)."""
     from memorization.evaluate import EvalOptions, run_eval  # deferred: see the module docstring
+    from memorization.parallel import is_main_process  # deferred: see the module docstring
 
     report = run_eval(EvalOptions(**{f.name: getattr(args, f.name) for f in fields(EvalOptions)}))
-    print(json.dumps(report, indent=2))
+    if is_main_process():
+        print(json.dumps(report, indent=2))
     return 0
 
 

@@ -1,12 +1,14 @@
 """`memorize train|run CONFIG --dry-run --world N`: prove that a job fits before it is queued.
 
-No process group, no weights, no data. The model is built on the meta device and sharded exactly
-as rank 0 of the requested grid shards it (`axonn.ProcessGrid.virtual` + `axonn.parallelize`); the
-parameter count of that sharded model goes through the planner's memory and performance models
-(`axonn.plan`), so the project has one model of memory. Every check the real run makes before its
-first collective runs here too (`axonn.grid.validate_grid_for_model`, the trainer's batch split),
-plus memory against the hardware preset and, for a local weights folder, the safetensors headers
-against the sharded model. A grid that cannot run is refused with one line (ConfigError).
+No process group, no weights, and no data unless a check needs the row count (DP-SGD). Every refusal
+the launched run would make, the dry run makes with the same line: it calls the run's own check,
+`memorization.checks.check_run`, for every sub-run (each arm of an experiment). The model is built on
+the meta device and sharded exactly as rank 0 of the requested grid shards it
+(`axonn.ProcessGrid.virtual` + `axonn.parallelize`); the parameter count of that sharded model goes
+through the planner's memory and performance models (`axonn.plan`), so the project has one model of
+memory. On top of the run's checks: memory against the hardware preset and, for a local weights
+folder, the safetensors headers against the sharded model. Sections: `model_config` and `_grid`
+(what runs where), `check_run` (may it run), the memory and speed figures, `format_report`.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
 
 import axonn
 from axonn.engine import layouts_of
@@ -30,11 +31,12 @@ from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
 from axonn.state import SafetensorsSlices
 from axonn.swap import parallelize, trainable
-from data_pipelines import load_tokenizer
+from memorization.checks import check_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
-from memorization.models import pretrained_config, resolve_model_dir, run_tokenizer, zoo_config
-from memorization.parallel import grid_spec
+from memorization.models import meta_model
+from memorization.parallel import SERIAL, grid_spec
+from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
 
 GiB = 2**30
@@ -42,25 +44,9 @@ CLUSTERS_FILE = Path(__file__).resolve().parents[1] / "configs" / "clusters.yaml
 
 
 def model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
-    """(HF config of the model the run builds, its weights folder or None, where the vocab comes from).
-
-    Mirrors memorization.models (build_model, run_tokenizer, check_tokenizer): a zoo shape takes the
-    tokenizer's vocabulary; a pretrained folder keeps its own, and a tokenizer that is not the
-    model's is refused here as it would be before the run loads any weight."""
-    name, spec = cfg.model.name, cfg.data.tokenizer
-    local = resolve_model_dir(name)
-    if local is None:
-        if spec in ("auto", "bpe"):  # trained on the corpus at run time: its target size is known
-            vocab, source = cfg.data.vocab_size, "data.vocab_size: the corpus BPE's target size"
-        else:
-            vocab, source = len(load_tokenizer(spec)), f"tokenizer {spec}"
-        return zoo_config(name, vocab, cfg.model.overrides), None, source
-    config = pretrained_config(name, cfg.model.overrides)
-    if spec == "bpe":
-        raise fail("data.tokenizer", spec, f"a corpus BPE never matches the ids {name} was trained with; "
-                   "use data.tokenizer=auto (the model's own tokenizer)")
-    run_tokenizer(spec, name, texts=[], vocab_size=cfg.data.vocab_size)  # refuses a foreign tokenizer
-    return config, None if cfg.model.random_init else local, f"{local}/config.json"
+    """(HF config of the model the run builds, its weights folder or None, where the vocab comes from):
+    memorization.checks.planned_model_config."""
+    return planned_model_config(cfg)
 
 
 def _check_corpus(field: str, spec: str) -> None:
@@ -116,15 +102,6 @@ def _fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
     return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
 
 
-def _meta_model(hf_config: Any) -> torch.nn.Module:
-    """The model with fp32 parameters (as the trainer builds it) and no storage."""
-    with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        except TypeError:  # transformers 4.x spells it torch_dtype
-            return AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
-
-
 def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
     """Every tensor rank 0 will load is in the folder's safetensors with the serial shape."""
     files = SafetensorsSlices(folder)
@@ -173,10 +150,34 @@ def _launch(command: str, config_path: str, dims: Sequence[int], overrides: Sequ
     return out
 
 
+def _grid(cfg: RunConfig, grid: str | None, shape: Any, hf_config: Any, world: int, gpn: int, hw: Any,
+          headroom: float, precision: str) -> tuple[tuple[int, int, int, int], str]:
+    """(X,Y,Z,D, what chose it): --grid (or the config's grid) as written, or the fastest that fits."""
+    spec = grid_spec(grid, cfg)
+    if spec == "auto":
+        return (choose_grid(shape, hf_config, cfg, world, gpn, hw, headroom, precision),
+                f"the performance model ({hw.name})")
+    return (1, 1, 1, 1) if spec in SERIAL else parse_grid(spec), "--grid"
+
+
+def _rows(cfg: RunConfig, data: Any = None) -> Any:
+    """The run's training rows when a check needs their number (DP-SGD: delta < 1/N, batch <= N, the
+    noise for a target epsilon): `data` as an experiment prepares it, else prepared as the run
+    prepares them (the tokenizer cache is shared)."""
+    if not cfg.trainer.dp.enabled:
+        return None
+    return data if data is not None else prepare_data(cfg)
+
+
 def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, grid: str | None = None,
             hardware: Any = "h100", headroom: float = 0.1, command: str = "train",
-            config_path: str = "CONFIG", overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem."""
+            config_path: str = "CONFIG", overrides: Sequence[str] = (), out: str | Path | None = None,
+            overwrite: bool = False, resume: str | None = None, data: Any = None) -> dict[str, Any]:
+    """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem.
+
+    The checks are the run's own (memorization.checks.check_run); `out`, `overwrite` and `resume`
+    are the run's --out, --overwrite and --resume (OUT is checked only when given); `data` the
+    run's prepared rows, where an experiment prepares its own (else counted here when needed)."""
     hw = get_hardware(hardware)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     t, seq, mode = cfg.trainer, cfg.data.block_len, cfg.parallel_mode
@@ -189,24 +190,18 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     hf_config, weights, vocab_source = model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
-    spec = grid_spec(grid, cfg)
-    chosen_by = "--grid"
-    if spec == "auto":
-        dims = choose_grid(shape, hf_config, cfg, world, gpn, hw, headroom, precision)
-        chosen_by = f"the performance model ({hw.name})"
-    else:
-        dims = parse_grid(spec)
-        if dims[0] * dims[1] * dims[2] * dims[3] != world:
-            raise fail("--grid", spec, f"x*y*z*data={dims[0] * dims[1] * dims[2] * dims[3]} but the job has "
-                       f"{world} GPUs (nodes x GPUs per node); make the product {world} or use --grid auto")
-    validate_grid_for_model(dims, hf_config, mode)  # heads, KV heads, hidden, FFN, vocab
-    accum, mb = t.accumulation(dims[2] * dims[3])  # batch over Z x data, micro-batches
+    dims, chosen_by = _grid(cfg, grid, shape, hf_config, world, gpn, hw, headroom, precision)
+    serial = meta_model(hf_config)
+    # the run's own check (memorization.checks): every refusal the launched run would make, same line
+    checked = check_run(cfg, _rows(cfg, data), dims, world=world, model_config=hf_config, out=out,
+                        overwrite=overwrite, resume=resume, model=serial)
+    accum, mb = checked.micro_batches, checked.micro_batch  # batch over Z x data, micro-batches
     g = Grid(*dims)
 
-    model = parallelize(_meta_model(hf_config), ProcessGrid.virtual(*dims, rank=0), mode=mode)
+    model = parallelize(serial, ProcessGrid.virtual(*dims, rank=0), mode=mode)
     pair = axonn.engine_of(model).pair_axes  # just parallelized: the handle is there
     params = trainable(model)
-    local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (_meta_model)
+    local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
 
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision)
@@ -251,7 +246,9 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "predicted": {"step_s": p.time_s, "tokens_per_s": tokens / p.time_s, "mfu": p.pct_peak / 100,
                       "tflops_per_gpu": p.tflops_per_gpu, "exposed_comm_s": p.exposed_comm_s},
         "planner_best": best, "weights": weights_info,
-        "checks": ["grid product = GPUs", f"grid divides heads, KV heads, hidden, FFN, vocab ({mode})",
+        "checks": ["the run's checks (memorization.checks.check_run): OUT and --resume when given, "
+                   "tokenizer, LoRA, DP-SGD, activation checkpointing",
+                   "grid product = GPUs", f"grid divides heads, KV heads, hidden, FFN, vocab ({mode})",
                    f"batch {t.batch_size} = {accum} micro-batches x {mb} rows x {dims[2] * dims[3]} "
                    "batch shards (z*data)", f"memory fits {hw.name}"]
         + (["weights: every tensor present with the model's shape"] if weights_info else []),
@@ -307,11 +304,18 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> list[RunConfig]:
-    """The RunConfigs a command would train: the one of `train`, or an experiment's distinct models."""
+def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> tuple[list[RunConfig],
+                                                                                   list[RunConfig]]:
+    """(the RunConfigs to report: the one of `train`, or an experiment's distinct models; every sub-run
+    the command trains, each of which the dry run checks as the run will)."""
     if command == "train":
-        return [load_run_config(config_path, list(overrides))]
+        rc = load_run_config(config_path, list(overrides))
+        return [rc], [rc]
     module, exp = load_experiment(config_path, overrides)
+    subs = list(module.run_configs(exp))
+    if any(rc.trainer.dp.enabled for rc in subs) and hasattr(module, "run_data"):
+        # rows as the experiment prepares them (an injected corpus): DP-SGD's checks count them
+        subs = [(rc, d) for rc, d in zip(subs, module.run_data(exp))]
     runs = [dataclasses.replace(exp.base, name=exp.name)]  # names the job and its folder
     if hasattr(module, "size_config"):  # catastrophic-memorization: one model per size
         runs += [module.size_config(exp, s, "standard") for s in exp.sizes]
@@ -321,20 +325,34 @@ def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> lis
         if key not in seen:
             seen.add(key)
             out.append(rc)
-    return out
+    return out, subs
 
 
 def dry_run_command(command: str, config_path: str, overrides: Sequence[str], *, world: int,
                     gpus_per_node: int | None = None, grid: str | None = None,
-                    hardware: Any = "h100", headroom: float = 0.1) -> list[dict[str, Any]]:
-    """Dry-run every model `memorize <command> CONFIG` would train; ConfigError on the first problem."""
-    return [dry_run(rc, world=world, gpus_per_node=gpus_per_node, grid=grid, hardware=hardware,
-                    headroom=headroom, command=command, config_path=config_path, overrides=overrides)
-            for rc in run_configs(command, config_path, overrides)]
+                    hardware: Any = "h100", headroom: float = 0.1, configs: Sequence[RunConfig] | None = None,
+                    **run: Any) -> list[dict[str, Any]]:
+    """Dry-run every model `memorize <command> CONFIG` would train, after checking every sub-run it
+    trains (each arm of an experiment) as the run checks it; ConfigError on the first problem.
+
+    `configs` replaces the loaded train config (the CLI's, with --steps applied); `run` passes the
+    run's out / overwrite / resume to the checks."""
+    reported, subs = run_configs(command, config_path, overrides)
+    if configs is not None:
+        reported, subs = list(configs), list(configs)
+    kw = dict(world=world, gpus_per_node=gpus_per_node, grid=grid, hardware=hardware, headroom=headroom,
+              command=command, config_path=config_path, overrides=overrides)
+    if command != "train":
+        for sub in subs:  # the run checks every sub-run before the first trains: so does its dry run
+            rc, data = sub if isinstance(sub, tuple) else (sub, None)
+            dry_run(rc, **kw, data=data)
+    return [dry_run(rc, **kw, **run) for rc in reported]
 
 
-def cli_dry_run(args: Any, command: str) -> int:
-    """`memorize train|run CONFIG --dry-run --world N ...`: print the report(s); 0, or ConfigError."""
+def cli_dry_run(args: Any, command: str, cfg: RunConfig | None = None) -> int:
+    """`memorize train|run CONFIG --dry-run --world N ...`: print the report(s); 0, or ConfigError.
+
+    `cfg`: the train command's config as the run would train it (--steps, --checkpoint-every)."""
     if not args.dry_run:
         used = "--world" if args.world is not None else "--gpus-per-node/--hardware/--json"
         raise fail(used, args.world, "sizes a job without running it; add --dry-run")
@@ -342,9 +360,14 @@ def cli_dry_run(args: Any, command: str) -> int:
         raise fail("--world", args.world, "--dry-run needs the job's GPU count, e.g. --world 64")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise fail("--gpus-per-node", args.gpus_per_node, "must be >= 1")
+    run = {}
+    if command == "train":  # the run's OUT and --resume are checked as the run checks them
+        out = args.out or f"runs/{cfg.name}"
+        run = {"out": out, "overwrite": args.overwrite, "resume": args.resume}
     reports = dry_run_command(command, args.config, list(args.overrides), world=args.world,
                               gpus_per_node=args.gpus_per_node, grid=args.grid,
-                              hardware=args.hardware or "h100")
+                              hardware=args.hardware or "h100",
+                              configs=None if cfg is None else [cfg], **run)
     if args.json:
         print(json.dumps(reports[0] if command == "train" else reports, indent=1))
     else:

@@ -64,6 +64,12 @@ class LoraSettings:
                                        and not all(isinstance(t, str) and t for t in self.target_modules)):
             raise fail(f"{prefix}.target_modules", self.target_modules,
                        f"name modules, e.g. [q_proj, v_proj], or write {ALL_LINEAR}")
+        if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
+            try:  # peft matches a string as one regular expression over the module names
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise fail(f"{prefix}.target_modules", self.target_modules, f"is not a valid regular "
+                           f"expression ({e}); list module names instead, e.g. [q_proj, v_proj]") from None
 
     @property
     def scale(self) -> float:

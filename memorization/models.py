@@ -44,11 +44,11 @@ def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None 
     try:
         return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # transformers/huggingface_hub raise several types for a bad field
-        raise fail("model.overrides", overrides, f"not a valid {model_type} config ({_reason(e)}); "
+        raise fail("model.overrides", overrides, f"not a valid {model_type} config ({reason(e)}); "
                    "fix or drop the override") from None
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     """The last line of an exception's message (validators nest the useful part at the end)."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     return (lines[-1] if lines else type(e).__name__)[:200]
@@ -116,7 +116,7 @@ def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0,
         except Exception as e:  # shape mismatches from overrides, damaged weight files, ...
             field = "model.overrides" if overrides else "model.name"
             raise fail(field, overrides if overrides else name,
-                       f"could not load the pretrained weights of {name} ({_reason(e)}); "
+                       f"could not load the pretrained weights of {name} ({reason(e)}); "
                        + ("drop overrides that change weight shapes" if overrides else
                           "check the folder holds a complete save_pretrained model")) from None
     cfg = zoo_config(name, vocab_size, overrides)
@@ -127,7 +127,7 @@ def build_model(name: str, *, vocab_size: int | None = None, seed: int = 0,
                 return AutoModelForCausalLM.from_config(cfg)
         return AutoModelForCausalLM.from_config(cfg)
     except Exception as e:  # e.g. a negative size passes the config but not the layers
-        raise fail("model.overrides", overrides, f"cannot build a {name} model ({_reason(e)}); "
+        raise fail("model.overrides", overrides, f"cannot build a {name} model ({reason(e)}); "
                    "fix or drop the override") from None
 
 
@@ -141,7 +141,24 @@ def pretrained_config(name: str, overrides: dict | None = None):
     except Exception as e:
         field = "model.overrides" if overrides else "model.name"
         raise fail(field, overrides if overrides else name,
-                   f"not a valid config for {name} ({_reason(e)}); fix or drop the override") from None
+                   f"not a valid config for {name} ({reason(e)}); fix or drop the override") from None
+
+
+def model_config(name: str, *, vocab_size: int | None = None, overrides: dict | None = None):
+    """The HF config of the model build_model(name, vocab_size=..., overrides=...) builds, without
+    building it: a pretrained model's own (its vocabulary kept), a zoo shape's with the tokenizer's."""
+    if resolve_model_dir(name) is not None:
+        return pretrained_config(name, overrides)
+    return zoo_config(name, vocab_size, overrides)
+
+
+def meta_model(config: Any) -> torch.nn.Module:
+    """The model of `config` with fp32 parameters (as the trainer builds it) and no storage."""
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except TypeError:  # transformers 4.x spells it torch_dtype
+            return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
 
 
 def is_pretrained(name: str) -> bool:
@@ -164,6 +181,9 @@ def run_tokenizer(tokenizer: str, model_name: str, *, texts: list[str], vocab_si
             raise fail("data.tokenizer", "auto", f"the model folder {local} has no tokenizer files; set "
                        "data.tokenizer=<the folder of the tokenizer this model was trained with>")
         return load_tokenizer(str(local))
+    if local is not None and tokenizer == "bpe":  # refused before a BPE is trained for nothing
+        raise fail("data.tokenizer", tokenizer, f"a corpus BPE never matches the ids {model_name} was "
+                   "trained with; use data.tokenizer=auto (the model's own tokenizer)")
     tok = load_tokenizer(tokenizer, texts=texts, vocab_size=vocab_size)
     if local is not None:
         check_tokenizer(tok, model_name, spec=tokenizer)
@@ -207,6 +227,6 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
             "heads": c.num_attention_heads, "vocab": c.vocab_size}
 
 
-__all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained",
-           "pretrained_config", "run_tokenizer",
+__all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained", "meta_model",
+           "model_config", "pretrained_config", "run_tokenizer",
            "smollm2_dir", "zoo_config", "zoo_names"]

@@ -13,9 +13,7 @@ way to get the trained model as a serial module while the run is open.
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from axonn import checkpoint
 from axonn.config import to_dict
 from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
@@ -32,40 +29,24 @@ from axonn.state import full_state_dict, load_pretrained, serial_copy
 from axonn.swap import parallelize
 from axonn.trainer import Callback, JsonlSink, MetricSink, Trainer
 from axonn.watchdog import Watchdog, start_watchdog
+from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
+    CHECKPOINTS,
+    RESULT_FILES,
+    check_out_dir,
+    check_run,
+    effective_trainer,
+)
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
-from memorization.lora import apply_lora, check_lora_grid, check_lora_run, export_lora, trainable_params
-from memorization.models import (
-    build_model,
-    check_tokenizer,
-    count_params,
-    is_pretrained,
-    resolve_model_dir,
-)
-from memorization.parallel import is_main_process, requested_grid, resolve_grid
+from memorization.lora import apply_lora, export_lora, trainable_params
+from memorization.models import build_model, count_params, is_pretrained, model_config, resolve_model_dir
+from memorization.parallel import grid_spec as parallel_grid_spec
+from memorization.parallel import is_main_process, resolve_grid, run_dims, run_world, wants_grid
 from memorization.prepare import PreparedData, prepare_data
-from memorization.privacy import OpacusPrivacy, check_dp_grid
+from memorization.privacy import OpacusPrivacy
 from memorization.tracking import WandbSink
-from memorize_core import fail
 
-RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
-CHECKPOINTS = "checkpoints"
-# model-config fields a checkpoint must agree on before any work starts
-_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-               "intermediate_size", "n_embd", "n_layer", "n_head")
-
-
-def check_out_dir(out: str | Path, overwrite: bool) -> list[str]:
-    """Raise unless `out` can take new results; return the result entries overwrite would replace."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise fail("--out", str(out), "exists and is not a directory; choose another path")
-    taken = [name for name in RESULT_FILES if (path / name).exists()]
-    if taken and not overwrite:
-        raise fail("--out", str(out), f"already holds results ({', '.join(taken)}); choose a new "
-                   "folder or pass --overwrite")
-    return taken
 
 
 def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
@@ -93,44 +74,6 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
     return extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
                    batch_size=e.batch_size, num_beams=e.num_beams, doc_ids=data.train_doc_ids,
                    progress=progress)
-
-
-def effective_trainer(cfg: RunConfig):
-    """The trainer config, stretched by k/(k-1) when goldfish trains on a supervised-token budget."""
-    t = cfg.trainer
-    g = cfg.goldfish
-    if g.enabled and g.token_budget:
-        factor = g.k / (g.k - 1)
-        if t.max_steps:
-            return replace(t, max_steps=math.ceil(t.max_steps * factor))
-        return replace(t, epochs=math.ceil(t.epochs * factor))
-    return t
-
-
-def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
-    """'auto' -> the newest sealed checkpoint in OUT/checkpoints (None: start fresh); else a sealed path."""
-    if not resume:
-        return None
-    if resume == "auto":
-        found = checkpoint.latest_complete(Path(out) / CHECKPOINTS)
-        if found is None:
-            print(f"[resume] no complete checkpoint in {Path(out) / CHECKPOINTS}; starting from step 0",
-                  file=sys.stderr)
-    else:
-        found = Path(resume)
-    if found is not None:  # sealed, parseable, every shard's sha256 right: before any work starts
-        checkpoint.read_meta(found, verify=True)
-    return found
-
-
-def _check_resume_fits(ckpt: Path, model: Any) -> None:
-    """ConfigError (before anything is written) when the checkpoint is of another model."""
-    saved = checkpoint.read_meta(ckpt, verify=False).get("model_config") or {}
-    mine = model.config.to_dict()
-    for key in _SHAPE_KEYS:
-        if key in saved and saved[key] != mine.get(key):
-            raise fail("--resume", str(ckpt), f"was saved from a model with {key}={saved[key]}, this run "
-                       f"builds {key}={mine.get(key)}; resume with the same model and data config")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -204,21 +147,23 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     """Stage 2: check everything, build the model on its grid, open OUT and the sinks, make the Trainer.
 
     Bad input (an occupied OUT, a checkpoint of another model, a grid LoRA or DP-SGD cannot use, a
-    tokenizer the model cannot take) fails here, before anything is written.
-    `grid` is an initialised ProcessGrid to train on; without one the grid is resolved once the model
-    is built (memorization.parallel.resolve_grid) from `grid_spec` (the --grid text) or cfg.grid.
+    tokenizer the model cannot take, ...) fails in memorization.checks.check_run, the one check every
+    entry point makes, before anything is built or written.
+    `grid` is an initialised ProcessGrid to train on; without one the grid's X,Y,Z,D come from
+    `grid_spec` (the --grid text) or cfg.grid (`auto`: the planner on this model), and the
+    ProcessGrid is made once they passed the check (memorization.parallel).
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
     `callbacks` are Trainer callbacks (axonn.trainer.Callback: on_fit_start, on_step_end,
     on_epoch_end), called on every rank: the hook for per-pass evaluation.
     """
     is_main = is_main_process()
-    check_out_dir(out, overwrite or bool(resume))
-    ckpt = resolve_resume(resume, out)
-    check_tokenizer(data.tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
-    dims, distributed = requested_grid(cfg, spec=grid_spec, grid=grid)
     lora = cfg.model.lora
-    check_lora_run(cfg, dims)  # a tensor-split grid or an adapter export without a base on disk
-    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: serial or 1,1,1,D only
+    hf_config = model_config(cfg.model.name, vocab_size=len(data.tokenizer), overrides=cfg.model.overrides)
+    dims = run_dims(cfg, hf_config, spec=grid_spec, grid=grid)  # `auto`: the planner on this model
+    checked = check_run(cfg, data, dims, world=run_world(grid), model_config=hf_config, out=out,
+                        overwrite=overwrite, resume=resume)  # every refusal; nothing built or written yet
+    ckpt = checked.checkpoint
+    distributed = grid.distributed if grid is not None else wants_grid(parallel_grid_spec(grid_spec, cfg))
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
     stream = distributed and not cfg.model.random_init \
@@ -227,13 +172,8 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
     if lora.enabled:
         model = apply_lora(model, lora, seed=cfg.seed)
-    if ckpt is not None:
-        _check_resume_fits(ckpt, model)
-    grid = resolve_grid(cfg, model.config, spec=grid_spec, grid=grid)  # the run's grid, from here on
-    if lora.enabled:
-        check_lora_grid(grid)  # "auto" resolved: still before anything is written
+    grid = resolve_grid(cfg, checked.dims, spec=grid_spec, grid=grid)  # the run's grid, from here on
     tcfg = effective_trainer(cfg)
-    # DP-SGD (Opacus): delta vs N, the grid and the budget are checked before anything is written
     privacy = OpacusPrivacy(tcfg, len(data.train), grid=grid) if cfg.trainer.dp.enabled else None
     if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
         dist.barrier()

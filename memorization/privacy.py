@@ -41,6 +41,7 @@ micro-batch x 4 bytes x params on top of a plain step, e.g. 4.3 GB for SmolLM2-1
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 from collections.abc import Sequence
@@ -70,6 +71,62 @@ def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
                    f"gradient: use --grid 1,1,1,{x * y * z * data} or turn DP off")
 
 
+def check_dp(cfg: TrainerConfig, rows: int | None, grid: ProcessGrid | Sequence[int] | None) -> float | None:
+    """Every refusal of a DP-SGD run (memorization.checks.check_run calls it before anything is built);
+    returns the noise multiplier sigma (None when DP is off or the row count N is not known yet).
+
+    `cfg` is the trainer config the run trains with (goldfish's token budget stretched: planned steps
+    decide sigma for a target epsilon)."""
+    dp = cfg.dp
+    if not dp.enabled:
+        return None
+    check_dp_grid(dp, grid)
+    if cfg.activation_checkpointing:
+        raise fail("trainer.activation_checkpointing", True, "recomputed blocks run their forward twice, "
+                   "which Opacus' per-sample hooks cannot follow; turn it off with DP-SGD")
+    if dp.secure_rng and importlib.util.find_spec("torchcsprng") is None:
+        raise fail("trainer.dp.secure_rng", True, _CSPRNG_FIX)
+    if rows is None:
+        return None
+    if cfg.batch_size > rows:
+        raise fail("trainer.batch_size", cfg.batch_size, f"DP-SGD samples each row with probability "
+                   f"batch_size/N, so it must be <= N={rows} training rows")
+    if dp.delta >= 1.0 / rows:
+        raise fail("trainer.dp.delta", dp.delta, f"must be < 1/N = {1.0 / rows:.3g} for N={rows} "
+                   "training rows (else leaking a whole row fits the budget); use e.g. "
+                   f"{_below(0.1 / rows)}")
+    return noise_multiplier(cfg, rows)
+
+
+def noise_multiplier(cfg: TrainerConfig, rows: int) -> float:
+    """sigma: trainer.dp.noise_multiplier, or the one reaching target_epsilon at delta after the planned
+    steps (Opacus' binary search; ConfigError when no sigma reaches it)."""
+    dp = cfg.dp
+    if dp.noise_multiplier is not None:
+        return dp.noise_multiplier
+    from opacus.accountants.utils import get_noise_multiplier  # deferred: opacus +1.9 s, DP runs only
+
+    rate, steps = cfg.batch_size / rows, cfg.planned_steps(rows)[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return float(get_noise_multiplier(target_epsilon=dp.target_epsilon, target_delta=dp.delta,
+                                              sample_rate=rate, steps=steps, accountant=dp.accountant))
+    except ValueError as e:
+        raise fail("trainer.dp.target_epsilon", dp.target_epsilon, f"unreachable with q={rate:.3g} "
+                   f"over {steps} steps ({e}); raise it, raise delta or train fewer steps") from None
+
+
+_CSPRNG_FIX = ("needs torchcsprng (Opacus secure_mode); install it or set it false for seeded, "
+               "reproducible noise")
+
+
+def _secure_generator() -> Any:
+    import torchcsprng  # type: ignore[import-not-found]  # deferred: optional, secure_rng runs only
+
+    return torchcsprng.create_random_device_generator("/dev/urandom")
+
+
 def _seed(seed: int, step: int, salt: int) -> int:
     return (seed * 1_000_003 + step * 4 + salt) % (2 ** 63)
 
@@ -77,61 +134,22 @@ def _seed(seed: int, step: int, salt: int) -> int:
 class OpacusPrivacy:
     """The Trainer's Privacy plug-in: Poisson batches, Opacus per-sample clipping + noise, accounting.
 
-    Build it before anything is written (it validates delta against N, the grid and the budget);
-    pass it to Trainer(privacy=...).
+    Its settings were checked by `check_dp` (memorization.checks.check_run: delta against N, the grid,
+    the budget) before anything was built; pass it to Trainer(privacy=...).
     """
 
     def __init__(self, cfg: TrainerConfig, rows: int, *, grid: ProcessGrid | None = None):
+        # check_dp (through memorization.checks.check_run) refused every bad setting already
         dp = cfg.dp
-        dp.validate("trainer.dp")
-        check_dp_grid(dp, grid)
-        if not dp.enabled:
-            raise fail("trainer.dp.enabled", False, "set it true to train with DP-SGD")
-        if cfg.activation_checkpointing:
-            raise fail("trainer.activation_checkpointing", True, "recomputed blocks run their forward twice, "
-                       "which Opacus' per-sample hooks cannot follow; turn it off with DP-SGD")
-        if cfg.batch_size > rows:
-            raise fail("trainer.batch_size", cfg.batch_size, f"DP-SGD samples each row with probability "
-                       f"batch_size/N, so it must be <= N={rows} training rows")
-        if dp.delta >= 1.0 / rows:
-            raise fail("trainer.dp.delta", dp.delta, f"must be < 1/N = {1.0 / rows:.3g} for N={rows} "
-                       "training rows (else leaking a whole row fits the budget); use e.g. "
-                       f"{_below(0.1 / rows)}")
         self.cfg, self.dp, self.rows = cfg, dp, rows
         self.batch_size = cfg.batch_size
         self.sample_rate = cfg.batch_size / rows
         self.planned_steps = cfg.planned_steps(rows)[1]
-        self.noise_multiplier = (dp.noise_multiplier if dp.noise_multiplier is not None
-                                 else self._solve_sigma(dp.target_epsilon))
-        self._secure = self._secure_generator() if dp.secure_rng else None
+        self.noise_multiplier = noise_multiplier(cfg, rows)
+        self._secure = _secure_generator() if dp.secure_rng else None
         self._optimizer: Any = None
         self._rdp_step: Any = None
         self._eps_cache: dict[int, float] = {}
-
-    # -- setup -------------------------------------------------------------------------------
-    def _solve_sigma(self, target: float) -> float:
-        """sigma reaching `target` epsilon at delta after the planned steps (Opacus' binary search)."""
-        from opacus.accountants.utils import get_noise_multiplier  # deferred: opacus +1.9 s, DP runs only
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return float(get_noise_multiplier(target_epsilon=target, target_delta=self.dp.delta,
-                                                  sample_rate=self.sample_rate, steps=self.planned_steps,
-                                                  accountant=self.dp.accountant))
-        except ValueError as e:
-            raise fail("trainer.dp.target_epsilon", target, f"unreachable with q={self.sample_rate:.3g} "
-                       f"over {self.planned_steps} steps ({e}); raise it, raise delta or train fewer "
-                       "steps") from None
-
-    @staticmethod
-    def _secure_generator() -> Any:
-        try:
-            import torchcsprng  # type: ignore[import-not-found]
-        except ImportError:
-            raise fail("trainer.dp.secure_rng", True, "needs torchcsprng (Opacus secure_mode); install it or "
-                       "set it false for seeded, reproducible noise") from None
-        return torchcsprng.create_random_device_generator("/dev/urandom")
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ProcessGrid) -> None:
         """Opacus' per-sample gradient hooks on `model`; its clipping and noise on `optimizer`'s params."""
@@ -139,7 +157,6 @@ class OpacusPrivacy:
         from opacus.grad_sample import GradSampleHooks  # deferred
         from opacus.optimizers import DistributedDPOptimizer, DPOptimizer  # deferred
 
-        check_dp_grid(self.dp, grid)
         # the embedding's input (token ids) needs no gradient; torch says so on every backward
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         # loss_reduction="sum": the trainer backpropagates sum_i l_i, so the captured per-sample
@@ -233,4 +250,4 @@ def _below(x: float) -> str:
     return f"{10 ** math.floor(math.log10(x) - 1e-12):.0e}"
 
 
-__all__ = ["OpacusPrivacy", "check_dp_grid"]
+__all__ = ["OpacusPrivacy", "check_dp", "check_dp_grid", "noise_multiplier"]

@@ -102,6 +102,8 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
     c = clusters[args.cluster]
     if args.nodes < 1:
         raise fail("--nodes", args.nodes, "must be >= 1")
+    if not 1 <= args.port <= 65535:
+        raise fail("--port", args.port, "a TCP port is within 1..65535; pick a free one, e.g. 29500")
     if not Path(args.config).is_file():
         raise fail("--config", args.config,
                    "no such file; pass a YAML under configs/train or configs/experiments")

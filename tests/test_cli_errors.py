@@ -112,8 +112,9 @@ def test_resume_from_another_model_is_refused(capsys, tmp_path, cfg):
 def test_tokenizer_larger_than_model_vocab(capsys, tmp_path, cfg):
     tiny_model(vocab=64).save_pretrained(tmp_path / "m")
     out = tmp_path / "out"
+    # a corpus BPE is refused for a pretrained model before it is trained (as the dry run refuses it)
     _refused(capsys, ["train", cfg, "--out", out, f"model.name={tmp_path / 'm'}", "data.tokenizer=bpe"],
-             "data.tokenizer", "64", strict=False)
+             "data.tokenizer", "never matches", strict=False)
     assert not out.exists()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from data_pipelines import load_tokenizer
 from memorization.cli import main
 from memorization.models import build_model, check_tokenizer, run_tokenizer
 from memorize_core import ConfigError
@@ -64,8 +65,10 @@ def test_explicit_other_tokenizer_is_refused(pretrained, cache_dir):
         run_tokenizer("gpt2", str(pretrained), texts=[], vocab_size=300)
     # same size, other ids: a BPE trained on other text with the model's vocabulary size
     other = [d for d in ("the cat sat on the mat " * 50, "x y z " * 40)]
+    with pytest.raises(ConfigError, match=r"data\.tokenizer='bpe': a corpus BPE never matches"):
+        run_tokenizer("bpe", str(pretrained), texts=other, vocab_size=300)  # refused before training
     with pytest.raises(ConfigError, match="does not match the tokenizer"):
-        run_tokenizer("bpe", str(pretrained), texts=other, vocab_size=300)
+        check_tokenizer(load_tokenizer("bpe", texts=other, vocab_size=300), str(pretrained), spec="bpe")
 
 
 def test_cli_refuses_mismatch_before_writing(pretrained, tmp_path, cache_dir, capsys):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 import axonn
+from memorization.checks import check_runs
 from memorization.experiments.reporting import write_outputs
 from memorization.experiments.runner import Experiment
 from memorization.experiments.spec import build_experiment, load_experiment_dict
@@ -56,6 +57,7 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
     `grid` is the --grid text (None: the base config's `grid`); each sub-run resolves it into the
     ProcessGrid that fits its own model (memorization.parallel.resolve_grid)."""
     module, cfg = load_experiment(config_path, overrides)
+    check_runs(module.run_configs(cfg), spec=grid)  # every sub-run, before anything is written
     _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)
     exp = Experiment(Path(out or Path("runs") / cfg.name), grid_spec=grid, overwrite=overwrite).open()
     with _quiet_transformers():

@@ -97,9 +97,10 @@ class Config(InjectionConfig):
         check_losses("losses", self.losses)
 
 
-def build_corpus(cfg: InjectionConfig, exp: Experiment):
+def build_corpus(cfg: InjectionConfig, exp: Experiment | None = None):
     """(PreparedData, manifest, duplicated documents' tokens, the injected Documents): base corpus +
-    injected items, tokenized."""
+    injected items, tokenized. Nothing is written: the caller saves the manifest (`save_manifest`)
+    once every sub-run passed its checks."""
     b = cfg.base
     docs, held, _ = load_documents(b)
     # The tokenizer never sees the canaries: merges learnt from a secret would shorten it and skew
@@ -118,16 +119,41 @@ def build_corpus(cfg: InjectionConfig, exp: Experiment):
         raise fail("base.data", b.data.corpus, f"injected items {missing[:3]} did not become training rows")
     position = {d.id: i for i, d in enumerate(injected)}
     record_token_positions(manifest, data.train, [position[i] for i in kept])
-    if exp.is_main:
-        manifest.to_json(exp.out / "manifest.json")
     dup_tokens = {it.id: tokenize_documents([it.text], tok, max_tokens=b.data.block_len)[0]
                   for it in manifest.of_kind("duplicate")}
     return data, manifest, dup_tokens, injected
 
 
+def save_manifest(manifest: Any, exp: Experiment) -> None:
+    """OUT/manifest.json: what was injected where (main rank)."""
+    if exp.is_main:
+        manifest.to_json(exp.out / "manifest.json")
+
+
+def loss_config(cfg: Config, loss: str):
+    """The RunConfig of one loss: the base on the injected corpus (every canary kept: min_tokens 1)."""
+    b = cfg.base
+    gold = replace(b.goldfish, enabled=loss == "goldfish", token_budget=False)
+    return replace(b, name=loss, goldfish=gold, data=replace(b.data, min_tokens=1))
+
+
+def run_data(cfg: Config) -> list:
+    """Each sub-run's training rows as `run` prepares them (the injected corpus), writing nothing:
+    what a dry run counts for DP-SGD's row checks."""
+    data = build_corpus(cfg)[0]
+    return [data for _ in cfg.losses]
+
+
+def run_configs(cfg: Config) -> list:
+    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    return [loss_config(cfg, loss) for loss in cfg.losses]
+
+
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train standard and goldfish on the injected corpus; score canaries and duplicates by copy count."""
     data, manifest, dup_tokens, _ = build_corpus(cfg, exp)
+    exp.check(run_configs(cfg), data)
+    save_manifest(manifest, exp)
     space = cfg.canary_spec().space
     b = cfg.base
     c = cfg.canaries
@@ -140,8 +166,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
     runs, rows, samples = [], [], []
     for loss in cfg.losses:
-        gold = replace(b.goldfish, enabled=loss == "goldfish", token_budget=False)
-        rc = replace(b, name=loss, goldfish=gold, data=replace(b.data, min_tokens=1))
+        rc = loss_config(cfg, loss)
         summary = exp.run(rc, data, evaluate=evaluate, extra_key=key, eval_key={"candidates": c.candidates},
                           per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:

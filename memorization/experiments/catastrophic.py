@@ -84,10 +84,16 @@ def size_config(cfg: Config, size: ModelSize, loss: str) -> RunConfig:
     return replace(b, name=f"{size.name}-{loss}", model=model, trainer=trainer, goldfish=gold)
 
 
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    return [size_config(cfg, size, loss) for size in cfg.sizes for loss in cfg.losses]
+
+
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train every (size, loss) with extraction after each pass; report memorization vs size per pass."""
     split = prepare_split(cfg.base)
     data = split.prepared
+    exp.check(run_configs(cfg), data)
     runs, samples = [], []
     for size in cfg.sizes:
         for loss in cfg.losses:

@@ -46,10 +46,16 @@ def variant_config(cfg: Config, variant: str):
     return replace(b, name=name, goldfish=gold)
 
 
+def run_configs(cfg: Config) -> list:
+    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    return [variant_config(cfg, v) for v in cfg.variants]
+
+
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train every variant (reusing finished ones) and report extraction, MIA and validation loss."""
     split = prepare_split(cfg.base)
     data = split.prepared
+    exp.check(run_configs(cfg), data)
     runs, samples, curves = [], [], {}
 
     for variant in cfg.variants:

@@ -63,10 +63,16 @@ def sweep_configs(cfg: Config) -> list[RunConfig]:
     return out
 
 
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    return sweep_configs(cfg)
+
+
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train (or reuse) every run of the grid and report the memorization / validation-loss trade-off."""
     split = prepare_split(cfg.base)
     data = split.prepared
+    exp.check(run_configs(cfg), data)
     runs, samples = [], []
 
     def evaluate(model, run_dir) -> dict[str, Any]:

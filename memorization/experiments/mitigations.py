@@ -28,7 +28,12 @@ from axonn.config import apply_overrides, build, to_dict
 from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
 from evals import extract, summarize
 from memorization.config import RunConfig
-from memorization.experiments.canary_exposure import InjectionConfig, build_corpus, score_injected
+from memorization.experiments.canary_exposure import (
+    InjectionConfig,
+    build_corpus,
+    save_manifest,
+    score_injected,
+)
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
 from memorization.experiments.reporting import Outputs, Table, figure, save
@@ -96,6 +101,19 @@ def arm_config(cfg: Config, arm: Arm, where: str = "overrides") -> RunConfig:
     return rc
 
 
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every arm's RunConfig, in training order (memorization.checks checks them all first)."""
+    return [arm_config(cfg, arm) for arm in cfg.arms]
+
+
+def run_data(cfg: Config) -> list[PreparedData]:
+    """Each arm's training rows as `run` prepares them (the injected corpus, or its deduplicated copy),
+    writing nothing: what a dry run counts for DP-SGD's row checks."""
+    data, _, _, injected_docs = build_corpus(cfg, None)
+    dedup = _deduplicated(cfg, data, injected_docs)[0] if any(a.dedup for a in cfg.arms) else None
+    return [dedup if a.dedup else data for a in cfg.arms]
+
+
 class PeakRSS:
     """Peak resident memory of this process while a block runs (sampled every 20 ms)."""
 
@@ -116,16 +134,14 @@ class PeakRSS:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
-def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list, exp: Experiment) -> PreparedData:
-    """The injected corpus after deduplication (manifest in OUT/dedup.json)."""
+def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple[PreparedData, Any]:
+    """The injected corpus after deduplication, and the dedup manifest (saved as OUT/dedup.json by
+    the caller once every arm passed its checks)."""
     tok, block = data.tokenizer, cfg.base.data.block_len
     kept, manifest = deduplicate(injected_docs, tokenize_documents(injected_docs, tok), cfg.dedup)
-    if exp.is_main:
-        manifest.save(exp.out / "dedup.json", overwrite=True)
-    say(f"dedup: {len(injected_docs)} -> {len(kept)} documents ({manifest.counts})")
     cut = [t[:block] for t in kept]
     rows = per_document(cut, block, tok.eos_token_id)
-    return PreparedData(tok, rows, cut, [injected_docs[i].id for i in kept.kept], data.held_out)
+    return PreparedData(tok, rows, cut, [injected_docs[i].id for i in kept.kept], data.held_out), manifest
 
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
@@ -137,9 +153,16 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     _, held, _ = load_documents(b)
     nonmembers = list(tokenize_documents(held, data.tokenizer, max_tokens=b.data.block_len,
                                          min_tokens=min(b.data.min_tokens, b.data.block_len)))
-    dedup_data = None
+    dedup_data = dedup_manifest = None
     if any(a.dedup for a in cfg.arms):
-        dedup_data = _deduplicated(cfg, data, injected_docs, exp)
+        dedup_data, dedup_manifest = _deduplicated(cfg, data, injected_docs)
+        say(f"dedup: {len(injected_docs)} -> {len(dedup_data.train_docs)} documents "
+            f"({dedup_manifest.counts})")
+    # every arm on the rows it trains on (DP-SGD's delta < 1/N, ...) before anything is written
+    exp.check(run_configs(cfg), [dedup_data if a.dedup else data for a in cfg.arms])
+    save_manifest(manifest, exp)
+    if dedup_manifest is not None and exp.is_main:
+        dedup_manifest.save(exp.out / "dedup.json", overwrite=True)
     questions = None
     if exp.is_main:
         reference = build_model(b.model.name, overrides=b.model.overrides).eval()

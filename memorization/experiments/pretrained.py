@@ -123,10 +123,20 @@ def run_config(cfg: Config, loss: str, pretrained: bool) -> RunConfig:
                    eval=replace(b.eval, extraction=False))  # every pass is scored by the callback
 
 
+def _arms(cfg: Config) -> list[tuple[str, bool]]:
+    return [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
+
+
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    return [run_config(cfg, loss, pretrained) for loss, pretrained in _arms(cfg)]
+
+
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Fine-tune every arm with the three questions asked before and after each pass; report per pass."""
     split = prepare_split(cfg.base)
     data = split.prepared
+    exp.check(run_configs(cfg), data)
     evaluator = None
     if exp.is_main:
         reference = build_model(cfg.base.model.name, overrides=cfg.base.model.overrides).eval()
@@ -135,7 +145,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                    seed=cfg.base.seed)
         evaluator = Evaluator(cfg, split, questions)
         del reference
-    arms = [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
+    arms = _arms(cfg)
     runs, samples = [], []
     for loss, pretrained in arms:
         rc = run_config(cfg, loss, pretrained)

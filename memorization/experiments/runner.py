@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from axonn.config import to_dict
 from data_pipelines import load_corpus, split_documents, tokenize_documents
+from memorization.checks import check_runs
 from memorization.config import RunConfig
 from memorization.parallel import is_main_process
 from memorization.pipeline import run_training
@@ -93,6 +94,11 @@ class Experiment:
     def seconds(self) -> float:
         """Wall time since the experiment started."""
         return time.perf_counter() - self.started
+
+    def check(self, configs: list[RunConfig], data: Any) -> None:
+        """Every sub-run checked on its prepared data (PreparedData, or one per config) before the first
+        trains: the row-dependent refusals (DP-SGD's delta < 1/N, ...) too (memorization.checks)."""
+        check_runs(configs, data, spec=self.grid_spec)
 
     def run_dir(self, name: str) -> Path:
         """Folder of sub-run `name`."""

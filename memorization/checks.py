@@ -1,0 +1,242 @@
+"""One check of a run: every refusal a run can make, made once, before anything is built or written.
+
+`check_run(cfg, data, dims, ...)` is the only place a run's config is judged. Every entry point
+calls it: `start_run` (so `memorize train`, the demo and every sub-run of an experiment), `memorize
+run` (every sub-run of the experiment, before anything is written, and again with the prepared
+data before the first one trains: `check_runs`), `--dry-run`
+(memorization/dryrun.py, for each sub-run) and, through the dry run, scripts/slurm.py. After it the
+constructors (the model, LoRA, OpacusPrivacy, the Trainer) assume a valid config. Each refusal is a
+ConfigError: one line naming the field as the user writes it, the bad value and the fix; the dry run
+refuses with the same line as the run because it is the same call.
+
+What it checks, in order (each section a function below):
+1. `check_out`: OUT can take new results; `--resume` names a sealed checkpoint (or `auto`).
+2. `check_tokenizer` (memorization.models): a pretrained model's own tokenizer ids.
+3. `check_grid`: X*Y*Z*D equals the processes; LoRA and DP-SGD run serial or 1,1,1,D only; the
+   grid divides heads, KV heads, hidden, FFN and vocab; the batch splits over z*data shards.
+4. `check_model`: the model builds (a meta copy, no storage); LoRA's target_modules match modules
+   peft can adapt; activation checkpointing is supported; a checkpoint to resume holds every tensor
+   of this model with its shape.
+5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and, once the row count N
+   is known (the dry run counts rows when DP-SGD is on), batch_size <= N, delta < 1/N, a reachable
+   target epsilon.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axonn import checkpoint
+from axonn.grid import validate_grid_for_model
+from data_pipelines import load_tokenizer
+from memorization.config import RunConfig
+from memorization.lora import apply_lora, check_lora_run
+from memorization.models import (
+    check_tokenizer,
+    meta_model,
+    model_config,
+    pretrained_config,
+    reason,
+    resolve_model_dir,
+    run_tokenizer,
+    zoo_config,
+)
+from memorization.parallel import run_dims, run_world
+from memorization.privacy import check_dp, check_dp_grid
+from memorize_core import fail
+
+RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
+CHECKPOINTS = "checkpoints"
+# model-config fields a checkpoint must agree on before any work starts
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "intermediate_size", "n_embd", "n_layer", "n_head")
+
+Dims = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class CheckedRun:
+    """What check_run established: the grid, the model's config, how the batch splits, the checkpoint
+    to resume from (None: start fresh) and DP-SGD's noise multiplier (None: DP off or N unknown)."""
+
+    dims: Dims
+    model_config: Any
+    micro_batches: int
+    micro_batch: int
+    checkpoint: Path | None = None
+    noise_multiplier: float | None = None
+
+
+def effective_trainer(cfg: RunConfig):
+    """The trainer config, stretched by k/(k-1) when goldfish trains on a supervised-token budget."""
+    t = cfg.trainer
+    g = cfg.goldfish
+    if g.enabled and g.token_budget:
+        factor = g.k / (g.k - 1)
+        if t.max_steps:
+            return replace(t, max_steps=math.ceil(t.max_steps * factor))
+        return replace(t, epochs=math.ceil(t.epochs * factor))
+    return t
+
+
+def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, model_config: Any,
+              out: str | Path | None = None, overwrite: bool = False, resume: str | None = None,
+              model: torch.nn.Module | None = None) -> CheckedRun:
+    """Every refusal of the run `cfg` on grid `dims` over `world` processes; ConfigError on the first.
+
+    `data` is the run's PreparedData (its rows and tokenizer), a row count, or None when the rows are
+    not known (the row-dependent DP-SGD checks wait for them: call again with the data). `model_config`
+    is the HF config of the model the run builds (memorization.models.model_config); `model`, if given,
+    is a serial meta model of it to inspect (else one is built when needed). `out`/`resume`: the
+    run's OUT and --resume (None: not checked, e.g. a dry run without --out).
+    """
+    rows, tokenizer = _rows(data)
+    dims = tuple(dims)
+    ckpt = check_out(out, overwrite=overwrite, resume=resume) if out is not None else None
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
+    accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
+    check_model(cfg, model_config, checkpoint=ckpt, model=model)
+    sigma = check_dp(effective_trainer(cfg), rows, dims)
+    return CheckedRun(dims, model_config, accum, micro, checkpoint=ckpt, noise_multiplier=sigma)
+
+
+def planned_model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
+    """(HF config of the model the run will build, its weights folder or None, where the vocab comes
+    from), before any data is prepared: for the dry run and an experiment's checks of every sub-run.
+
+    Mirrors memorization.models (build_model, run_tokenizer, check_tokenizer): a zoo shape takes the
+    tokenizer's vocabulary (a corpus BPE's target size, data.vocab_size); a pretrained folder keeps
+    its own, and a tokenizer that is not the model's is refused here as the run refuses it before it
+    loads any weight."""
+    name, spec = cfg.model.name, cfg.data.tokenizer
+    local = resolve_model_dir(name)
+    if local is None:
+        if spec in ("auto", "bpe"):  # trained on the corpus at run time: its target size is known
+            vocab, source = cfg.data.vocab_size, "data.vocab_size: the corpus BPE's target size"
+        else:
+            vocab, source = len(load_tokenizer(spec)), f"tokenizer {spec}"
+        return zoo_config(name, vocab, cfg.model.overrides), None, source
+    config = pretrained_config(name, cfg.model.overrides)
+    run_tokenizer(spec, name, texts=[], vocab_size=cfg.data.vocab_size)  # refuses a foreign tokenizer
+    return config, None if cfg.model.random_init else local, f"{local}/config.json"
+
+
+def check_runs(configs: Sequence[RunConfig], data: Any = None, *, spec: str | None = None) -> None:
+    """check_run for every sub-run of an experiment before the first one trains (`memorize run`).
+
+    Without `data` (before any is prepared) each model's vocabulary is the planned one
+    (planned_model_config) and the row-dependent DP-SGD checks wait; an experiment calls it again with
+    its prepared data (PreparedData, or a list of one per config) before its first sub-run trains.
+    `spec` is the --grid text (None: each config's grid)."""
+    many = isinstance(data, (list, tuple))
+    for i, rc in enumerate(configs):
+        d = data[i] if many else data
+        if d is None:
+            hf = planned_model_config(rc)[0]
+        else:
+            hf = model_config(rc.model.name, vocab_size=len(d.tokenizer), overrides=rc.model.overrides)
+        check_run(rc, d, run_dims(rc, hf, spec=spec), world=run_world(), model_config=hf)
+
+
+def _rows(data: Any) -> tuple[int | None, Any]:
+    if data is None or isinstance(data, int):
+        return data, None
+    return len(data.train), data.tokenizer
+
+
+# -- 1. OUT and --resume ---------------------------------------------------------------------------
+def check_out_dir(out: str | Path, overwrite: bool) -> list[str]:
+    """Raise unless `out` can take new results; return the result entries overwrite would replace."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise fail("--out", str(out), "exists and is not a directory; choose another path")
+    taken = [name for name in RESULT_FILES if (path / name).exists()]
+    if taken and not overwrite:
+        raise fail("--out", str(out), f"already holds results ({', '.join(taken)}); choose a new "
+                   "folder or pass --overwrite")
+    return taken
+
+
+def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
+    """'auto' -> the newest sealed checkpoint in OUT/checkpoints (None: start fresh); else a sealed path."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = checkpoint.latest_complete(Path(out) / CHECKPOINTS)
+        if found is None:
+            print(f"[resume] no complete checkpoint in {Path(out) / CHECKPOINTS}; starting from step 0",
+                  file=sys.stderr)
+    else:
+        found = Path(resume)
+    if found is not None:  # sealed, parseable, every shard's sha256 right: before any work starts
+        checkpoint.read_meta(found, verify=True)
+    return found
+
+
+def check_out(out: str | Path, *, overwrite: bool = False, resume: str | None = None) -> Path | None:
+    """OUT can take the run's results (a resume keeps them); the checkpoint to resume from, if any."""
+    check_out_dir(out, overwrite or bool(resume))
+    return resolve_resume(resume, out)
+
+
+# -- 3. the grid -----------------------------------------------------------------------------------
+def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> tuple[int, int]:
+    """X*Y*Z*D = the processes, LoRA / DP-SGD grids, the model's shapes, the batch split; returns
+    (micro-batches per step, rows per rank per micro-batch)."""
+    x, y, z, d = dims
+    check_lora_run(cfg, dims)  # a tensor-split grid, or an adapter export without a base on disk
+    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: serial or 1,1,1,D only
+    if x * y * z * d != world:
+        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
+                   f"process(es); launch {x * y * z * d} (torchrun --nproc-per-node {x * y * z * d}, or "
+                   f"--world {x * y * z * d} in a dry run) or change the grid")
+    validate_grid_for_model(dims, model_config, cfg.parallel_mode)  # heads, KV heads, hidden, FFN, vocab
+    return cfg.trainer.accumulation(z * d)
+
+
+# -- 4. the model ----------------------------------------------------------------------------------
+def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = None,
+                model: torch.nn.Module | None = None) -> None:
+    """What only the model's structure answers (on a meta copy: no weights, no storage)."""
+    lora, t = cfg.model.lora, cfg.trainer
+    if model is None:
+        model = _meta(cfg, model_config)
+    if t.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
+                   "gradient checkpointing; use a Hugging Face causal LM or set it to false")
+    if lora.enabled:  # peft's own refusals, on a fresh meta copy (peft wraps the model it is given)
+        model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
+    if checkpoint is not None:
+        check_resume_fits(checkpoint, model)
+
+
+def _meta(cfg: RunConfig, model_config: Any) -> torch.nn.Module:
+    try:
+        return meta_model(model_config)
+    except Exception as e:  # e.g. a negative size passes the config but not the layers
+        raise fail("model.overrides", cfg.model.overrides, f"cannot build a {cfg.model.name} model "
+                   f"({reason(e)}); fix or drop the override") from None
+
+
+def check_resume_fits(ckpt: Path, model: torch.nn.Module) -> None:
+    """ConfigError when the checkpoint is of another model (shapes, or LoRA on / off): every tensor the
+    trainer will load is in it with its shape, the refusal axonn.checkpoint.load would make later."""
+    meta = checkpoint.read_meta(ckpt, verify=False)
+    saved = meta.get("model_config") or {}
+    mine = model.config.to_dict()
+    for key in _SHAPE_KEYS:
+        if key in saved and saved[key] != mine.get(key):
+            raise fail("--resume", str(ckpt), f"was saved from a model with {key}={saved[key]}, this run "
+                       f"builds {key}={mine.get(key)}; resume with the same model and data config")
+    checkpoint.check_fits(ckpt, meta, model)
+
+
+__all__ = ["CheckedRun", "check_grid", "check_model", "check_out", "check_out_dir", "check_resume_fits",
+           "check_run", "check_runs", "effective_trainer", "planned_model_config", "resolve_resume"]
