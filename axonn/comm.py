@@ -214,6 +214,8 @@ class Scheduler:
         self._task: int | None = None
         self.bucketer: Bucketer | None = None
         self.grad_mode = True  # the grad mode of the latest layer call (eval chains differ)
+        # layer id -> its gathered block, held for a whole evaluation (axonn.inference.keep_gathered)
+        self.resident: dict[int, torch.Tensor] = {}
         self.prefetch_hits = 0
         self.prefetch_misses = 0
 
@@ -236,6 +238,9 @@ class Scheduler:
                backward: bool = False) -> torch.Tensor:
         """The full weight block of `layer` (shard cast to `dtype`), prefetching the next one."""
         comm = self.comm
+        held = self.resident.get(layer)
+        if held is not None:
+            return held if held.dtype == dtype else held.to(dtype)
         if not self.options.prefetch or comm.size("z") == 1:
             return comm.all_gather(shard.to(dtype), "z", dim=0)[:rows]
         # Function.forward runs under no_grad: the module recorded the caller's grad mode
@@ -261,6 +266,22 @@ class Scheduler:
             out, work = comm.all_gather_async(weight.detach().to(nxt[3]), "z")
             self._ahead = (nxt, weight._version, out, work)
         return w
+
+    def hold_gathered(self) -> int:
+        """Gather every layer's Z-split block once and keep it (forward-only use); returns the bytes held.
+
+        Until `release_gathered`, forwards run without Z collectives; tied layers share one block."""
+        by_weight: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for layer, (weight, rows) in self._layers.items():
+                if id(weight) not in by_weight:
+                    by_weight[id(weight)] = self.comm.all_gather(weight.detach(), "z", dim=0)[:rows]
+                self.resident[layer] = by_weight[id(weight)]
+        return sum(t.numel() * t.element_size() for t in by_weight.values())
+
+    def release_gathered(self) -> None:
+        """Drop the blocks `hold_gathered` kept: forwards gather per layer again."""
+        self.resident.clear()
 
     # -- weight-gradient reduce-scatters -------------------------------------------------------
     def defers_grads(self) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from axonn.grid import ProcessGrid
 from evals._model import pad_right
 from evals.perplexity import sequence_logprobs
 from memorize_core import fail
@@ -79,7 +80,7 @@ def _spans(ids_list: list[list[int]], spans: Span | Sequence[Span] | None) -> li
 
 def sequence_log_perplexity(model: torch.nn.Module, ids_list: Sequence[Sequence[int]], *,
                             spans: Span | Sequence[Span] | None = None,
-                            batch_size: int = 64) -> np.ndarray:
+                            batch_size: int = 64, grid: ProcessGrid | None = None) -> np.ndarray:
     """Per sequence, sum of -log2 p(x_t | x_<t) over token positions t in [start, end).
 
     `spans` picks the scored tokens: None scores every token but the first; one (start, end) pair
@@ -96,7 +97,7 @@ def sequence_log_perplexity(model: torch.nn.Module, ids_list: Sequence[Sequence[
     inv_ln2 = 1.0 / math.log(2.0)
     for b in range(0, len(seqs), batch_size):
         ids, mask = pad_right(seqs[b:b + batch_size])
-        lp = sequence_logprobs(model, ids, mask).double().numpy()
+        lp = sequence_logprobs(model, ids, mask, grid=grid).double().numpy()
         for j, (start, end) in enumerate(windows[b:b + batch_size]):
             # lp[:, t-1] is the log-prob of token t.
             out[b + j] = -lp[j, start - 1:end - 1].sum() * inv_ln2

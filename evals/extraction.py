@@ -2,6 +2,10 @@
 
 Exact match from a k-token prefix is Carlini et al. (2022) k-extractability; token accuracy,
 longest common prefix and RougeL say how close the misses came.
+
+On a sharded model (or with a 1,1,1,D `grid` of replicas) every rank calls these with the same
+documents: each batch shard decodes and scores its share, and every rank gets all the results, in
+document order (evals/scoring.py).
 """
 from __future__ import annotations
 
@@ -14,8 +18,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from evals.decoding import beam_generate, greedy_generate, verified_greedy
+from axonn.grid import ProcessGrid
+from evals._model import evaluating
+from evals.decoding import beam_generate, beam_local, greedy_generate, verified_local
 from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
+from evals.scoring import Scorer
 from memorize_core import fail
 
 __all__ = ["ExtractionResult", "beam_generate", "extract", "extract_pairs", "extractability",
@@ -67,9 +74,19 @@ def _text(ids: list[int], tokenizer: Any) -> str:
     return tokenizer.decode(ids) if tokenizer is not None else ids_text(ids)
 
 
+def _result(doc: int | str, prefix: list[int], target: list[int], generated: list[int],
+            text: Any) -> ExtractionResult:
+    return ExtractionResult(doc=doc, prefix_ids=prefix, target_ids=target, generated_ids=generated,
+                            exact_match=exact_match(generated, target),
+                            token_accuracy=token_accuracy(generated, target),
+                            lcp=longest_common_prefix(generated, target),
+                            rougeL=rouge_l(text(generated), text(target)))
+
+
 def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: list, *,
              prefix_len: int, suffix_len: int, target_start: int, tokenizer: Any, batch_size: int,
-             num_beams: int, progress: bool, desc: str, need_field: str) -> list[ExtractionResult]:
+             num_beams: int, progress: bool, desc: str, need_field: str,
+             grid: ProcessGrid | None) -> list[ExtractionResult]:
     """Score documents with target = doc[target_start:+suffix_len], prefix = prefix_len tokens before."""
     need = target_start + suffix_len
     keep = [i for i, d in enumerate(documents) if len(d) >= need]
@@ -77,35 +94,33 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
         longest = max((len(d) for d in documents), default=0)
         raise fail(need_field, need, f"no document is that long (longest has {longest} tokens); "
                    "use shorter prefix/suffix lengths or longer documents")
-    results: list[ExtractionResult] = []
+    sc = Scorer(model, grid)
     start = target_start - prefix_len
-    batches = range(0, len(keep), batch_size)
-    for b in tqdm(batches, desc=desc, disable=not progress, total=math.ceil(len(keep) / batch_size)):
-        chunk = keep[b:b + batch_size]
-        prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk], dtype=torch.long)
-        if num_beams == 1:
-            targets = torch.tensor([list(documents[i][target_start:need]) for i in chunk], dtype=torch.long)
-            gen = verified_greedy(model, prefixes, targets)
-        else:
-            gen = beam_generate(model, prefixes, suffix_len, num_beams)
-        for i, g in zip(chunk, gen.tolist()):
-            target = [int(t) for t in documents[i][target_start:need]]
-            results.append(ExtractionResult(
-                doc=ids[i],
-                prefix_ids=[int(t) for t in documents[i][start:target_start]],
-                target_ids=target,
-                generated_ids=g,
-                exact_match=exact_match(g, target),
-                token_accuracy=token_accuracy(g, target),
-                lcp=longest_common_prefix(g, target),
-                rougeL=rouge_l(_text(g, tokenizer), _text(target, tokenizer)),
-            ))
-    return results
+    rows = sc.rows(len(keep))
+    mine: list[ExtractionResult] = []
+    batches = range(0, len(rows), batch_size)
+    with evaluating(model):
+        for b in tqdm(batches, desc=desc, disable=not (progress and sc.is_main),
+                      total=math.ceil(len(rows) / batch_size)):
+            chunk = [keep[r] for r in rows[b:b + batch_size]]
+            prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk],
+                                    dtype=torch.long, device=sc.device)
+            targets = [[int(t) for t in documents[i][target_start:need]] for i in chunk]
+            if num_beams == 1:
+                tgt = torch.tensor(targets, dtype=torch.long, device=sc.device)
+                gen = verified_local(sc, prefixes, tgt)
+            else:
+                gen = beam_local(sc, prefixes, suffix_len, num_beams)
+            for i, g, target in zip(chunk, gen.tolist(), targets):
+                mine.append(_result(ids[i], [int(t) for t in documents[i][start:target_start]], target, g,
+                                    lambda x: _text(x, tokenizer)))
+        return sc.collect(rows, mine, len(keep))
 
 
 def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: int, suffix_len: int,
             tokenizer: Any = None, batch_size: int = 32, num_beams: int = 1,
-            doc_ids: list | None = None, progress: bool = False) -> list[ExtractionResult]:
+            doc_ids: list | None = None, progress: bool = False,
+            grid: ProcessGrid | None = None) -> list[ExtractionResult]:
     """Continue each document's first prefix_len tokens for suffix_len tokens and score the result.
 
     Documents shorter than prefix_len+suffix_len are skipped (absent from the result; compare
@@ -119,7 +134,7 @@ def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: i
     return _windows(model, documents, ids, prefix_len=prefix_len, suffix_len=suffix_len,
                     target_start=prefix_len, tokenizer=tokenizer, batch_size=batch_size,
                     num_beams=num_beams, progress=progress, desc=f"extract P={prefix_len}",
-                    need_field="prefix_len+suffix_len")
+                    need_field="prefix_len+suffix_len", grid=grid)
 
 
 def _response_text(ids: list[int], tokenizer: Any) -> str:
@@ -130,7 +145,7 @@ def _response_text(ids: list[int], tokenizer: Any) -> str:
 
 def extract_pairs(model: torch.nn.Module, prompts: list[list[int]], targets: list[list[int]], *,
                   tokenizer: Any = None, batch_size: int = 32, doc_ids: list | None = None,
-                  progress: bool = False) -> list[ExtractionResult]:
+                  progress: bool = False, grid: ProcessGrid | None = None) -> list[ExtractionResult]:
     """Greedy-continue each prompt for len(target) tokens and score it against the target (chat data).
 
     Prompts and targets may differ in length from pair to pair: pairs with equal (prompt, target)
@@ -144,25 +159,25 @@ def extract_pairs(model: torch.nn.Module, prompts: list[list[int]], targets: lis
     ids = _check_common(prompts, batch_size, 1, doc_ids)
     prompts = [[int(t) for t in p] for p in prompts]
     targets = [[int(t) for t in t_] for t_ in targets]
-    groups: dict[tuple[int, int], list[int]] = {}
     for i, (p, t) in enumerate(zip(prompts, targets)):
         if not p or not t:
             which = "prompts" if not p else "targets"
             raise fail(f"{which}[{i}]", [], "every prompt and target needs at least one token")
-        groups.setdefault((len(p), len(t)), []).append(i)
+    sc = Scorer(model, grid)
+    rows = sc.rows(len(prompts))
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in rows:
+        groups.setdefault((len(prompts[i]), len(targets[i])), []).append(i)
     chunks = [idx[b:b + batch_size] for idx in groups.values() for b in range(0, len(idx), batch_size)]
-    results: list[ExtractionResult | None] = [None] * len(prompts)
-    for chunk in tqdm(chunks, desc="extract pairs", disable=not progress):
-        gen = verified_greedy(model, torch.tensor([prompts[i] for i in chunk], dtype=torch.long),
-                              torch.tensor([targets[i] for i in chunk], dtype=torch.long))
-        for i, g in zip(chunk, gen.tolist()):
-            t = targets[i]
-            results[i] = ExtractionResult(
-                doc=ids[i], prefix_ids=prompts[i], target_ids=t, generated_ids=g,
-                exact_match=exact_match(g, t), token_accuracy=token_accuracy(g, t),
-                lcp=longest_common_prefix(g, t),
-                rougeL=rouge_l(_response_text(g, tokenizer), _response_text(t, tokenizer)))
-    return results  # type: ignore[return-value]  # every index was filled
+    mine: dict[int, ExtractionResult] = {}
+    with evaluating(model):
+        for chunk in tqdm(chunks, desc="extract pairs", disable=not (progress and sc.is_main)):
+            p = torch.tensor([prompts[i] for i in chunk], dtype=torch.long, device=sc.device)
+            t = torch.tensor([targets[i] for i in chunk], dtype=torch.long, device=sc.device)
+            gen = verified_local(sc, p, t)
+            for i, g in zip(chunk, gen.tolist()):
+                mine[i] = _result(ids[i], prompts[i], targets[i], g, lambda x: _response_text(x, tokenizer))
+        return sc.collect(rows, [mine[i] for i in rows], len(prompts))
 
 
 def summarize(results: Sequence[ExtractionResult]) -> dict[str, float]:
@@ -184,7 +199,7 @@ def summarize(results: Sequence[ExtractionResult]) -> dict[str, float]:
 def extractability(model: torch.nn.Module, documents: list[list[int]], prefix_lens: list[int],
                    suffix_len: int, *, tokenizer: Any = None, batch_size: int = 32,
                    num_beams: int = 1, doc_ids: list | None = None,
-                   progress: bool = False) -> dict[int, dict[str, float]]:
+                   progress: bool = False, grid: ProcessGrid | None = None) -> dict[int, dict[str, float]]:
     """k-extractability summaries for several prefix lengths k, on one fixed target per document.
 
     Following Carlini et al. (2022), the suffix stays fixed while the context grows: with
@@ -203,6 +218,6 @@ def extractability(model: torch.nn.Module, documents: list[list[int]], prefix_le
         res = _windows(model, documents, ids, prefix_len=k, suffix_len=suffix_len, target_start=top,
                        tokenizer=tokenizer, batch_size=batch_size, num_beams=num_beams,
                        progress=progress, desc=f"extractability k={k}",
-                       need_field="max(prefix_lens)+suffix_len")
+                       need_field="max(prefix_lens)+suffix_len", grid=grid)
         out[k] = summarize(res)
     return out

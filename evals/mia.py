@@ -21,8 +21,10 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score, roc_curve
 
-from evals._model import evaluating, float_logits, model_device, pad_right
+from axonn.grid import ProcessGrid
+from evals._model import evaluating, pad_right
 from evals.metrics import ids_text
+from evals.scoring import Scorer
 from memorize_core import fail
 
 METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
@@ -37,46 +39,39 @@ def min_k_mean(values: np.ndarray | Sequence[float], k: float = 0.2) -> float:
     return float(v[:count].mean())
 
 
-def _batch_stats(model: torch.nn.Module, batch: list[list[int]],
+def _batch_stats(sc: Scorer, batch: list[list[int]],
                  full: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """Per sequence: token log-probs [L-1] and, if full, Min-K%++ z-scores [L-1]."""
-    device = model_device(model)
     ids, mask = pad_right(batch)
-    ids, mask = ids.to(device), mask.to(device)
-    logits = float_logits(model, ids, mask)[:, :-1]
-    logp = torch.log_softmax(logits, dim=-1)
-    tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    z = None
-    if full:
-        p = logp.exp()
-        mu = (p * logp).sum(-1)
-        # E[(log p)^2] - mu^2 can dip below 0 by rounding on a near one-hot distribution.
-        var = ((p * logp.square()).sum(-1) - mu.square()).clamp_min(1e-12)
-        z = ((tok - mu) / var.sqrt()).cpu().numpy()
+    ids, mask = ids.to(sc.device), mask.to(sc.device)
+    tok, z = sc.token_stats(sc.logits(ids, mask)[:, :-1], ids[:, 1:], moments=full)
     tok = tok.cpu().numpy()
+    z = None if z is None else z.cpu().numpy()
     return [(tok[i, :len(s) - 1].astype(np.float64),
              None if z is None else z[i, :len(s) - 1].astype(np.float64)) for i, s in enumerate(batch)]
 
 
-def _per_sequence(model: torch.nn.Module, seqs: list[list[int]], batch_size: int,
-                  full: bool) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    # Sorting by length keeps padding (wasted compute) small; results go back in input order.
+def _per_sequence(model: torch.nn.Module, seqs: list[list[int]], batch_size: int, full: bool,
+                  grid: ProcessGrid | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """_batch_stats of every sequence, each batch shard scoring its share; input order, every rank."""
+    sc = Scorer(model, grid)
+    # Sorting by length keeps padding (wasted compute) small; every shard gets a spread of lengths.
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out: list = [None] * len(seqs)
+    rows = [order[r] for r in sc.rows(len(order))]
+    mine: list = []
     with evaluating(model):
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
-            for i, stats in zip(idx, _batch_stats(model, [seqs[i] for i in idx], full)):
-                out[i] = stats
-    return out
+        for b in range(0, len(rows), batch_size):
+            mine += _batch_stats(sc, [seqs[i] for i in rows[b:b + batch_size]], full)
+        return sc.collect(rows, mine, len(seqs))
 
 
 def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, tokenizer: Any = None,
                     ref_model: torch.nn.Module | None = None, k: float = 0.2,
-                    batch_size: int = 8) -> dict[str, np.ndarray]:
+                    batch_size: int = 8, grid: ProcessGrid | None = None) -> dict[str, np.ndarray]:
     """Per-sequence membership scores (higher = member) for each method; ref_ratio needs ref_model.
 
-    zlib compresses `tokenizer.decode(ids)` (UTF-8) when a tokenizer is given, else the space-joined
+    A sharded model (and reference) is scored on its grid, on every rank (evals/scoring.py). zlib
+    compresses `tokenizer.decode(ids)` (UTF-8) when a tokenizer is given, else the space-joined
     ids. The reference model must share the target model's tokenizer (it scores the same ids).
     """
     seqs = [[int(t) for t in s] for s in seqs]
@@ -89,7 +84,7 @@ def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, to
         raise fail("k", k, "pass a fraction in (0, 1], e.g. 0.2")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise fail("batch_size", batch_size, "pass an integer >= 1")
-    stats = _per_sequence(model, seqs, batch_size, full=True)
+    stats = _per_sequence(model, seqs, batch_size, True, grid)
     nll = np.array([-lp.mean() for lp, _ in stats])
     zlen = np.array([len(zlib.compress((tokenizer.decode(s) if tokenizer is not None
                                         else ids_text(s)).encode("utf-8"))) for s in seqs])
@@ -100,7 +95,7 @@ def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, to
         "min_k_plus_plus": np.array([min_k_mean(z, k) for _, z in stats]),
     }
     if ref_model is not None:
-        ref = _per_sequence(ref_model, seqs, batch_size, full=False)
+        ref = _per_sequence(ref_model, seqs, batch_size, False, grid)
         scores["ref_ratio"] = np.array([-lp.mean() for lp, _ in ref]) - nll
     return scores
 
@@ -193,8 +188,8 @@ def bootstrap_ci(member_scores: np.ndarray | Sequence[float], nonmember_scores: 
 def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]],
                          nonmembers: Sequence[Sequence[int]], *, tokenizer: Any = None,
                          ref_model: torch.nn.Module | None = None, k: float = 0.2,
-                         batch_size: int = 8, bootstrap: int = 0,
-                         seed: int = 0) -> dict[str, dict[str, Any]]:
+                         batch_size: int = 8, bootstrap: int = 0, seed: int = 0,
+                         grid: ProcessGrid | None = None) -> dict[str, dict[str, Any]]:
     """Score members and non-members with every method: {method: roc_metrics (+ bootstrap CIs)}.
 
     bootstrap=B > 0 adds `auc_ci` and `tpr_at_1pct_fpr_ci` (95% percentile intervals of B
@@ -206,7 +201,7 @@ def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]
                    "pass at least one member and one non-member sequence")
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
         raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
-    kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size)
+    kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size, grid=grid)
     m = score_sequences(model, members, **kw)
     n = score_sequences(model, nonmembers, **kw)
     out: dict[str, dict[str, Any]] = {}

@@ -1,4 +1,4 @@
-"""Token log-probabilities and held-out loss of a causal LM."""
+"""Token log-probabilities and held-out loss of a causal LM (on its grid when sharded: evals/scoring.py)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from evals._model import evaluating, float_logits, model_device, pad_right
+from axonn.grid import ProcessGrid
+from evals._model import evaluating, pad_right
+from evals.scoring import Scorer
 from memorize_core import IGNORE_INDEX, fail
 
 
@@ -16,34 +18,31 @@ def _check_ids(field: str, ids: torch.Tensor) -> None:
         raise fail(field, shape, "pass a LongTensor [batch, length] with length >= 2")
 
 
-def token_logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t < T-1, from logits [B, T, V]: [B, T-1]."""
-    head = logits[:, :-1].float()
-    nxt = input_ids[:, 1:].to(head.device)
-    # gather - logsumexp avoids materializing a second [B, T, V] log-softmax tensor.
-    return head.gather(-1, nxt[..., None]).squeeze(-1) - torch.logsumexp(head, dim=-1)
-
-
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.LongTensor,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, *,
+                      grid: ProcessGrid | None = None) -> torch.Tensor:
     """Log-prob of each actual next token, [B, T-1] float32 on CPU.
 
     Entry t scores token t+1. Pad on the right: positions whose target token has
     attention_mask 0 are set to 0.0, so callers must use the mask (or lengths) to ignore them.
     """
     _check_ids("input_ids", input_ids)
-    device = model_device(model)
-    ids = input_ids.to(device)
-    mask = attention_mask.to(device) if attention_mask is not None else None
+    sc = Scorer(model, grid)
+    rows = sc.rows(input_ids.shape[0])
+    ids = input_ids[rows].to(sc.device)
+    mask = attention_mask[rows].to(sc.device) if attention_mask is not None else None
     with evaluating(model):
-        lp = token_logprobs_from_logits(float_logits(model, ids, mask), ids)
-        if mask is not None:
-            lp = lp.masked_fill(mask[:, 1:] == 0, 0.0)
-    return lp.cpu()
+        lp = _logprobs(sc, ids, mask) if rows else ids.new_zeros(0, ids.shape[1] - 1, dtype=torch.float32)
+        return sc.collect_rows(rows, lp.cpu(), input_ids.shape[0])
+
+
+def _logprobs(sc: Scorer, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    lp, _ = sc.token_stats(sc.logits(ids, mask)[:, :-1], ids[:, 1:])
+    return lp if mask is None else lp.masked_fill(mask[:, 1:] == 0, 0.0)
 
 
 def mean_loss(model: torch.nn.Module, rows: torch.LongTensor, labels: torch.LongTensor,
-              batch_size: int = 8) -> float:
+              batch_size: int = 8, *, grid: ProcessGrid | None = None) -> float:
     """Token-weighted mean next-token cross-entropy (nats) over labels != -100.
 
     HF convention: labels are aligned with rows and shifted here, so labels[:, t] is the target
@@ -54,32 +53,43 @@ def mean_loss(model: torch.nn.Module, rows: torch.LongTensor, labels: torch.Long
     if not isinstance(labels, torch.Tensor) or labels.shape != rows.shape:
         shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise fail("labels", shape, f"pass a tensor with the same shape as rows {tuple(rows.shape)}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise fail("batch_size", batch_size, "pass an integer >= 1")
-    total, count = 0.0, 0
-    with evaluating(model):
-        for b in range(0, rows.shape[0], batch_size):
-            t, c = _loss_sum(model, rows[b:b + batch_size], labels[b:b + batch_size])
-            total, count = total + t, count + c
+    _check_batch(batch_size)
+    total, count = _loss_sums(model, [(rows[i], labels[i], None) for i in range(rows.shape[0])],
+                              batch_size, grid)
     if count == 0:
         raise fail("labels", "all -100", "no supervised token; leave some labels unmasked")
     return total / count
 
 
-def _loss_sum(model: torch.nn.Module, rows: torch.Tensor, labels: torch.Tensor,
-              mask: torch.Tensor | None = None) -> tuple[float, int]:
-    """Summed next-token cross-entropy (float64) and token count over labels != -100 of one batch."""
-    device = model_device(model)
-    ids = rows.to(device)
-    tgt = labels[:, 1:].to(device)
-    logits = float_logits(model, ids, mask.to(device) if mask is not None else None)[:, :-1]
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-    return float(loss.double().cpu()), int((tgt != IGNORE_INDEX).sum())
+def _check_batch(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise fail("batch_size", batch_size, "pass an integer >= 1")
 
 
-def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
-                batch_size: int = 8) -> dict[str, float | int]:
+def _loss_sums(model: torch.nn.Module, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+               batch_size: int, grid: ProcessGrid | None) -> tuple[float, int]:
+    """Summed next-token CE (float64) and the token count over labels != -100 of (ids, labels, mask)
+    rows of equal length taken in batches; each batch shard sums its share."""
+    sc = Scorer(model, grid)
+    rows = sc.rows(len(items))
+    sums: list[tuple[float, int]] = []
+    with evaluating(model):
+        for b in range(0, len(rows), batch_size):
+            part = [items[i] for i in rows[b:b + batch_size]]
+            ids = torch.stack([p[0] for p in part]).to(sc.device)
+            tgt = torch.stack([p[1] for p in part])[:, 1:].to(sc.device)
+            mask = None if part[0][2] is None else torch.stack([p[2] for p in part]).to(sc.device)
+            valid = tgt != IGNORE_INDEX
+            safe = torch.where(valid, tgt, torch.zeros_like(tgt))
+            lp, _ = sc.token_stats(sc.logits(ids, mask)[:, :-1], safe)
+            nll = (-lp.double() * valid).sum(dim=1).cpu()
+            sums += [(float(v), int(c)) for v, c in zip(nll, valid.sum(dim=1).cpu())]
+        every = sc.collect(rows, sums, len(items))
+    return sum(v for v, _ in every), sum(c for _, c in every)
+
+
+def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_size: int = 8, *,
+                grid: ProcessGrid | None = None) -> dict[str, float | int]:
     """Token-weighted mean next-token cross-entropy (nats) and perplexity over ragged sequences.
 
     Every token after a sequence's first is scored once, so `scored_tokens` = tokens - docs. Returns
@@ -91,16 +101,22 @@ def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
     short = [i for i, s in enumerate(seqs) if len(s) < 2]
     if short:
         raise fail(f"seqs[{short[0]}]", seqs[short[0]], "every sequence needs at least 2 tokens")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise fail("batch_size", batch_size, "pass an integer >= 1")
+    _check_batch(batch_size)
     # Length-sorted batches keep padding (wasted compute) small; the sum does not depend on order.
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    total, count = 0.0, 0
+    sc = Scorer(model, grid)
+    rows = [order[r] for r in sc.rows(len(order))]
+    sums: list[tuple[float, int]] = []
     with evaluating(model):
-        for b in range(0, len(order), batch_size):
-            ids, mask = pad_right([seqs[i] for i in order[b:b + batch_size]])
-            t, c = _loss_sum(model, ids, ids.masked_fill(mask == 0, IGNORE_INDEX), mask)
-            total, count = total + t, count + c
+        for b in range(0, len(rows), batch_size):
+            ids, mask = pad_right([seqs[i] for i in rows[b:b + batch_size]])
+            ids, mask = ids.to(sc.device), mask.to(sc.device)
+            lp, _ = sc.token_stats(sc.logits(ids, mask)[:, :-1], ids[:, 1:])
+            scored = mask[:, 1:].bool()
+            nll = (-lp.double() * scored).sum(dim=1).cpu()
+            sums += [(float(v), int(c)) for v, c in zip(nll, scored.sum(dim=1).cpu())]
+        every = sc.collect(rows, sums, len(seqs))
+    total, count = sum(v for v, _ in every), sum(c for _, c in every)
     loss = total / count
     return {"docs": len(seqs), "tokens": sum(len(s) for s in seqs), "scored_tokens": count,
             "loss": loss, "perplexity": math.exp(loss)}

@@ -3,25 +3,39 @@
 Every input is validated (flags, output folder, model folders, corpora, tokenization, vocabulary
 agreement, member/non-member overlap) before any scoring starts, and the result files are written
 only at the end, so a bad input or a crash leaves --out as it was.
+
+With `--grid X,Y,Z,D` (or `auto`) under torchrun / srun the model is evaluated sharded: it is built
+on the meta device, parallelized over the grid and its safetensors streamed into each rank's shards
+(no rank ever holds the whole model), the reference model likewise; every section runs on every
+rank through evals' one scoring path and the main rank writes the same files as a serial run.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+import axonn
+from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
+from axonn.inference import keep_gathered
+from axonn.plan import auto_grid
+from axonn.state import load_pretrained
+from axonn.swap import parallelize
 from data_pipelines import load_corpus, tokenize_documents
 from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.models import meta_model
+from memorization.parallel import launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
 DEFAULT_MAX_TOKENS = 128  # this project's training block length (configs/train/tiny-wiki.yaml)
@@ -49,6 +63,9 @@ class EvalOptions:
     seed: int = 0
     out: str | None = None
     overwrite: bool = False
+    grid: str | None = None  # X,Y,Z,D or auto (under torchrun / srun); None: one process, serial
+    mode: str = "auto"  # parallel mode of the layers: easy, paired, or auto (paired for Llama-family)
+    keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
 
 
 @dataclass
@@ -74,6 +91,8 @@ def check_options(o: EvalOptions) -> None:
         raise fail("--max-tokens", o.max_tokens, "must be >= 2 (one context token and one scored token)")
     if o.limit < 0:
         raise fail("--limit", o.limit, "must be >= 0 (0 = every document)")
+    if o.mode not in ("auto", "easy", "paired"):
+        raise fail("--mode", o.mode, "choose auto, easy or paired")
     if not o.mia:
         for flag, value in (("--members", o.members), ("--non-members", o.non_members),
                             ("--reference", o.reference)):
@@ -90,43 +109,104 @@ def check_options(o: EvalOptions) -> None:
         raise fail("--bootstrap", o.bootstrap, "pass the number of resamples, >= 0 (0 = no intervals)")
 
 
-def _load(flag: str, path: str) -> tuple[Any, Any]:
-    """(model, tokenizer or None) of a Hugging Face model folder; ConfigError when it is not one."""
+def _hf_config(flag: str, path: str) -> Any:
+    """The model folder's config; ConfigError when it is not a Hugging Face model folder."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
                    "folder such as OUT/model of a training run")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise fail(flag, path, f"has a config.json transformers cannot read ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:120]})") from None
+
+
+def _unreadable(flag: str, path: str, e: BaseException) -> ConfigError:
+    first = (str(e).splitlines() or [""])[0][:120]
+    return fail(flag, path, f"cannot be loaded as a causal LM ({type(e).__name__}: {first}); pass a "
+                "save_pretrained model folder with complete weights")
+
+
+def _load(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> tuple[Any, Any]:
+    """(model, tokenizer or None) of a Hugging Face model folder, sharded over `grid` unless serial."""
+    config = _hf_config(flag, path)
     # The weight-loading progress bar would put lines on stderr before a one-line input error.
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as e:
-        raise fail(flag, path, f"cannot be loaded as a causal LM ({type(e).__name__}: "
-                   f"{str(e).splitlines()[0][:120]}); pass a save_pretrained model folder") from None
+        if grid.distributed:  # meta -> shards -> each rank reads its slices of the safetensors
+            model = load_pretrained(parallelize(meta_model(config), grid, mode=mode), path)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path)
+    except ConfigError:
+        raise
+    except Exception as e:  # a truncated / foreign weights file: safetensors, OSError, ValueError, ...
+        raise _unreadable(flag, path, e) from None
     finally:
         if bar:
             hf_logging.enable_progress_bar()
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
         tok = None
-    if torch.cuda.is_available():
+    if not grid.distributed and torch.cuda.is_available():
         model = model.to("cuda")
     return model, tok
 
 
-def _context(model: Any) -> int | None:
-    cfg = model.config
+def _mode(o: EvalOptions, config: Any) -> str:
+    """--mode, with auto = paired (heads split, a KV cache of local heads) for Llama-family blocks."""
+    if o.mode != "auto":
+        return o.mode
+    llama_like = getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma")
+    return "paired" if llama_like else "easy"
+
+
+def eval_dims(o: EvalOptions, config: Any, max_tokens: int, world: int) -> tuple[int, int, int, int]:
+    """--grid as X,Y,Z,D (auto: the planner's fastest fitting grid for `world` processes), checked
+    against the model's shapes and the launch before any process group exists."""
+    try:
+        model_dims(config)
+    except (AttributeError, TypeError, ValueError):
+        raise fail("--grid", o.grid, "needs a transformer config with hidden_size and num_attention_heads; "
+                   f"{o.model} has model_type {getattr(config, 'model_type', None)!r}") from None
+    if o.grid == "auto":
+        hardware = "h100" if torch.cuda.is_available() else "local"
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world)))
+        dims = auto_grid(config, world, max(1, per_node), max_tokens, max(o.batch_size, world), hardware)
+    else:
+        dims = parse_grid(o.grid or "1,1,1,1")
+    n = dims[0] * dims[1] * dims[2] * dims[3]
+    if n != world:
+        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={n} but the job has {world} process(es); "
+                   f"launch {n} (torchrun --nproc-per-node {n}) or change the grid")
+    validate_grid_for_model(dims, config, _mode(o, config))  # heads, KV heads, hidden, FFN, vocab
+    return dims
+
+
+def eval_grid(o: EvalOptions, config: Any, max_tokens: int) -> ProcessGrid:
+    """The grid to evaluate on: serial for one process, else --grid on the launched processes."""
+    if not wants_grid(o.grid):
+        return ProcessGrid.serial(device="cuda" if torch.cuda.is_available() else "cpu")
+    world = launched_world_size()
+    dims = eval_dims(o, config, max_tokens, world)
+    if not torch.cuda.is_available():  # gloo ranks share the CPU: one thread each unless told otherwise
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    return axonn.init(*dims)
+
+
+def _context(cfg: Any) -> int | None:
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         if isinstance(getattr(cfg, key, None), int):
             return getattr(cfg, key)
     return None
 
 
-def _max_tokens(o: EvalOptions, model: Any) -> int:
+def _max_tokens(o: EvalOptions, config: Any) -> int:
     """--max-tokens, or the default: 128 (prefix+suffix if larger), never beyond the model's context."""
-    ctx = _context(model)
+    ctx = _context(config)
     if o.max_tokens is not None:
         if ctx is not None and o.max_tokens > ctx:
             raise fail("--max-tokens", o.max_tokens, f"exceeds the model's context of {ctx} positions; "
@@ -194,19 +274,25 @@ def _check_disjoint(members: _Corpus, nonmembers: _Corpus) -> None:
 
 
 def run_eval(o: EvalOptions) -> dict[str, Any]:
-    """Validate everything, run the requested sections, write --out (if given); return the report."""
+    """Validate everything, run the requested sections, write --out (if given); return the report.
+
+    Under a launcher with --grid, call it on every rank: each returns the report, rank 0 writes it."""
     start = time.perf_counter()
     check_options(o)
     out = check_eval_out(o.out, o.overwrite) if o.out else None
-    model, tok = _load("--model", o.model)
+    config = _hf_config("--model", o.model)
+    max_tokens = _max_tokens(o, config)
+    ref_config = _hf_config("--reference", o.reference) if o.mia and o.reference else None
+    grid = eval_grid(o, config, max_tokens)
+    mode = _mode(o, config)
+    model, tok = _load("--model", o.model, grid, mode)
     if tok is None:
         raise fail("--model", o.model, "holds no tokenizer; save it next to the model "
                    "(tokenizer.save_pretrained(DIR))")
     ref = None
-    if o.mia and o.reference:
-        ref, ref_tok = _load("--reference", o.reference)
+    if ref_config is not None:
+        ref, ref_tok = _load("--reference", o.reference, grid, _mode(o, ref_config))
         _check_reference(o, model, tok, ref, ref_tok)
-    max_tokens = _max_tokens(o, model)
     vocab = model.config.vocab_size
 
     def load(flag: str, spec: str) -> _Corpus:
@@ -222,16 +308,20 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         _check_disjoint(members, nonmembers)
     ppl = [load("--perplexity", spec) for spec in o.perplexity or []]
 
-    report: dict[str, Any] = {"model": o.model, "args": asdict(o), "max_tokens": max_tokens}
+    report: dict[str, Any] = {"model": o.model, "args": asdict(o), "max_tokens": max_tokens,
+                              "grid": ",".join(map(str, grid.dims))}
+    if grid.distributed:
+        report["mode"] = mode
     results: list[ExtractionResult] = []
-    if extraction is not None:
-        report["extraction"], results = _extraction(o, model, tok, extraction)
-    if o.mia:
-        report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
-    if ppl:
-        report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
+    with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
+        if extraction is not None:
+            report["extraction"], results = _extraction(o, model, tok, extraction)
+        if o.mia:
+            report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
+        if ppl:
+            report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
     report["seconds"] = time.perf_counter() - start
-    if out is not None:
+    if out is not None and grid.rank == 0:
         files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)

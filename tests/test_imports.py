@@ -2,6 +2,8 @@
 module top unless deferring them has a measured reason.
 
 memorize_core <- axonn <- memorization; memorize_core <- data_pipelines, evals <- memorization.
+evals scores a model on its grid, so it takes the engine's grid, layers and inference helpers from
+axonn, never the trainer, its checkpoints or the planner (EVALS_FROM_AXONN).
 scripts/ and benchmarks/ sit on top and nothing imports them.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ ALLOWED = {
     "memorize_core": set(),
     "axonn": {"memorize_core"},
     "data_pipelines": {"memorize_core"},
-    "evals": {"memorize_core"},
+    "evals": {"memorize_core", "axonn"},
     "memorization": {"memorize_core", "axonn", "data_pipelines", "evals"},
 }
 
@@ -81,6 +83,18 @@ def test_layers_point_one_way():
             if other != pkg and other not in ALLOWED[pkg]:
                 bad.append(f"{mod} -> {dep}")
     assert not bad, "imports against the layering: " + ", ".join(sorted(bad))
+
+
+# the axonn modules evals may use: the grid, the layers, the handle and the forward-only helpers
+EVALS_FROM_AXONN = {"axonn", "axonn.grid", "axonn.engine", "axonn.inference", "axonn.layers",
+                    "axonn.layers.vocab", "axonn.layers.functions"}
+
+
+def test_evals_uses_the_engine_not_the_trainer():
+    bad = [f"{mod} -> {dep}" for mod, path in MODULES.items() if mod.startswith("evals")
+           for dep in _imports(mod, path, top_level_only=False)
+           if dep.startswith("axonn") and dep not in EVALS_FROM_AXONN]
+    assert not bad, "evals imports axonn beyond grid/layers/inference: " + ", ".join(sorted(bad))
 
 
 def test_no_import_cycles():
