@@ -57,9 +57,11 @@ def test_a_memorized_canary_has_maximal_exposure_and_is_extracted(setup):
     space = SecretSpace("digits", 2)
     canary = "58"
     ids = torch.tensor([tok.encode(render(TEMPLATE, canary), add_special_tokens=False)] * 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    # lr 3e-2 can stall this 1-layer model at loss ~0.107 (both ' ' tokens of "code is 58" look alike
+    # to it, so it continues "is" with " is "); at 1e-2 it converges (loss ~1e-3 by 300 steps)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
-    for _ in range(150):  # 60 steps left " is " ambiguous for this 1-layer model on some tokenizer builds
+    for _ in range(300):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
