@@ -27,14 +27,12 @@ import axonn
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid
-from axonn.state import load_pretrained
-from axonn.swap import parallelize
 from data_pipelines import load_corpus, tokenize_documents
 from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
-from memorization.models import meta_model
+from memorization.models import load_sharded
 from memorization.parallel import launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
@@ -130,13 +128,12 @@ def _unreadable(flag: str, path: str, e: BaseException) -> ConfigError:
 
 def _load(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> tuple[Any, Any]:
     """(model, tokenizer or None) of a Hugging Face model folder, sharded over `grid` unless serial."""
-    config = _hf_config(flag, path)
     # The weight-loading progress bar would put lines on stderr before a one-line input error.
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
         if grid.distributed:  # meta -> shards -> each rank reads its slices of the safetensors
-            model = load_pretrained(parallelize(meta_model(config), grid, mode=mode), path)
+            model = load_sharded(path, grid, mode)
         else:
             model = AutoModelForCausalLM.from_pretrained(path)
     except ConfigError:

@@ -11,6 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from axonn.config import load_yaml
+from axonn.state import load_pretrained
+from axonn.swap import parallelize
 from data_pipelines import load_tokenizer
 from memorize_core import ConfigError, fail
 
@@ -159,6 +161,14 @@ def meta_model(config: Any) -> torch.nn.Module:
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except TypeError:  # transformers 4.x spells it torch_dtype
             return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+
+
+def load_sharded(folder: str | Path, grid: Any, mode: str = "easy") -> torch.nn.Module:
+    """A saved model folder parallelized over `grid`: built on the meta device, its safetensors
+    streamed into each rank's shards (no rank ever holds the whole model); eval mode."""
+    config = AutoConfig.from_pretrained(folder)
+    model = parallelize(meta_model(config), grid, mode=mode)
+    return load_pretrained(model, folder).eval()
 
 
 def is_pretrained(name: str) -> bool:

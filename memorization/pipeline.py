@@ -7,8 +7,8 @@
 4. `finish(run)`: export the model, score extraction, write extraction.jsonl and run.json.
 
 `run_training` is the default composition. Per-pass evaluation is a Trainer callback (the
-`callbacks` of start_run; see memorization/experiments/passes.py), and `serial_model` is the one
-way to get the trained model as a serial module while the run is open.
+`callbacks` of start_run; see memorization/experiments/passes.py). Every evaluation scores the
+trained model where it is, on the run's grid (evals/scoring.py): nothing gathers a serial copy.
 """
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from axonn.config import to_dict
-from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
-from axonn.state import full_state_dict, load_pretrained, serial_copy
+from axonn.state import load_pretrained
 from axonn.swap import parallelize
 from axonn.trainer import Callback, JsonlSink, MetricSink, Trainer
 from axonn.watchdog import Watchdog, start_watchdog
@@ -62,18 +61,20 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
 
 
 def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-                       progress: bool = False) -> list[Any]:
+                       progress: bool = False, grid: ProcessGrid | None = None) -> list[Any]:
     """Greedy extraction of every training item: prefix -> suffix of documents,
-    prompt -> response of chats."""
+    prompt -> response of chats. Call it on every rank of `grid` (default: the model's own grid:
+    the one it is sharded over, else serial; pass the run's 1,1,1,D grid to split a replica's work)."""
     from evals import extract, extract_pairs  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
 
     e = cfg.eval
     if data.is_chat:
         return extract_pairs(model, data.prompts, data.responses, tokenizer=data.tokenizer,
-                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, progress=progress)
+                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, progress=progress,
+                             grid=grid)
     return extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
                    batch_size=e.batch_size, num_beams=e.num_beams, doc_ids=data.train_doc_ids,
-                   progress=progress)
+                   progress=progress, grid=grid)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -225,18 +226,18 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
            ) -> dict[str, Any]:
     """Stage 4: export the model, score extraction, write extraction.jsonl and run.json; the summary.
 
-    Call it on every rank: exporting and gathering a sharded model are collectives. `scored` are
-    extraction results a caller already took from the final model (a per-pass hook's last pass):
-    the main rank passes them and finish writes them instead of extracting again (every rank then
-    skips extraction); `extra` adds keys to the summary (run.json).
+    Call it on every rank: exporting and scoring a sharded model are collectives. Extraction runs on
+    the trained model where it is, on the run's grid (evals' one scoring path: each batch shard
+    decodes its share; nothing gathers the weights). `scored` are extraction results a caller
+    already took from the final model on every rank (a per-pass hook's last pass): finish writes
+    them instead of extracting again; `extra` adds keys to the summary (run.json).
     """
     cfg, trainer = run.cfg, run.trainer
     export(run)
     summary = summarise(run)
     results = scored
-    if not _agree(scored is not None, run) and cfg.eval.extraction:
-        model = serial_model(trainer)  # a collective under a sharded grid
-        results = extraction_results(model, cfg, run.data) if model is not None else None
+    if results is None and cfg.eval.extraction:
+        results = extraction_results(trainer.model, cfg, run.data, grid=run.grid)
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
     summary.update(extra or {})
@@ -246,15 +247,6 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         if run.wandb is not None:
             run.wandb.summary(summary)
     return summary
-
-
-def _agree(flag: bool, run: Run) -> bool:
-    """The main rank's flag on every rank (a no-op for one process)."""
-    if run.grid.world_size == 1:
-        return flag
-    box = [flag]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def run_training(cfg: RunConfig, out: str | Path, *, data: PreparedData | None = None,
@@ -303,18 +295,6 @@ def summarise(run: Run) -> dict[str, Any]:
     if run.privacy is not None:
         summary.update(run.privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
     return summary
-
-
-def serial_model(trainer: Trainer) -> torch.nn.Module | None:
-    """The trained model as one serial module on the main rank (None elsewhere).
-
-    A sharded model's full weights are gathered into a fresh serial copy (a collective: call it on
-    every rank); a serial model, or a replica at 1,1,1,D (LoRA, DP-SGD), is used as it is.
-    """
-    if not is_parallel(trainer.model):
-        return trainer.model if trainer.is_main else None
-    state = full_state_dict(trainer.model)
-    return serial_copy(trainer.model, state) if trainer.is_main else None
 
 
 def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:

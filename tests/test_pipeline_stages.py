@@ -111,7 +111,7 @@ def _grid_runs(rank, world, cfg, out):
 
 @pytest.mark.distributed
 def test_a_sharded_run_scores_the_same_extraction_as_the_serial_run(setup, tmp_path):
-    """finish and the per-pass hook gather the sharded weights (serial_model) on a 1,1,2,1 grid."""
+    """finish and the per-pass hook score the sharded model in place (evals on the grid) on a 1,1,2,1 grid."""
     from axonn.spawn import run_distributed
 
     cfg, data = setup

@@ -35,11 +35,16 @@ from memorization.experiments.canary_exposure import (
     score_injected,
 )
 from memorization.experiments.pretrained import require_pretrained_split
-from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
+from memorization.experiments.questions import (
+    MiaSettings,
+    PrivacyUtility,
+    format_auc,
+    other_domain,
+    reference_model,
+)
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
-from memorization.models import build_model
 from memorization.pipeline import run_training
 from memorization.prepare import PreparedData
 from memorize_core import fail
@@ -163,13 +168,11 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     save_manifest(manifest, exp)
     if dedup_manifest is not None and exp.is_main:
         dedup_manifest.save(exp.out / "dedup.json", overwrite=True)
-    questions = None
-    if exp.is_main:
-        reference = build_model(b.model.name, overrides=b.model.overrides).eval()
-        questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
-                                   other_domain(cfg, data.tokenizer, b.data.block_len), reference,
-                                   seed=b.seed)
-        del reference
+    # every rank asks the questions: each arm's model is scored on its run's grid (Experiment.eval_model)
+    reference = reference_model(b, exp.grid_spec)
+    questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
+                               other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
+    del reference
     key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
            "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
                         "space": cfg.canaries.space}}

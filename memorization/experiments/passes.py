@@ -20,7 +20,6 @@ from memorization.pipeline import (
     effective_trainer,
     extraction_results,
     finish,
-    serial_model,
     start_run,
     train,
 )
@@ -46,13 +45,10 @@ class PassExtraction(Callback):
             self.score(trainer, epoch)
 
     def score(self, trainer: Trainer, label: int) -> None:
-        """Extraction of the model as it is now, recorded as pass `label` (a collective under a
-        sharded grid: call it on every rank)."""
+        """Extraction of the model as it is now, on its grid, recorded as pass `label` (a collective
+        under a sharded grid: call it on every rank; every rank gets the results)."""
         self.last_step = trainer.state.step
-        model = serial_model(trainer)
-        if model is None:
-            return
-        self.last_results = extraction_results(model, self.cfg, self.data)
+        self.last_results = extraction_results(trainer.model, self.cfg, self.data, grid=trainer.grid)
         stats = summarize(self.last_results)
         record = {"pass": label, "step": trainer.state.step, **{k: stats[k] for k in EXTRACTION_KEYS}}
         self.records.append(record)

@@ -19,16 +19,23 @@ from typing import Any
 
 import torch
 
+from axonn.grid import ProcessGrid
 from axonn.trainer import Callback, Trainer
 from evals import summarize
 from memorization.config import RunConfig
-from memorization.experiments.questions import MiaSettings, PrivacyUtility, format_auc, other_domain
+from memorization.experiments.questions import (
+    MiaSettings,
+    PrivacyUtility,
+    format_auc,
+    other_domain,
+    reference_model,
+)
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
-from memorization.models import build_model, is_pretrained
-from memorization.pipeline import extraction_results, finish, serial_model, start_run, train
+from memorization.models import is_pretrained
+from memorization.pipeline import extraction_results, finish, start_run, train
 from memorize_core import fail
 
 
@@ -73,12 +80,14 @@ class Evaluator:
     def __init__(self, cfg: Config, split: SplitData, questions: PrivacyUtility):
         self.cfg, self.split, self.questions = cfg, split, questions
 
-    def __call__(self, model: torch.nn.Module) -> tuple[dict[str, Any], list[Any]]:
-        """(record: extraction, MIA per method and held-out losses of `model`; extraction results)."""
-        results = extraction_results(model, self.cfg.base, self.split.prepared)
+    def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None
+                 ) -> tuple[dict[str, Any], list[Any]]:
+        """(record: extraction, MIA per method and held-out losses of `model`; extraction results),
+        scored on `grid` (default: the model's own) on every rank."""
+        results = extraction_results(model, self.cfg.base, self.split.prepared, grid=grid)
         stats = summarize(results)
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
-                  "token_accuracy": stats["token_accuracy"], **self.questions(model)}
+                  "token_accuracy": stats["token_accuracy"], **self.questions(model, grid)}
         return record, results
 
 
@@ -91,10 +100,8 @@ class PassEvaluation(Callback):
         self.last_results: list[Any] = []  # the latest pass's extraction results
 
     def _score(self, trainer: Trainer, done: int) -> None:
-        model = serial_model(trainer)  # a collective under a grid: every rank takes part
-        if model is None:
-            return
-        record, self.last_results = self.evaluate(model)
+        # the model as it is, on its grid: a collective under a grid, every rank takes part
+        record, self.last_results = self.evaluate(trainer.model, trainer.grid)
         rec = {"pass": done, "step": trainer.state.step, **record}
         self.records.append(rec)
         trainer.log({"pass": done, "pass_exact_match": rec["exact_match_rate"],
@@ -137,14 +144,13 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     split = prepare_split(cfg.base)
     data = split.prepared
     exp.check(run_configs(cfg), data)
-    evaluator = None
-    if exp.is_main:
-        reference = build_model(cfg.base.model.name, overrides=cfg.base.model.overrides).eval()
-        questions = PrivacyUtility(cfg, data.tokenizer, data.train_docs, split.nonmembers,
-                                   other_domain(cfg, data.tokenizer, cfg.base.data.block_len), reference,
-                                   seed=cfg.base.seed)
-        evaluator = Evaluator(cfg, split, questions)
-        del reference
+    # every rank asks the questions: the models are scored where they are, on the runs' grid
+    reference = reference_model(cfg.base, exp.grid_spec)
+    questions = PrivacyUtility(cfg, data.tokenizer, data.train_docs, split.nonmembers,
+                               other_domain(cfg, data.tokenizer, cfg.base.data.block_len), reference,
+                               seed=cfg.base.seed)
+    evaluator = Evaluator(cfg, split, questions)
+    del reference
     arms = _arms(cfg)
     runs, samples = [], []
     for loss, pretrained in arms:

@@ -11,11 +11,17 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+import axonn
+from axonn.grid import ProcessGrid
 from data_pipelines import load_corpus, tokenize_documents
 from evals.mia import bootstrap_ci, roc_metrics, score_sequences
 from evals.perplexity import corpus_loss
+from memorization.config import RunConfig
 from memorization.experiments.spec import choice_list
+from memorization.models import build_model, load_sharded, model_config, resolve_model_dir
+from memorization.parallel import run_dims
 from memorize_core import fail
 
 MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
@@ -50,6 +56,17 @@ def other_domain(settings: MiaSettings, tokenizer: Any, block_len: int) -> list[
     return list(tokenize_documents(docs, tokenizer, max_tokens=block_len, min_tokens=2))
 
 
+def reference_model(base: RunConfig, grid_spec: str | None) -> torch.nn.Module:
+    """The un-fine-tuned base model, the ref_ratio reference: on a launch of several processes it is
+    streamed into the shards of the grid the runs train on (no rank holds it whole), else built whole."""
+    name = base.model.name
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) \
+            or resolve_model_dir(name) is None:
+        return build_model(name, overrides=base.model.overrides).eval()
+    dims = run_dims(base, model_config(name, overrides=base.model.overrides), spec=grid_spec)
+    return load_sharded(resolve_model_dir(name), axonn.init(*dims), base.parallel_mode)
+
+
 class PrivacyUtility:
     """MIA (members vs non-members) and held-out losses of any model sharing one tokenizer."""
 
@@ -70,15 +87,15 @@ class PrivacyUtility:
                 self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tokenizer, k=settings.mia_k,
                                                        batch_size=16)["loss"]
 
-    def __call__(self, model: torch.nn.Module) -> dict[str, Any]:
+    def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None) -> dict[str, Any]:
         """{"mia": {method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}}, "val_loss", "other_val_loss"}.
 
         One forward pass over members and non-members gives every MIA score and, from the
         non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1
         tokens), so no second pass is needed for utility.
         """
-        scores = {name: score_sequences(model, seqs, tokenizer=self.tok, k=self.s.mia_k, batch_size=16)
-                  for name, seqs in self.sets.items()}
+        scores = {name: score_sequences(model, seqs, tokenizer=self.tok, k=self.s.mia_k, batch_size=16,
+                                        grid=grid) for name, seqs in self.sets.items()}
         scored = np.array([len(x) - 1 for x in self.sets["nonmembers"]], dtype=np.float64)
         val_loss = float((-scores["nonmembers"]["loss"] * scored).sum() / scored.sum())
         for name, nll in self._ref_nll.items():  # reference NLL minus target NLL, as evals.mia defines it
@@ -92,7 +109,7 @@ class PrivacyUtility:
                 ci = bootstrap_ci(m, n, resamples=self.s.bootstrap, seed=self.seed)
                 rec.update(auc_ci=ci["auc_ci"], tpr_at_1fpr_ci=ci["tpr_at_1pct_fpr_ci"])
             mia[method] = rec
-        other = corpus_loss(model, self.other, batch_size=16)["loss"] if self.other else None
+        other = corpus_loss(model, self.other, batch_size=16, grid=grid)["loss"] if self.other else None
         return {"mia": mia, "val_loss": val_loss, "other_val_loss": other}
 
 

@@ -22,10 +22,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+import axonn
 from axonn.config import to_dict
+from axonn.grid import parse_grid
 from data_pipelines import load_corpus, split_documents, tokenize_documents
 from memorization.checks import check_runs
 from memorization.config import RunConfig
+from memorization.models import load_sharded
 from memorization.parallel import is_main_process
 from memorization.pipeline import run_training
 from memorization.prepare import PreparedData, prepare_documents
@@ -132,8 +135,9 @@ class Experiment:
 
         `extra_key` names inputs outside cfg that change training (e.g. injected items);
         `train(cfg, run_dir)` replaces the default `run_training` (e.g. to evaluate after every pass);
-        `evaluate` runs on the main rank with the exported serial model; its result is cached in
-        evals.json and recomputed (without retraining) when `eval_key` changes.
+        `evaluate(model, run_dir)` runs on every rank with the exported model on the run's grid
+        (`eval_model`); its result is cached in evals.json and recomputed (without retraining) when
+        `eval_key` changes. Every rank gets the summary.
         """
         if not per_run_wandb:
             cfg = replace(cfg, wandb=replace(cfg.wandb, mode="disabled"))
@@ -154,31 +158,47 @@ class Experiment:
             else:
                 run_training(cfg, d, overwrite=True, grid_spec=self.grid_spec, data=data,
                              progress=cfg.trainer.progress)
-        if not self.is_main:
-            return {"name": cfg.name}
-        summary = json.loads((d / "run.json").read_text())["summary"]
-        summary["reused"] = reused
-        if summary.get("params") is None:  # runs on a grid leave it out; the export has every weight
-            summary["params"] = exported_params(d / "model")
+        summary = None
+        if self.is_main:
+            summary = json.loads((d / "run.json").read_text())["summary"]
+            summary["reused"] = reused
+            if summary.get("params") is None:  # runs on a grid leave it out; the export has every weight
+                summary["params"] = exported_params(d / "model")
+        summary = self.agree(summary)
         if evaluate is not None:
-            summary.update(self._evals(d, evaluate, _jsonable(eval_key or {})))
+            summary.update(self._evals(cfg, d, summary, evaluate, _jsonable(eval_key or {})))
         return summary
 
-    def _evals(self, d: Path, evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]],
+    def _evals(self, cfg: RunConfig, d: Path, summary: dict[str, Any],
+               evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]],
                key: dict[str, Any]) -> dict[str, Any]:
+        """`evaluate` on every rank, of the exported model on the run's grid (cached in evals.json)."""
         path = d / "evals.json"
-        if path.is_file():
+        stored = None
+        if self.is_main and path.is_file():
             try:
-                stored = json.loads(path.read_text())
-                if stored.get("key") == key:
-                    return stored["values"]
+                cached = json.loads(path.read_text())
+                if cached.get("key") == key:
+                    stored = cached["values"]
             except (json.JSONDecodeError, AttributeError, KeyError):
                 pass  # unreadable or old: compute again
-        model = AutoModelForCausalLM.from_pretrained(d / "model")
-        model.eval()
-        values = _jsonable(evaluate(model, d))
-        path.write_text(json.dumps({"key": key, "values": values}, indent=1))
+        stored = self.agree(stored)
+        if stored is not None:
+            return stored
+        values = _jsonable(evaluate(self.eval_model(cfg, d, summary), d))
+        if self.is_main:
+            path.write_text(json.dumps({"key": key, "values": values}, indent=1))
         return values
+
+    def eval_model(self, cfg: RunConfig, d: Path, summary: dict[str, Any]) -> torch.nn.Module:
+        """The run's exported model for evaluation: on a launch of several processes, streamed into
+        the shards of the grid it trained on (memorization.models.load_sharded: evals then score it
+        there, each batch shard its share); a plain process loads it whole."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
+            return AutoModelForCausalLM.from_pretrained(d / "model").eval()
+        dims = parse_grid(summary.get("grid") or f"1,1,1,{torch.distributed.get_world_size()}")
+        return load_sharded(d / "model", axonn.init(*dims), cfg.parallel_mode)
 
 
 def exported_params(model_dir: Path) -> int | None:
