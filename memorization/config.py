@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
+from data_pipelines import is_chat_spec
 from memorization.goldfish import GoldfishConfig
 from memorization.lora import LoraSettings
 from memorize_core import ConfigError, fail
@@ -63,19 +64,30 @@ class ModelConfig:
 
 @dataclass
 class EvalConfig:
-    """Extraction protocol run after training on every training document."""
+    """What the run measures on its trained model, on its grid: extraction of every training
+    document, and membership inference (training documents vs the held-out ones)."""
 
     extraction: bool = True
     prefix: int = 32
     suffix: int = 32
     batch_size: int = 32
     num_beams: int = 1
+    mia: bool = False  # members = training documents, non-members = data.held_out's (or the split's)
+    mia_docs: int = 1000  # documents of each side (the first ones; 0 = all)
+    mia_k: float = 0.2  # Min-K% fraction
+    bootstrap: int = 1000  # resamples for 95% CIs of AUC and TPR@1%FPR (0 = none)
 
     def validate(self, prefix: str = "eval") -> None:
         """Range checks."""
         for name in ("prefix", "suffix", "batch_size", "num_beams"):
             if getattr(self, name) < 1:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        if self.mia_docs < 0:
+            raise fail(f"{prefix}.mia_docs", self.mia_docs, "must be >= 0 (0 = every document)")
+        if not 0 < self.mia_k <= 1:
+            raise fail(f"{prefix}.mia_k", self.mia_k, "pass a fraction in (0, 1], e.g. 0.2")
+        if self.bootstrap < 0:
+            raise fail(f"{prefix}.bootstrap", self.bootstrap, "must be >= 0 (0 = no intervals)")
 
 
 @dataclass
@@ -116,6 +128,13 @@ class RunConfig:
         if self.eval.extraction and self.eval.prefix + self.eval.suffix > self.data.block_len:
             raise fail("eval.prefix+eval.suffix", self.eval.prefix + self.eval.suffix,
                        f"must fit in data.block_len={self.data.block_len}; shorten them or raise block_len")
+        if self.eval.mia and not (self.data.held_out or self.data.held_out_fraction > 0):
+            raise fail("eval.mia", True, "needs non-members: set data.held_out (a corpus the model never "
+                       "sees) or data.held_out_fraction (a held-out split of data.corpus, the fair choice)")
+        if self.eval.mia and (self.data.format == "chat"
+                              or (self.data.format == "auto" and is_chat_spec(self.data.corpus))):
+            raise fail("eval.mia", True, "scores plain documents; for chat data run memorize eval --mia "
+                       "on the exported model with document corpora, or set eval.mia=false")
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

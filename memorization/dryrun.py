@@ -26,6 +26,7 @@ import axonn
 from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
 from axonn.plan import get_hardware, load_shape, plan, predict, valid_grids
+from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.memory import local_params, memory_breakdown
 from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
@@ -224,6 +225,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     except ConfigError:
         best = None
     tokens = t.batch_size * seq
+    evaluation = _evaluation(cfg, shape, g, hw, gpn, mode, precision, local, usable)
     return {
         "command": command, "config": config_path, "name": cfg.name,
         "model": {"name": cfg.model.name, "params": shape.params, "layers": shape.layers,
@@ -245,7 +247,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                   "total_bytes": int(total), "fits": True},
         "predicted": {"step_s": p.time_s, "tokens_per_s": tokens / p.time_s, "mfu": p.pct_peak / 100,
                       "tflops_per_gpu": p.tflops_per_gpu, "exposed_comm_s": p.exposed_comm_s},
-        "planner_best": best, "weights": weights_info,
+        "planner_best": best, "weights": weights_info, "evaluation": evaluation,
         "checks": ["the run's checks (memorization.checks.check_run): OUT and --resume when given, "
                    "tokenizer, LoRA, DP-SGD, activation checkpointing",
                    "grid product = GPUs", f"grid divides heads, KV heads, hidden, FFN, vocab ({mode})",
@@ -254,6 +256,41 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         + (["weights: every tensor present with the model's shape"] if weights_info else []),
         "launch": _launch(command, config_path, dims, overrides, world, gpn, hw.name),
     }
+
+
+def _evaluation(cfg: RunConfig, shape: Any, g: Grid, hw: Any, gpn: int, mode: str, precision: str,
+                local: int, usable: float) -> dict[str, Any] | None:
+    """Rank 0 while the run scores its model in place (axonn.plan.evaluation): memory of the weight
+    shards, AdamW state, KV cache at eval.batch_size, gathered buffers, logits; decode time. A batch
+    that does not fit is refused with the largest that does."""
+    e = cfg.eval
+    if not (e.extraction or e.mia):
+        return None
+    # full-sequence fp32 logits: MIA scores whole blocks, extraction's verify pass only the suffix
+    kw = dict(context=e.prefix, new=e.suffix, seq=cfg.data.block_len if e.mia else e.suffix, mode=mode,
+              precision=precision, local=local)
+
+    def need(batch: int, keep: bool = False) -> float:
+        return sum(eval_memory(shape, g, batch=batch, keep_gathered=keep, **kw).values())
+
+    total = need(e.batch_size)
+    if total > usable:
+        fits = [b for b in range(e.batch_size - 1, 0, -1) if need(b) <= usable][:1]
+        fix = (f"lower it to {fits[0]}" if fits else "no batch fits: use a grid with a larger tensor "
+               "split (x, y, z), or turn eval.extraction off and score the export with memorize eval --grid")
+        raise fail("eval.batch_size", e.batch_size, f"scoring the trained model needs {total / GiB:.1f} GiB "
+                   f"per GPU at this batch but {hw.name} has {usable / GiB:.1f} GiB usable; {fix}")
+    docs = 1000
+    timing = eval_time(shape, g, hw, docs=docs, batch=e.batch_size, context=e.prefix, new=e.suffix,
+                       gpus_per_node=gpn, mode=mode, precision=precision)
+    mia = eval_time(shape, g, hw, docs=2 * docs, batch=e.batch_size, context=cfg.data.block_len, new=0,
+                    gpus_per_node=gpn, mode=mode, precision=precision)["seconds"] if e.mia else None
+    return {"batch": e.batch_size, "prefix": e.prefix, "suffix": e.suffix, "mia_per_1000_pairs_s": mia,
+            "bytes": {k: int(v) for k, v in eval_memory(shape, g, batch=e.batch_size, **kw).items()},
+            "total_bytes": int(total), "keep_gathered_bytes": int(need(e.batch_size, True)),
+            "keep_gathered_fits": need(e.batch_size, True) <= usable,
+            "per_1000_docs_s": timing["seconds"], "decode_tokens_per_s": timing["tokens_per_s"],
+            "step_s": timing["step_s"]}
 
 
 def _count(n: float) -> str:
@@ -293,6 +330,21 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  planner    fastest for {g['world']} GPUs: --grid {','.join(map(str, best['grid']))} "
                      f"trainer.micro_batch={best['micro_batch']} trainer.activation_checkpointing="
                      f"{str(best['activation_checkpointing']).lower()} ({best['step_s']:.3g} s/step)")
+    ev = r.get("evaluation")
+    if ev:
+        b_ = ev["bytes"]
+        lines.append(f"  evaluation rank 0 while scoring in place (eval.batch_size {ev['batch']}, "
+                     f"{ev['prefix']}+{ev['suffix']} tokens): weights {_gib(b_['weights'])}, AdamW "
+                     f"{_gib(b_['optimizer'])}, KV cache {_gib(b_['kv_cache'])}, Z buffers "
+                     f"{_gib(b_['z_buffers'])}, logits {_gib(b_['logits'])}, activations "
+                     f"{_gib(b_['activations'])}")
+        lines.append(f"             total {_gib(ev['total_bytes'])}: fits; with weights kept gathered "
+                     f"{_gib(ev['keep_gathered_bytes'])}"
+                     f"{'' if ev['keep_gathered_fits'] else ' (does not fit)'}; "
+                     f"extraction ~{ev['per_1000_docs_s']:.3g} s per 1,000 documents "
+                     f"({ev['decode_tokens_per_s']:,.0f} decoded tokens/s)"
+                     + (f"; MIA ~{ev['mia_per_1000_pairs_s']:.3g} s per 1,000 member/non-member pairs"
+                        if ev["mia_per_1000_pairs_s"] is not None else ""))
     if r["weights"]:
         w = r["weights"]
         lines.append(f"  weights    {w['folder']}: {w['tensors']} tensors in {w['files']} file(s), "

@@ -44,6 +44,7 @@ from memorization.parallel import is_main_process, resolve_grid, run_dims, run_w
 from memorization.prepare import PreparedData, prepare_data
 from memorization.privacy import OpacusPrivacy
 from memorization.tracking import WandbSink
+from memorize_core import fail
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
 
@@ -161,6 +162,8 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     lora = cfg.model.lora
     hf_config = model_config(cfg.model.name, vocab_size=len(data.tokenizer), overrides=cfg.model.overrides)
     dims = run_dims(cfg, hf_config, spec=grid_spec, grid=grid)  # `auto`: the planner on this model
+    if cfg.eval.mia:
+        mia_sets(cfg, data)  # before anything is written
     checked = check_run(cfg, data, dims, world=run_world(grid), model_config=hf_config, out=out,
                         overwrite=overwrite, resume=resume)  # every refusal; nothing built or written yet
     ckpt = checked.checkpoint
@@ -240,6 +243,8 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         results = extraction_results(trainer.model, cfg, run.data, grid=run.grid)
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
+    if cfg.eval.mia:
+        summary["mia"] = membership(trainer.model, cfg, run.data, grid=run.grid)
     summary.update(extra or {})
     if run.is_main:
         (run.out_dir / "run.json").write_text(json.dumps({"summary": summary, "config": to_dict(cfg)},
@@ -295,6 +300,31 @@ def summarise(run: Run) -> dict[str, Any]:
     if run.privacy is not None:
         summary.update(run.privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
     return summary
+
+
+def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:
+    """eval.mia's members and non-members (checked when the run starts: at least 2 of each)."""
+    n = cfg.eval.mia_docs or None
+    members = [list(t[:cfg.data.block_len]) for t in data.train_docs][:n]
+    nonmembers = (data.held_out_docs or [])[:n]
+    if len(members) < 2 or len(nonmembers) < 2:
+        raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
+                   f"{len(members)} and {len(nonmembers)}: raise data.limit or data.held_out_fraction")
+    return members, nonmembers
+
+
+def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
+               grid: ProcessGrid | None = None) -> dict[str, Any]:
+    """Membership inference of the trained model (every rank, on `grid`): the first eval.mia_docs
+    training documents vs as many held-out ones, each cut to data.block_len; AUC, TPR@1%FPR and
+    bootstrap CIs per method (loss, zlib, min-k, min-k++)."""
+    from evals import membership_inference  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
+
+    e = cfg.eval
+    members, nonmembers = mia_sets(cfg, data)
+    methods = membership_inference(model, members, nonmembers, tokenizer=data.tokenizer, k=e.mia_k,
+                                   batch_size=e.batch_size, bootstrap=e.bootstrap, seed=cfg.seed, grid=grid)
+    return {"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods}
 
 
 def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class PreparedData:
     # (the extraction target, cut to eval.suffix); None for plain documents
     prompts: list[list[int]] | None = None
     responses: list[list[int]] | None = None
+    # plain documents: the held-out documents' token lists (cut to block_len), MIA's non-members
+    held_out_docs: list[list[int]] | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -83,13 +85,14 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     eos = tok.eos_token_id
     rows = (per_document(tokens, d.block_len, eos) if d.packing == "per-document"
             else pack(tokens, d.block_len, eos))
-    held = None
+    held = held_tokens = None
     if d.held_out:
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
     if held_docs:
         held_tokens = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
         held = per_document(held_tokens, d.block_len, eos)
-    return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held)
+    return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held,
+                        held_out_docs=[list(t) for t in held_tokens] if held_tokens else None)
 
 
 def is_chat_data(cfg: RunConfig) -> bool:

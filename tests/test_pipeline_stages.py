@@ -18,7 +18,7 @@ MICRO = [
     "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, "
     "num_attention_heads: 2, num_key_value_heads: 2}",
     "eval.prefix=8", "eval.suffix=8", "trainer.batch_size=2", "trainer.epochs=3", "trainer.warmup_steps=1",
-    "trainer.progress=false", "wandb.mode=disabled",
+    "trainer.progress=false", "wandb.mode=disabled", "eval.mia=true", "eval.bootstrap=20",
 ]
 TIMING = {"train_seconds"}
 
@@ -123,6 +123,7 @@ def test_a_sharded_run_scores_the_same_extraction_as_the_serial_run(setup, tmp_p
     for key in ("exact_match_rate", "rougeL", "token_accuracy", "docs"):
         assert grid[key] == pytest.approx(serial[key], abs=1e-9), key
     assert grid["val_loss"] == pytest.approx(serial["val_loss"], rel=1e-4)
+    assert grid["mia"] == serial["mia"] and serial["mia"]["non_members"] >= 2  # AUCs and CIs identical
     passes = [json.loads(x) for x in (tmp_path / "grid" / "passes" / "passes.jsonl").read_text().splitlines()]
     assert [p["pass"] for p in passes] == [1, 2, 3]
     assert [p["exact_match_rate"] for p in passes] == [p["exact_match_rate"] for p in serial_passes["passes"]]
