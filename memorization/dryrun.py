@@ -369,8 +369,8 @@ def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> tup
         # rows as the experiment prepares them (an injected corpus): DP-SGD's checks count them
         subs = [(rc, d) for rc, d in zip(subs, module.run_data(exp))]
     runs = [dataclasses.replace(exp.base, name=exp.name)]  # names the job and its folder
-    if hasattr(module, "size_config"):  # catastrophic-memorization: one model per size
-        runs += [module.size_config(exp, s, "standard") for s in exp.sizes]
+    # every distinct model a sub-run trains (a family of sizes: each one) is reported too
+    runs += [sub[0] if isinstance(sub, tuple) else sub for sub in subs]
     seen, out = set(), []
     for rc in runs:
         key = (rc.model.name, repr(sorted(rc.model.overrides.items())))

@@ -125,8 +125,12 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
     reports = dry_run_command(command, args.config, overrides, grid=args.grid, **kw)
     dims = [reports[0]["grid"][k] for k in ("x", "y", "z", "data")]
     grid = ",".join(map(str, dims))
-    if len(reports) > 1 and args.grid == "auto":  # an experiment's runs share one --grid
-        reports = dry_run_command(command, args.config, overrides, grid=grid, **kw)
+    models = {(r["model"]["name"], r["model"]["params"]) for r in reports}
+    if len(reports) > 1 and args.grid == "auto":
+        if len(models) > 1:  # a family of sizes: each run takes the grid the planner picks for its model
+            grid = "auto"
+        else:  # an experiment's runs of one model share one --grid
+            reports = dry_run_command(command, args.config, overrides, grid=grid, **kw)
     return {"cluster": c, "time": time, "gpn": gpn, "world": world, "command": command,
             "grid": grid, "reports": reports, "hardware": hardware}
 

@@ -108,3 +108,44 @@ def test_val_loss_from_mia_scores_equals_corpus_loss(pretrained):
     got = q(model)
     assert got["val_loss"] == pytest.approx(corpus_loss(model, seqs[6:])["loss"], rel=1e-5)
     assert got["other_val_loss"] is None and set(got["mia"]) == {"loss"}
+
+
+SIZED = EXPERIMENT.replace("passes: 2\n",
+                           "passes: 1\ncontrol: false\nsizes: [{{name: tinyA, model: {model}}}]\n")
+
+
+@pytest.mark.distributed
+def test_a_sharded_experiment_under_srun_scores_as_the_serial_one(pretrained, tmp_path, cache_dir):
+    """The experiment kind at stand-in scale: 4 ranks (2 'nodes' x 2 tasks, the stand-in srun) at grid
+    1,2,1,2 (vocab and heads split over Y, the batch over data) give the serial run's per-pass exact
+    match and AUCs: every pass is scored on the sharded model, in place."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from axonn.spawn import free_port
+
+    cfg = tmp_path / "pm.yaml"
+    cfg.write_text(SIZED.format(model=pretrained).replace("base:\n", "base:\n  parallel_mode: paired\n"))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "serial")]) == 0
+    standin = Path(__file__).resolve().parent / "slurm_standin.py"
+    env = dict(os.environ, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2", SLURM_NNODES="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(standin), "srun", "--nodes=2", "--ntasks-per-node=2",
+                           sys.executable, "-m", "memorization", "run", str(cfg), "--grid", "1,2,1,2",
+                           "--out", str(tmp_path / "sharded")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    serial = json.loads((tmp_path / "serial" / "report.json").read_text())["runs"]
+    sharded = json.loads((tmp_path / "sharded" / "report.json").read_text())["runs"]
+    assert [r["name"] for r in sharded] == ["tinyA-pretrained-standard", "tinyA-pretrained-goldfish"]
+    for s, g in zip(serial, sharded):
+        assert [p["pass"] for p in g["passes"]] == [0, 1]
+        for ps, pg in zip(s["passes"], g["passes"]):
+            assert pg["exact_match_rate"] == ps["exact_match_rate"]
+            assert pg["val_loss"] == pytest.approx(ps["val_loss"], rel=1e-4)
+            for m, rec in ps["mia"].items():
+                assert pg["mia"][m]["auc"] == pytest.approx(rec["auc"], abs=1e-9), m
+    runs = json.loads((tmp_path / "sharded" / "runs" / "tinyA-pretrained-standard" / "run.json").read_text())
+    assert runs["summary"]["grid"] == "1,2,1,2"

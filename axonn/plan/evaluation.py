@@ -24,7 +24,7 @@ from axonn.plan.compute import head_split
 from axonn.plan.hardware import Hardware
 from axonn.plan.memory import get_precision, local_params
 from axonn.plan.shapes import ModelShape
-from axonn.plan.volumes import Grid, default_mode
+from axonn.plan.volumes import Grid, default_mode, step_ops
 
 
 def eval_memory(shape: ModelShape, grid: Grid, *, batch: int, context: int, new: int, seq: int,
@@ -80,3 +80,29 @@ def eval_time(shape: ModelShape, grid: Grid, hw: Hardware, *, docs: int, batch: 
     seconds = batches * (prefill + new * step)
     return {"seconds": seconds, "prefill_s": prefill, "step_s": step, "batches_per_shard": batches,
             "tokens_per_s": docs * new / seconds if seconds else 0.0}
+
+
+def decode_step_volumes(shape: ModelShape, grid: Grid, batch: int, *, mode: str | None = None,
+                        dtype_bytes: int = 2, keep_gathered: bool = False) -> dict[tuple[str, str], int]:
+    """Bytes per rank of one decode step (one new token for each of `batch` rows), by (kind, group).
+
+    Counted like axonn.comm.CommStats (the full buffer of each call): the forward's collectives of
+    every layer at one token per row (axonn.plan.volumes), the lockstep flag over Z (an int32), and
+    the distributed argmax over Y (each rank's (max, id) pair per row in float64, all-gathered).
+    With `keep_gathered` the weights are not gathered per step (only the flag crosses Z)."""
+    _, comms, _ = step_ops(shape, grid, 1, batch, False, mode or default_mode(shape))
+    out: dict[tuple[str, str], int] = {}
+
+    def add(kind: str, group: str, nbytes: int) -> None:
+        out[(kind, group)] = out.get((kind, group), 0) + nbytes
+
+    for c in comms:
+        if keep_gathered and c.group == "z":
+            continue
+        if c.phase == "fwd" and c.name != "loss" and grid.dim(c.group) > 1 and c.elems > 0:
+            add(c.kind, c.group, c.count * c.elems * (c.elem_bytes or dtype_bytes))
+    if grid.z > 1:
+        add("all_reduce", "z", 4)
+    if grid.y > 1:
+        add("all_gather", "y", grid.y * batch * 2 * 8)
+    return out

@@ -23,6 +23,7 @@ from axonn.grid import ProcessGrid
 from axonn.trainer import Callback, Trainer
 from evals import summarize
 from memorization.config import RunConfig
+from memorization.experiments.catastrophic import ModelSize
 from memorization.experiments.questions import (
     MiaSettings,
     PrivacyUtility,
@@ -34,19 +35,25 @@ from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
-from memorization.models import is_pretrained
+from memorization.models import is_pretrained, zoo_names
 from memorization.pipeline import extraction_results, finish, start_run, train
 from memorize_core import fail
 
 
 @dataclass
 class Config(ExperimentConfig, MiaSettings):
-    """Losses x {pretrained, random-init control}, each fine-tuned for `passes` passes."""
+    """Sizes x losses x {pretrained, random-init control}, each fine-tuned for `passes` passes."""
 
     passes: int = 6
     losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
     control: bool = True  # also train the architecture from random init (standard loss)
     eval_passes: list[int] = field(default_factory=list)  # [] = every pass (0 is always scored)
+    # a family of pretrained models sharing base's tokenizer (e.g. Llama 3.1 8B / 70B / 405B by
+    # path); [] = base.model alone. Run names gain the size's name.
+    sizes: list[ModelSize] = field(default_factory=list)
+    # accept zoo shapes (the real models' architectures, random weights) in place of weight folders,
+    # so the experiment can be checked and sized before the weights are there; reported as such
+    zoo_stand_ins: bool = False
 
     def validate(self, prefix: str = "") -> None:
         """A pretrained base model, members vs a same-distribution held-out half, sane ranges."""
@@ -59,19 +66,34 @@ class Config(ExperimentConfig, MiaSettings):
             int_list("eval_passes", self.eval_passes, minimum=1)
             if max(self.eval_passes) > self.passes:
                 raise fail("eval_passes", self.eval_passes, f"every pass must be <= passes={self.passes}")
-        require_pretrained_split(self.base)
+        names = [z.name for z in self.sizes]
+        if len(set(names)) != len(names):
+            raise fail("sizes", names, "size names must be distinct (they name the run folders)")
+        for i, z in enumerate(self.sizes):
+            z.validate(f"sizes[{i}]")
+        require_pretrained_split(self.base, stand_ins=self.zoo_stand_ins)
+        for i, z in enumerate(self.sizes):
+            if z.model:
+                _require_pretrained(f"sizes[{i}].model", z.model, self.zoo_stand_ins)
 
 
-def require_pretrained_split(base: RunConfig) -> None:
+def _require_pretrained(field_name: str, name: str, stand_ins: bool) -> None:
+    if is_pretrained(name) or (stand_ins and name in zoo_names()):
+        return
+    extra = "" if name not in zoo_names() else f"; {name} is a zoo shape (random weights): set " \
+        "zoo_stand_ins=true only to check and size the experiment before the weights are there"
+    raise fail(field_name, name, "this experiment fine-tunes a pretrained model: use smollm2-135m or a "
+               f"local Hugging Face model folder{extra}")
+
+
+def require_pretrained_split(base: RunConfig, stand_ins: bool = False) -> None:
     """Refuse a random-init base model, or non-members from another distribution than the members."""
     d = base.data
     if d.held_out or not d.held_out_fraction > 0:
         raise fail("base.data.held_out_fraction", d.held_out_fraction,
                    "membership inference needs non-members from the members' distribution: set "
                    "base.data.held_out='' and base.data.held_out_fraction=0.5")
-    if not is_pretrained(base.model.name):
-        raise fail("base.model.name", base.model.name, "this experiment fine-tunes a pretrained "
-                   "model: use smollm2-135m or a local Hugging Face model folder")
+    _require_pretrained("base.model.name", base.model.name, stand_ins)
 
 
 class Evaluator:
@@ -120,23 +142,47 @@ class PassEvaluation(Callback):
             self._score(trainer, epoch)
 
 
-def run_config(cfg: Config, loss: str, pretrained: bool) -> RunConfig:
-    """The RunConfig of one (loss, pretrained?) run: `passes` epochs, goldfish per `loss`."""
+def _sized(cfg: Config, size: ModelSize | None) -> RunConfig:
+    """The base RunConfig with `size`'s model and overrides (the base itself without a size)."""
     b = cfg.base
-    name = f"{'pretrained' if pretrained else 'random-init'}-{loss}"
+    if size is None:
+        return b
+    overrides = {**b.model.overrides, **size.overrides}
+    model = replace(b.model, name=size.model or b.model.name, overrides=overrides)
+    return replace(b, model=model)
+
+
+def run_config(cfg: Config, loss: str, pretrained: bool, size: ModelSize | None = None) -> RunConfig:
+    """The RunConfig of one (size, loss, pretrained?) run: `passes` epochs, goldfish per `loss`."""
+    b = _sized(cfg, size)
+    name = (f"{size.name}-" if size else "") + f"{'pretrained' if pretrained else 'random-init'}-{loss}"
     return replace(b, name=name, model=replace(b.model, random_init=not pretrained),
                    trainer=replace(b.trainer, epochs=cfg.passes, max_steps=0),
                    goldfish=replace(b.goldfish, enabled=loss == "goldfish", token_budget=False),
-                   eval=replace(b.eval, extraction=False))  # every pass is scored by the callback
+                   # every pass is scored by the callback and finish writes the last pass's extraction;
+                   # extraction stays on so the dry run sizes it
+                   eval=replace(b.eval, extraction=True, mia=False))
 
 
-def _arms(cfg: Config) -> list[tuple[str, bool]]:
-    return [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
+def _arms(cfg: Config) -> list[tuple[ModelSize | None, str, bool]]:
+    per_size = [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
+    return [(size, loss, pretrained) for size in (cfg.sizes or [None]) for loss, pretrained in per_size]
 
 
 def run_configs(cfg: Config) -> list[RunConfig]:
     """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
-    return [run_config(cfg, loss, pretrained) for loss, pretrained in _arms(cfg)]
+    return [run_config(cfg, loss, pretrained, size) for size, loss, pretrained in _arms(cfg)]
+
+
+def _evaluator(cfg: Config, size: ModelSize | None, split: SplitData, grid_spec: str | None) -> Evaluator:
+    """The three questions for one size, its un-fine-tuned model the MIA reference (asked on every
+    rank: the models are scored where they are, on the runs' grid)."""
+    data = split.prepared
+    reference = reference_model(_sized(cfg, size), grid_spec)
+    questions = PrivacyUtility(cfg, data.tokenizer, data.train_docs, split.nonmembers,
+                               other_domain(cfg, data.tokenizer, cfg.base.data.block_len), reference,
+                               seed=cfg.base.seed)
+    return Evaluator(cfg, split, questions)
 
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
@@ -144,19 +190,16 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     split = prepare_split(cfg.base)
     data = split.prepared
     exp.check(run_configs(cfg), data)
-    # every rank asks the questions: the models are scored where they are, on the runs' grid
-    reference = reference_model(cfg.base, exp.grid_spec)
-    questions = PrivacyUtility(cfg, data.tokenizer, data.train_docs, split.nonmembers,
-                               other_domain(cfg, data.tokenizer, cfg.base.data.block_len), reference,
-                               seed=cfg.base.seed)
-    evaluator = Evaluator(cfg, split, questions)
-    del reference
-    arms = _arms(cfg)
     runs, samples = [], []
-    for loss, pretrained in arms:
-        rc = run_config(cfg, loss, pretrained)
+    evaluators: dict[str, Evaluator] = {}
+    for size, loss, pretrained in _arms(cfg):
+        rc = run_config(cfg, loss, pretrained, size)
+        key = size.name if size else ""
+        if key not in evaluators:
+            evaluators = {key: _evaluator(cfg, size, split, exp.grid_spec)}  # one reference at a time
+        evaluator = evaluators[key]
 
-        def train_arm(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
+        def train_arm(rc: RunConfig, run_dir: Path, evaluator: Evaluator = evaluator) -> dict[str, Any]:
             probe = PassEvaluation(evaluator, set(cfg.eval_passes) or None, cfg.passes)
             with start_run(rc, run_dir, data, overwrite=True, grid_spec=exp.grid_spec,
                            progress=rc.trainer.progress, callbacks=[probe]) as run:
@@ -174,7 +217,11 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                      "eval_passes": cfg.eval_passes})
         if not exp.is_main:
             continue
-        runs.append(_run_record(summary, loss, pretrained))
+        record = _run_record(summary, loss, pretrained)
+        record["model"] = rc.model.name
+        record["weights"] = ("random init" if not pretrained else "pretrained" if is_pretrained(rc.model.name)
+                             else "zoo stand-in (random weights)")
+        runs.append(record)
         samples += extraction_samples(rc.name, exp.run_dir(rc.name), data.tokenizer, min(cfg.samples, 4))
     if not exp.is_main:
         return None
@@ -248,6 +295,9 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
         "The random-init control is the "
         "same architecture with fresh seeded weights, standard loss.",
     ]
+    if cfg.sizes:
+        which = "; ".join(f"{r['name']}: {r.get('model')} ({r.get('weights')})" for r in runs)
+        notes.append(f"Sizes: {which}. Each size's MIA reference is its own un-fine-tuned model.")
     plots = [_plot_em(runs, out / "pretrained-exact-match.png"),
              _plot_mia(runs, methods, out / "pretrained-mia.png"),
              _plot_utility(runs, cfg.other_held_out, out / "pretrained-utility.png")]
