@@ -1,5 +1,5 @@
-"""Typed dataclass configs from YAML, dotted overrides, and the trainer's own sections (TrainerConfig,
-DPConfig): pure Python, no torch, so configs load and fail fast.
+"""Typed dataclass configs from YAML, dotted overrides, and the trainer's own section (TrainerConfig):
+pure Python, no torch, so configs load and fail fast.
 
 Every user-facing validation error in the project is a `ConfigError` whose message names the
 field, the bad value and the fix; CLIs print it as one line on stderr and exit with code 2.
@@ -7,7 +7,6 @@ field, the bad value and the fix; CLIs print it as one line on stderr and exit w
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from pathlib import Path
@@ -176,47 +175,7 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-# -- the trainer's sections (axonn.trainer.Trainer reads them; memorization's RunConfig nests them) --
-
-ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
-
-
-@dataclasses.dataclass
-class DPConfig:
-    """DP-SGD settings (memorization.privacy runs them through Opacus; docs/usage.md, "DP-SGD").
-
-    Exactly one of noise_multiplier (sigma: noise std = sigma * max_grad_norm) and target_epsilon
-    (sigma solved for the planned steps) is set. delta must also be below 1/N, checked where the
-    number of training rows N is known.
-    """
-
-    enabled: bool = False
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float = 1e-5
-    max_grad_norm: float = 1.0  # each row's gradient is clipped to this L2 norm
-    accountant: str = "rdp"  # rdp, prv or gdp
-    poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
-    secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
-
-    def validate(self, prefix: str = "trainer.dp") -> None:
-        """Raise ConfigError on out-of-range values (and, if enabled, unless exactly one of sigma/epsilon)."""
-        p = prefix
-        if self.accountant not in ACCOUNTANTS:
-            raise fail(f"{p}.accountant", self.accountant, f"choose one of {', '.join(ACCOUNTANTS)}")
-        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:
-            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
-        if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
-            raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
-        if not 0 < self.delta < 1:
-            raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
-        if not 0 < self.max_grad_norm < math.inf:
-            raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be a finite number > 0 (the per-row "
-                       "clipping bound; an infinite one makes every step non-finite), e.g. 1.0")
-        if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
-            both = "both" if self.noise_multiplier is not None else "neither"
-            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, f"{both} of noise_multiplier and "
-                       "target_epsilon is set; set exactly one (e.g. trainer.dp.target_epsilon=8)")
+# -- the trainer's section (axonn.trainer.Trainer reads it; memorization's RunConfig nests a subclass) --
 
 
 @dataclasses.dataclass
@@ -246,7 +205,6 @@ class TrainerConfig:
     keep_last: int = 2  # sealed checkpoints kept (0 = all)
     max_bad_steps: int = 5  # consecutive non-finite steps before the run aborts
     collective_timeout_s: float = 60.0  # a silent rank is declared lost after this long
-    dp: DPConfig = dataclasses.field(default_factory=DPConfig)  # DP-SGD (needs a Privacy plug-in: Trainer)
 
     def accumulation(self, shards: int = 1) -> tuple[int, int]:
         """(micro-batches per step, rows per rank per micro-batch) when the batch is cut into `shards`
@@ -296,7 +254,12 @@ class TrainerConfig:
             raise fail(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
-        self.dp.validate(f"{prefix}.dp")
+
+    def check_gradient_hook(self, hook: Any) -> None:
+        """Refuse to train with `hook` (the Trainer's gradient_hook, None for none) when these settings
+        need another; the engine's own settings train with any. A caller's subclass that adds settings
+        which only a particular hook carries out overrides it, so that the Trainer never trains
+        without them silently."""
 
     def planned_steps(self, rows: int) -> tuple[int, int]:
         """(steps per epoch, total optimizer steps) of a run over `rows` training rows."""

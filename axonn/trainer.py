@@ -51,27 +51,49 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-class Privacy(Protocol):
-    """A DP-SGD plug-in (memorization.privacy.OpacusPrivacy): the engine itself never imports Opacus.
+class GradientHook:
+    """The trainer's one hook into the gradient: subclass it and override any method (no-op defaults).
 
-    With one, the trainer backpropagates the sum over rows of each row's mean CE over its own
-    supervised tokens, so a row's gradient depends on that row alone (what per-sample clipping
-    bounds), and asks the plug-in for:
-    - attach(model, optimizer, grid): once, in __init__: per-sample gradient hooks on the model.
-    - sample(step, rows) -> row indices of that step's batch (Poisson), or None for the trainer's
-      shuffled fixed-size batch. Padding rows with no supervised token (zero gradient) fill the
-      micro-batches.
-    - accumulate(): after each micro-batch's backward: clip its rows' gradients and add them up.
-    - privatize(step): after the last one, in place of the gradient all-reduce: every p.grad
-      becomes (sum over all ranks of each row's clipped gradient + noise) / batch_size.
-    - metrics(steps) -> what to log after `steps` steps (epsilon, delta).
+    One optimizer step (`Trainer.train_step`) calls it in this order:
+    - draw_rows(step, n) -> the row indices of the step's global batch, or None for the trainer's shuffled
+      fixed-size batch (the default). A drawn batch is padded with unsupervised copies of row 0 (zero
+      gradient) to whole micro-batches.
+    - per micro-batch: objective(loss_sum, denom, token_losses, targets) -> the tensor to backpropagate
+      (default loss_sum / denom: the CE over this rank's supervised tokens over the global batch's
+      supervised-token count); with `token_losses = True` the trainer also hands it each token's CE
+      ([rows * T], 0 where unsupervised) and this rank's targets ([rows, T], -100 where unsupervised);
+      then backward, then after_backward().
+    - reduce(step) -> True when the hook made the final gradient itself (every p.grad, summed over
+      ranks): the trainer's gradient sync is then skipped; False (default) leaves it to the engine.
+    - then the trainer clips, steps AdamW and the schedule, and adds metrics(steps) to the step's
+      metrics (`steps` optimizer steps done).
+    attach(model, optimizer, grid) runs once, in Trainer.__init__, after the optimizer is made.
     """
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ProcessGrid) -> None: ...
-    def sample(self, step: int, rows: int) -> torch.Tensor | None: ...
-    def accumulate(self) -> None: ...
-    def privatize(self, step: int) -> None: ...
-    def metrics(self, steps: int) -> dict[str, Any]: ...
+    token_losses: bool = False  # objective() needs each token's CE, not only their sum
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grid: ProcessGrid) -> None:
+        """Once, before the first step."""
+
+    def draw_rows(self, step: int, n: int) -> torch.Tensor | None:
+        """The row indices (of `n`) of step `step`'s global batch; None: the shuffled fixed-size batch."""
+        return None
+
+    def objective(self, loss_sum: torch.Tensor, denom: int, token_losses: torch.Tensor | None,
+                  targets: torch.Tensor) -> torch.Tensor:
+        """What one micro-batch backpropagates."""
+        return loss_sum / denom
+
+    def after_backward(self) -> None:
+        """After each micro-batch's backward."""
+
+    def reduce(self, step: int) -> bool:
+        """After the last micro-batch: True if the hook reduced the gradients itself."""
+        return False
+
+    def metrics(self, steps: int) -> dict[str, Any]:
+        """Extra metrics for the step that completed `steps` steps."""
+        return {}
 
 
 class Callback:
@@ -182,7 +204,7 @@ class Trainer:
         checkpoint_files: Callable[[Path], None] | None = None,
         name: str = "",
         progress_position: int = 0,
-        privacy: Privacy | None = None,
+        gradient_hook: GradientHook | None = None,
     ):
         cfg.validate()
         self.name, self.progress_position = name, progress_position  # progress bar label and row
@@ -193,7 +215,7 @@ class Trainer:
         grid = grid or ProcessGrid.serial(device=resolve_device(cfg.device))
         self.label_transform, self.grid, self.sinks = label_transform, grid, sinks or []
         # The engine's loss, gradient sum and clipping run when the engine sharded the model or
-        # gradients must be summed over ranks (LoRA / DP-SGD at 1,1,1,D keep a plain model); a plain
+        # gradients must be summed over ranks (1,1,1,D replicas keep a plain model); a plain
         # model in one process trains exactly as plain PyTorch would (F.cross_entropy, torch clipping).
         self.on_engine = is_parallel(model) or grid.world_size > 1
         self.callbacks = list(callbacks or [])
@@ -205,12 +227,9 @@ class Trainer:
             enable_activation_checkpointing(model)
         self.model.to(self.device)
         self.optimizer = self._make_optimizer()
-        self.privacy = privacy
-        if cfg.dp.enabled and privacy is None:  # never train "with DP" without it
-            raise fail("trainer.dp.enabled", True, "DP-SGD needs a privacy plug-in: pass "
-                       "privacy=memorization.privacy.OpacusPrivacy(cfg, len(train_data)) or set it false")
-        if privacy is not None:
-            privacy.attach(self.model, self.optimizer, grid)
+        cfg.check_gradient_hook(gradient_hook)  # settings only a particular hook carries out need it
+        self.gradient_hook = gradient_hook if gradient_hook is not None else GradientHook()
+        self.gradient_hook.attach(self.model, self.optimizer, grid)
         self.steps_per_epoch, self.total_steps = cfg.planned_steps(len(train_data))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -247,7 +266,7 @@ class Trainer:
                 # advance before yielding, so the state always names the *next* batch (what a
                 # checkpoint taken after this step must resume from)
                 self.state.batch_in_epoch += 1
-                drawn = self.privacy.sample(self.state.step, n) if self.privacy is not None else None
+                drawn = self.gradient_hook.draw_rows(self.state.step, n)
                 yield self.train_data[order[start:start + bs]] if drawn is None else self._padded(drawn)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
@@ -287,11 +306,31 @@ class Trainer:
         dropped = (real != IGNORE_INDEX).reshape(-1) & ~keep
         return torch.where(keep, ce, 0.0), torch.where(dropped, ce.detach(), 0.0).sum(), dropped.sum()
 
-    @staticmethod
-    def _rows_loss(kept: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """DP's objective: sum over rows of each row's mean CE over its own supervised tokens."""
-        count = (targets != IGNORE_INDEX).sum(1).clamp(min=1)
-        return (kept.view(targets.shape).sum(1) / count).sum()
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, base: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(CE sum over `targets`, CE sum and count of the real tokens the label transform dropped, each
+        token's CE or None) for this rank's rows; `base` are the micro-batch's untransformed labels.
+
+        Without a label transform or a hook that needs token losses: one fused CE sum (what plain
+        PyTorch computes), else one per-token CE split by mask (_ce_split)."""
+        if self.label_transform is None and not self.gradient_hook.token_losses:
+            loss_sum, _ = self._ce_sum(logits, targets)
+            zero = torch.zeros(())
+            return loss_sum, zero, zero, None
+        real = targets if self.label_transform is None else self._shard(base)[:, 1:].to(self.device)
+        kept, d_sum, d_cnt = self._ce_split(logits, targets, real)
+        return kept.sum(), d_sum, d_cnt, kept
+
+    def _clip_gradients(self) -> float:
+        """The global gradient norm, the gradients clipped to trainer.grad_clip when it is > 0."""
+        cfg, model = self.cfg, self.model
+        if self.on_engine:
+            return (clip_grad_norm_(model, cfg.grad_clip, self.grid) if cfg.grad_clip > 0
+                    else grad_norm(model, self.grid))
+        if cfg.grad_clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None],
+                                                   foreach=False))
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics vector over batch shards."""
@@ -302,8 +341,11 @@ class Trainer:
 
     # -- one optimizer step ------------------------------------------------------------------
     def train_step(self, batch: Batch) -> StepStats:
-        """Forward/backward over the micro-batches of one global batch, then one optimizer step."""
-        cfg, model = self.cfg, self.model
+        """One optimizer step over one global batch: labels (the transform's, e.g. goldfish) -> per
+        micro-batch: this rank's rows, forward, loss, the gradient hook's objective, backward -> the
+        gradients reduced over ranks -> clipped -> AdamW and the schedule (skipped on every rank alike
+        when the loss or the norm is not finite)."""
+        cfg, model, hook = self.cfg, self.model, self.gradient_hook
         model.train()
         base = batch["labels"] if "labels" in batch else batch["input_ids"]
         labels = self.label_transform(batch) if self.label_transform is not None else base
@@ -312,7 +354,7 @@ class Trainer:
         denom = max(supervised, 1)
         sums = torch.zeros(3, dtype=torch.float64)
         micro = cfg.batch_size // self.grad_accum
-        accum = batch["input_ids"].shape[0] // micro  # grad_accum, unless a DP-sampled batch differs
+        accum = batch["input_ids"].shape[0] // micro  # grad_accum, unless the hook drew the batch's rows
         for m in range(accum):
             rows = slice(m * micro, (m + 1) * micro)
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
@@ -321,32 +363,13 @@ class Trainer:
             with self._no_sync(m + 1 < accum):
                 with self._autocast():
                     logits = model(input_ids=ids).logits[:, :-1]
-                if self.label_transform is None and self.privacy is None:
-                    loss_sum, _ = self._ce_sum(logits, tgt)
-                    d_sum = d_cnt = torch.zeros(())
-                    objective = loss_sum / denom
-                else:
-                    real = tgt if self.label_transform is None else \
-                        self._shard(base[rows])[:, 1:].to(self.device)
-                    kept, d_sum, d_cnt = self._ce_split(logits, tgt, real)
-                    loss_sum = kept.sum()
-                    objective = loss_sum / denom if self.privacy is None else self._rows_loss(kept, tgt)
-                objective.backward()
-                if self.privacy is not None:
-                    self.privacy.accumulate()  # per-row gradients clipped and summed, then freed
+                loss_sum, d_sum, d_cnt, token_losses = self._loss(logits, tgt, base[rows])
+                hook.objective(loss_sum, denom, token_losses, tgt).backward()
+                hook.after_backward()
             sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)
-        if self.privacy is not None:
-            self.privacy.privatize(self.state.step)  # replaces the all-reduce: clip, sum, noise
-        elif self.on_engine:
+        if not hook.reduce(self.state.step) and self.on_engine:
             sync_gradients(model, self.grid)
-        if self.on_engine:
-            norm = (clip_grad_norm_(model, cfg.grad_clip, self.grid) if cfg.grad_clip > 0
-                    else grad_norm(model, self.grid))
-        elif cfg.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False))
-        else:
-            norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
-                                                        if p.grad is not None], foreach=False))
+        norm = self._clip_gradients()
         loss_sum, d_sum, d_cnt = self._reduce(sums).tolist()
         # Both values are identical on every rank (reduced), so all ranks skip together.
         skipped = not (math.isfinite(loss_sum) and math.isfinite(norm))
@@ -435,8 +458,7 @@ class Trainer:
             if stats.dropped:
                 metrics["dropped_loss"] = stats.dropped_loss_sum / stats.dropped
                 metrics["dropped_tokens"] = stats.dropped
-            if self.privacy is not None:
-                metrics.update(self.privacy.metrics(self.state.step))
+            metrics.update(self.gradient_hook.metrics(self.state.step))
             if cfg.eval_every and self.state.step % cfg.eval_every == 0 and self.eval_data is not None:
                 metrics["val_loss"] = self.evaluate()
             self._emit(metrics)
@@ -532,7 +554,7 @@ class Trainer:
         out = Path(out_dir)
         if is_parallel(self.model):
             save_pretrained(self.model, out)  # streams shards; rank 0 writes, never the whole model at once
-        elif self.is_main:  # a serial model, or a replica at 1,1,1,D (DP-SGD): the main rank alone writes
+        elif self.is_main:  # a serial model, or a replica at 1,1,1,D: the main rank alone writes
             self.model.save_pretrained(out, safe_serialization=True)
         if self.is_main and tokenizer is not None:
             tokenizer.save_pretrained(out)

@@ -1,8 +1,10 @@
 """The run config: one typed dataclass tree loaded from YAML with `a.b=c` overrides."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
 from data_pipelines import is_chat_spec
@@ -13,6 +15,64 @@ from memorize_core import ConfigError, fail
 PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")
 WANDB_MODES = ("offline", "online", "disabled")
+ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
+
+
+@dataclass
+class DPConfig:
+    """DP-SGD settings (memorization.privacy runs them through Opacus; docs/usage.md, "DP-SGD").
+
+    Exactly one of noise_multiplier (sigma: noise std = sigma * max_grad_norm) and target_epsilon
+    (sigma solved for the planned steps) is set. delta must also be below 1/N, checked where the
+    number of training rows N is known.
+    """
+
+    enabled: bool = False
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0  # each row's gradient is clipped to this L2 norm
+    accountant: str = "rdp"  # rdp, prv or gdp
+    poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
+    secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
+
+    def validate(self, prefix: str = "trainer.dp") -> None:
+        """Raise ConfigError on out-of-range values (and, if enabled, unless exactly one of sigma/epsilon)."""
+        p = prefix
+        if self.accountant not in ACCOUNTANTS:
+            raise fail(f"{p}.accountant", self.accountant, f"choose one of {', '.join(ACCOUNTANTS)}")
+        if self.noise_multiplier is not None and not 0 <= self.noise_multiplier < math.inf:
+            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
+        if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
+            raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
+        if not 0 < self.delta < 1:
+            raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
+        if not 0 < self.max_grad_norm < math.inf:
+            raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be a finite number > 0 (the per-row "
+                       "clipping bound; an infinite one makes every step non-finite), e.g. 1.0")
+        if self.enabled and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            both = "both" if self.noise_multiplier is not None else "neither"
+            raise fail(f"{p}.noise_multiplier", self.noise_multiplier, f"{both} of noise_multiplier and "
+                       "target_epsilon is set; set exactly one (e.g. trainer.dp.target_epsilon=8)")
+
+
+@dataclass
+class RunTrainerConfig(TrainerConfig):
+    """A run's `trainer` section: the engine's TrainerConfig plus DP-SGD (`trainer.dp`), which the
+    Trainer carries out only through its gradient hook (memorization.privacy.OpacusPrivacy)."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+
+    def validate(self, prefix: str = "trainer") -> None:
+        """The engine's range checks, then DP-SGD's."""
+        super().validate(prefix)
+        self.dp.validate(f"{prefix}.dp")
+
+    def check_gradient_hook(self, hook: Any) -> None:
+        """Never train "with DP" without the hook that does it."""
+        if self.dp.enabled and hook is None:
+            raise fail("trainer.dp.enabled", True, "DP-SGD needs a privacy plug-in: pass gradient_hook="
+                       "memorization.privacy.OpacusPrivacy(cfg, len(train_data)) or set it false")
 
 
 @dataclass
@@ -117,7 +177,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     goldfish: GoldfishConfig = field(default_factory=GoldfishConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: RunTrainerConfig = field(default_factory=RunTrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -144,5 +204,5 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None = None)
     return build(RunConfig, data)
 
 
-__all__ = ["RunConfig", "DataConfig", "ModelConfig", "EvalConfig", "WandbConfig", "ConfigError",
-           "load_run_config"]
+__all__ = ["RunConfig", "DataConfig", "ModelConfig", "EvalConfig", "WandbConfig", "RunTrainerConfig",
+           "DPConfig", "ConfigError", "load_run_config"]

@@ -1,4 +1,6 @@
-"""DP-SGD through Opacus: the Trainer's privacy plug-in (`trainer.dp`, docs/usage.md "DP-SGD").
+"""DP-SGD through Opacus: the Trainer's gradient hook for `trainer.dp` (memorization.config.DPConfig;
+docs/usage.md "DP-SGD"). The engine knows nothing of it: OpacusPrivacy implements
+axonn.trainer.GradientHook (draw_rows -> objective -> after_backward -> reduce -> metrics).
 
 What one step does (Abadi et al. 2016, as Opacus implements it):
 1. Sampling: every training row joins the step's batch independently with probability
@@ -49,9 +51,10 @@ from typing import Any
 
 import torch
 
-from axonn.config import TrainerConfig
 from axonn.grid import ProcessGrid
-from memorize_core import fail
+from axonn.trainer import GradientHook
+from memorization.config import RunTrainerConfig
+from memorize_core import IGNORE_INDEX, fail
 
 _SAMPLE, _NOISE = 1, 2  # salts: the batch and the noise of a step come from different streams
 
@@ -71,7 +74,8 @@ def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
                    f"gradient: use --grid 1,1,1,{x * y * z * data} or turn DP off")
 
 
-def check_dp(cfg: TrainerConfig, rows: int | None, grid: ProcessGrid | Sequence[int] | None) -> float | None:
+def check_dp(cfg: RunTrainerConfig, rows: int | None,
+             grid: ProcessGrid | Sequence[int] | None) -> float | None:
     """Every refusal of a DP-SGD run (memorization.checks.check_run calls it before anything is built);
     returns the noise multiplier sigma (None when DP is off or the row count N is not known yet).
 
@@ -98,7 +102,7 @@ def check_dp(cfg: TrainerConfig, rows: int | None, grid: ProcessGrid | Sequence[
     return noise_multiplier(cfg, rows)
 
 
-def noise_multiplier(cfg: TrainerConfig, rows: int) -> float:
+def noise_multiplier(cfg: RunTrainerConfig, rows: int) -> float:
     """sigma: trainer.dp.noise_multiplier, or the one reaching target_epsilon at delta after the planned
     steps (Opacus' binary search; ConfigError when no sigma reaches it)."""
     dp = cfg.dp
@@ -131,14 +135,18 @@ def _seed(seed: int, step: int, salt: int) -> int:
     return (seed * 1_000_003 + step * 4 + salt) % (2 ** 63)
 
 
-class OpacusPrivacy:
-    """The Trainer's Privacy plug-in: Poisson batches, Opacus per-sample clipping + noise, accounting.
+class OpacusPrivacy(GradientHook):
+    """The Trainer's gradient hook for DP-SGD: Poisson batches (draw_rows), each row's mean CE as the
+    objective, Opacus per-sample clipping after every backward, noise and the sum over ranks in place
+    of the engine's gradient sync (reduce), epsilon and delta per step (metrics).
 
     Its settings were checked by `check_dp` (memorization.checks.check_run: delta against N, the grid,
-    the budget) before anything was built; pass it to Trainer(privacy=...).
+    the budget) before anything was built; pass it to Trainer(gradient_hook=...).
     """
 
-    def __init__(self, cfg: TrainerConfig, rows: int, *, grid: ProcessGrid | None = None):
+    token_losses = True  # the objective is per row: it needs each token's CE
+
+    def __init__(self, cfg: RunTrainerConfig, rows: int, *, grid: ProcessGrid | None = None):
         # check_dp (through memorization.checks.check_run) refused every bad setting already
         dp = cfg.dp
         self.cfg, self.dp, self.rows = cfg, dp, rows
@@ -160,7 +168,7 @@ class OpacusPrivacy:
         # the embedding's input (token ids) needs no gradient; torch says so on every backward
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         # loss_reduction="sum": the trainer backpropagates sum_i l_i, so the captured per-sample
-        # gradients are the gradients of each l_i, unscaled; the division by B happens in privatize.
+        # gradients are the gradients of each l_i, unscaled; the division by B happens in reduce.
         self._hooks = GradSampleHooks(model, batch_first=True, loss_reduction="sum", strict=True)
         distributed = grid.data > 1  # gradients summed over data-parallel replicas
         cls = DistributedDPOptimizer if distributed else DPOptimizer
@@ -170,26 +178,34 @@ class OpacusPrivacy:
         self._distributed = distributed
 
     # -- one step ----------------------------------------------------------------------------
-    def sample(self, step: int, rows: int) -> torch.Tensor | None:
-        """Row indices of step `step`'s Poisson batch (None without poisson_sampling)."""
+    def draw_rows(self, step: int, n: int) -> torch.Tensor | None:
+        """Row indices (of `n`) of step `step`'s Poisson batch (None without poisson_sampling)."""
         if not self.dp.poisson_sampling:
             return None
         from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # deferred: opacus +1.9 s
 
         gen = self._secure or torch.Generator().manual_seed(_seed(self.cfg.seed, step, _SAMPLE))
-        sampler = UniformWithReplacementSampler(num_samples=rows, sample_rate=self.sample_rate, generator=gen,
+        sampler = UniformWithReplacementSampler(num_samples=n, sample_rate=self.sample_rate, generator=gen,
                                                 steps=1)
         return torch.tensor(next(iter(sampler)), dtype=torch.long)
 
-    def accumulate(self) -> None:
+    def objective(self, loss_sum: torch.Tensor, denom: int, token_losses: torch.Tensor | None,
+                  targets: torch.Tensor) -> torch.Tensor:
+        """Sum over rows of each row's mean CE over its own supervised tokens: a row's gradient depends
+        on that row alone (what per-sample clipping bounds)."""
+        count = (targets != IGNORE_INDEX).sum(1).clamp(min=1)
+        return (token_losses.view(targets.shape).sum(1) / count).sum()
+
+    def after_backward(self) -> None:
         """After a micro-batch's backward: clip each of its rows' gradients to C and add them to the sum."""
         opt = self._optimizer
         opt.clip_and_accumulate()  # p.summed_grad += sum_i g_i min(1, C / |g_i|)
         for p in opt.params:
             p.grad_sample = None  # per-row gradients live for one micro-batch only (memory)
 
-    def privatize(self, step: int) -> None:
-        """p.grad = (sum over ranks of clipped per-row gradients + N(0, (sigma C)^2)) / batch_size."""
+    def reduce(self, step: int) -> bool:
+        """p.grad = (sum over ranks of clipped per-row gradients + N(0, (sigma C)^2)) / batch_size, in
+        place of the engine's gradient sync (True)."""
         opt = self._optimizer
         if self._secure is None:
             device = opt.params[0].device if opt.params else torch.device("cpu")
@@ -200,6 +216,7 @@ class OpacusPrivacy:
         for p in opt.params:
             p.grad /= self.batch_size  # the expected batch size: the drawn size would leak
             p.summed_grad = None
+        return True
 
     # -- accounting --------------------------------------------------------------------------
     def epsilon(self, steps: int) -> float:

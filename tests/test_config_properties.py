@@ -7,13 +7,13 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axonn.config import TrainerConfig, apply_overrides, build
-from memorization.config import RunConfig
+from axonn.config import apply_overrides, build
+from memorization.config import RunConfig, RunTrainerConfig
 from memorize_core import ConfigError
 
 INT_FIELDS = {"warmup_steps": 0, "max_steps": 1, "eval_every": 0, "seed": 0, "checkpoint_every": 0,
               "keep_last": 0, "max_bad_steps": 1}
-LEAVES = [f"trainer.{f.name}" for f in dataclasses.fields(TrainerConfig)] + [
+LEAVES = [f"trainer.{f.name}" for f in dataclasses.fields(RunTrainerConfig)] + [
     "data.block_len", "data.vocab_size", "data.packing", "data.held_out_fraction", "goldfish.k",
     "goldfish.h", "goldfish.strategy", "goldfish.enabled", "eval.prefix", "eval.suffix", "wandb.mode",
     "grid", "seed", "name", "parallel_mode"]

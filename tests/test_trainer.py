@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import rows, tiny_model
 
 from axonn.config import TrainerConfig
-from axonn.trainer import IGNORE_INDEX, JsonlSink, Trainer, lr_lambda
+from axonn.trainer import IGNORE_INDEX, GradientHook, JsonlSink, Trainer, lr_lambda
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 
@@ -39,6 +39,50 @@ def test_grad_accumulation_equals_one_big_batch():
     h2 = Trainer(tiny_model(), cfg(grad_accum=4), data).fit()
     for a, b in zip(h1, h2):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+class RecordingHook(GradientHook):
+    """The default hook, recording its calls; with token_losses it gets each token's CE too."""
+
+    def __init__(self, token_losses=False):
+        self.token_losses, self.calls = token_losses, []
+
+    def attach(self, model, optimizer, grid):
+        self.calls.append("attach")
+
+    def draw_rows(self, step, n):
+        self.calls.append(f"draw_rows {step}")
+
+    def objective(self, loss_sum, denom, token_losses, targets):
+        self.calls.append("objective")
+        assert (token_losses is not None) == self.token_losses
+        if token_losses is not None:  # 0 where unsupervised; sums to the CE sum
+            assert token_losses.shape == (targets.numel(),) and torch.allclose(token_losses.sum(), loss_sum)
+        return super().objective(loss_sum, denom, token_losses, targets)
+
+    def after_backward(self):
+        self.calls.append("after_backward")
+
+    def reduce(self, step):
+        self.calls.append(f"reduce {step}")
+        return False
+
+    def metrics(self, steps):
+        return {"hook_steps": steps}
+
+
+@pytest.mark.parametrize("token_losses", [False, True])
+def test_the_gradient_hook_is_called_in_step_order_and_the_default_changes_nothing(token_losses):
+    data = rows()
+    plain = Trainer(tiny_model(), cfg(grad_accum=2), data).fit()
+    hook = RecordingHook(token_losses)
+    hooked = Trainer(tiny_model(), cfg(grad_accum=2), data, gradient_hook=hook).fit()
+    step = ["objective", "after_backward"] * 2
+    assert hook.calls == ["attach", "draw_rows 0", *step, "reduce 0", "draw_rows 1", *step, "reduce 1",
+                          "draw_rows 2", *step, "reduce 2", "draw_rows 3", *step, "reduce 3"]
+    assert [m["hook_steps"] for m in hooked] == [1, 2, 3, 4]
+    losses = [m["loss"] for m in plain], [m["loss"] for m in hooked]
+    assert losses[0] == losses[1] if not token_losses else losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 def test_same_seed_same_run_and_other_seed_other_order():
