@@ -27,11 +27,11 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from axonn.comm import EngineOptions, Scheduler, grad_buckets
 from axonn.grid import ProcessGrid
 from axonn.layers.layout import ParamSpec
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import PairAxes
+from axonn.schedule import EngineOptions, Scheduler, grad_buckets
 from memorize_core import fail
 
 _ATTR = "_axonn_engine"  # the one attribute parallelize sets on a model

@@ -2,23 +2,23 @@
 
 Rank layout: X fastest, then Y, Z, data:  rank = x + X*(y + Y*(z + Z*d)).  X is innermost so the
 X collectives (the forward all-reduces of every layer) stay inside a node.  The grid is built once
-and passed explicitly; nothing here keeps module-level state.
+and passed explicitly.  The one module-level state is the cache of process groups (`_GROUPS`, at the
+end), shared by every grid of the process because torch cannot safely destroy and recreate them.
+Where this process sits in the job (torchrun, Slurm, MPI) is axonn/launch.py.
 """
 from __future__ import annotations
 
 import datetime
 import itertools
 import os
-import shutil
-import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from axonn.comm import Comm, CommStats
+from axonn.launch import launch_env
 from axonn.pairing import pair_axes
 from memorize_core import fail
 
@@ -103,56 +103,6 @@ def validate_grid_for_model(grid_dims: Any, hf_config: Any, mode: str = "easy") 
         if m[field] % size:
             raise fail(f"grid.{dim}", size, f"must divide {field}={m[field]} ({mode} mode); "
                        f"choose one of {_divisors(m[field])}")
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, read from torchrun, Slurm or MPI variables."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str | None
-    master_port: int
-    source: str
-
-
-def _env_int(name: str) -> int:
-    raw = os.environ[name]
-    try:
-        return int(raw)
-    except ValueError:
-        raise fail(name, raw, "the launcher set a non-integer; check the job environment") from None
-
-
-def _slurm_master() -> str | None:
-    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    if not nodes or shutil.which("scontrol") is None:
-        return None
-    out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
-    first = out.stdout.split()
-    return first[0] if out.returncode == 0 and first else None
-
-
-def launch_env() -> LaunchEnv:
-    """Read rank / world size / local rank from torchrun, Slurm srun, or MPI (else: one process)."""
-    table = [  # (source, rank var, size var, local-rank var)
-        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ]
-    port = _env_int("MASTER_PORT") if "MASTER_PORT" in os.environ else 29500
-    for source, rvar, svar, lvar in table:
-        if rvar in os.environ and svar in os.environ:
-            rank, size = _env_int(rvar), _env_int(svar)
-            local = _env_int(lvar) if lvar in os.environ else 0
-            addr = os.environ.get("MASTER_ADDR") or (_slurm_master() if source == "slurm" else None)
-            if addr is None and size > 1:
-                raise fail("MASTER_ADDR", None, f"{source} launch without a rendezvous host; "
-                           "export MASTER_ADDR=<hostname of rank 0> (and MASTER_PORT)")
-            return LaunchEnv(rank, size, local, addr, port, source)
-    return LaunchEnv(0, 1, 0, None, port, "single")
 
 
 def resolve_dims(x: int, y: int, z: int, data: int | None, world_size: int) -> tuple[int, int, int, int]:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from axonn.comm import Bucketer, EngineOptions, Scheduler, grad_buckets
 from axonn.engine import EngineHandle, grad_groups, is_parallel, module_layouts, set_engine
 from axonn.grid import ProcessGrid, init, model_dims, validate_grid_for_model
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import layer_axes, pair_axes
+from axonn.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
 from memorize_core import fail
 
 MODES = ("easy", "paired")

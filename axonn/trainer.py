@@ -8,7 +8,6 @@ gradients, so the optimizer sees exactly the serial gradient.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from axonn.engine import (
 )
 from axonn.grid import ProcessGrid
 from axonn.layers.functions import cross_entropy, token_cross_entropy
+from axonn.sinks import MetricSink
 from axonn.state import save_pretrained
 from memorize_core import IGNORE_INDEX, Batch, fail
 
@@ -42,13 +42,6 @@ class RowDataset(Protocol):
 
     def __len__(self) -> int: ...
     def __getitem__(self, idx: Any) -> Batch: ...
-
-
-class MetricSink(Protocol):
-    """Receives one metrics dict per optimizer step (and eval results)."""
-
-    def log(self, metrics: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
 
 
 class GradientHook:
@@ -489,65 +482,20 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Loop position, schedule and label-transform state (JSON-able; tensors kept apart)."""
-        s = self.state
-        out: dict[str, Any] = {
-            "trainer_state": {"step": s.step, "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch,
-                              "tokens": s.tokens, "skipped_steps": s.skipped_steps,
-                              "bad_streak": s.bad_streak},
-            "scheduler": self.scheduler.state_dict(),
-            "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
-            "transform": {},
-        }
-        fn = getattr(self.label_transform, "state_dict", None)
-        tensors: dict[str, torch.Tensor] = {"rng/cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and self.device.type == "cuda":
-            tensors["rng/cuda"] = torch.cuda.get_rng_state(self.device)
-        for k, v in (fn() if callable(fn) else {}).items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"transform/{k}"] = v
-            else:
-                out["transform"][k] = v
-        out["tensors"] = tensors
-        return out
+        """Loop position, schedule and label-transform state (axonn.checkpoint.trainer_state)."""
+        return checkpoint.trainer_state(self)
 
     def load_state_dict(self, state: dict[str, Any], tensor: Callable[[str], torch.Tensor | None]) -> None:
         """Restore what state_dict saved; `tensor(name)` returns a saved tensor (or None)."""
-        for k, v in state["trainer_state"].items():
-            setattr(self.state, k, int(v))
-        self.scheduler.load_state_dict(state["scheduler"])
-        for g, lr in zip(self.optimizer.param_groups, state["group_lrs"]):
-            g["lr"] = lr
-        fn = getattr(self.label_transform, "load_state_dict", None)
-        if callable(fn):
-            saved = dict(state.get("transform", {}))
-            for k in self.label_transform.state_dict():
-                t = tensor(f"transform/{k}")
-                if t is not None:
-                    saved[k] = t
-            fn(saved)
-        rng = tensor("rng/cpu")
-        if rng is not None:
-            torch.set_rng_state(rng)
-        cuda = tensor("rng/cuda")
-        if cuda is not None and torch.cuda.is_available() and self.device.type == "cuda":
-            torch.cuda.set_rng_state(cuda, self.device)
+        checkpoint.load_trainer_state(self, state, tensor)
 
     def save_checkpoint(self, root: str | Path) -> Path:
         """Write an atomic checkpoint of everything needed to resume exactly (every rank calls it)."""
-        state = self.state_dict()
-        tensors = state.pop("tensors")
-        cfg = getattr(self.model, "config", None)
-        meta = {**state, "model_config": cfg.to_dict() if cfg is not None else None}
-        return checkpoint.save(root, self.state.step, self.model, self.optimizer, grid=self.grid, meta=meta,
-                               rank_tensors=tensors, main_files=self.checkpoint_files,
-                               keep_last=self.cfg.keep_last)
+        return checkpoint.save_trainer(root, self)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Resume from a checkpoint saved at any grid; returns its meta."""
-        meta, tensor = checkpoint.load(path, self.model, self.optimizer, grid=self.grid)
-        self.load_state_dict(meta, tensor)
-        return meta
+        return checkpoint.load_trainer(path, self)
 
     def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""
@@ -560,20 +508,3 @@ class Trainer:
             tokenizer.save_pretrained(out)
         return out
 
-
-class JsonlSink:
-    """Append one JSON object per metrics dict to a file (flushed every line)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        """Write one line."""
-        self._fh.write(json.dumps(metrics) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        """Close the file."""
-        self._fh.close()

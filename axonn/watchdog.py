@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-from axonn.grid import ProcessGrid, launch_env
+from axonn.grid import ProcessGrid
+from axonn.launch import launch_env
 
 EXIT_LOST = 3
 _PREFIX = "axonn/watchdog"

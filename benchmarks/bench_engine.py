@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from common import alternate, ratio, report
 
 import axonn
-from axonn.comm import EngineOptions
 from axonn.config import TrainerConfig
 from axonn.grid import ProcessGrid
+from axonn.schedule import EngineOptions
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
 from data_pipelines import per_document

@@ -24,11 +24,11 @@ from common import report
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import axonn
-from axonn.comm import EngineOptions
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.model import model_flops, predict
 from axonn.plan.shapes import load_shape
 from axonn.plan.volumes import Grid
+from axonn.schedule import EngineOptions
 
 
 def build(shape, seq: int, device: str, checkpoint: bool) -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """Instruction/chat fine-tuning data: conversations -> token rows supervised on responses only.
 
-Sources: a bundled set (`CHAT_CORPORA`, built offline from the bundled corpora and canary
-secrets) or a `.jsonl` file whose rows are `{"prompt", "response"[, "system"]}` or
+Sources: a bundled set (`CHAT_CORPORA`, data_pipelines/chat_sets.py: built offline from the bundled
+corpora and canary secrets) or a `.jsonl` file whose rows are `{"prompt", "response"[, "system"]}` or
 `{"messages": [{"role", "content"}, ...]}`. Ids are `<set name>/<key>` or `<file name>/<line>`.
 
 Rendering keeps every assistant turn's token ids exactly as the model will see them:
@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from data_pipelines.canaries import SecretSpace, render, stable_int
-from data_pipelines.corpora import load_corpus
+from data_pipelines.chat_sets import CHAT_CORPORA, load_set
 from data_pipelines.packing import IGNORE_INDEX, Blocks, _check_id, _check_len
 from memorize_core import ConfigError, fail
 
@@ -35,43 +34,6 @@ CHAT_KEYS = ("prompt", "response", "messages")
 # then the response, then EOS. E.g. "User:\nHi\n\nAssistant:\nHello<eos>".
 PLAIN_FORMAT = {"system": "System:\n{content}\n\n", "user": "User:\n{content}\n\n",
                 "assistant": "Assistant:\n"}
-
-CHAT_CORPORA: dict[str, str] = {
-    "wiki-chat": "99 instructions 'Write the opening paragraph of the Wikipedia article on <title>.' "
-                 "answered with that article's lead (wiki-leads); ids keep the lead's key",
-    "private-records": "64 synthetic personal records as private data a fine-tune must not leak: "
-                       "'What is the account number of <name>?' answered with a record whose 6-digit "
-                       "account number is a canary secret (SecretSpace digits, seeded by `seed`)",
-}
-
-WIKI_PROMPT = "Write the opening paragraph of the Wikipedia article on {title}."
-RECORD_PROMPT = "What is the account number of {name}?"
-# The secret comes last, after the quasi-identifiers, as in a real record. That also puts it past
-# the response's first h tokens, which goldfish's hash strategy never drops (chat_blocks counts
-# goldfish offsets from the response start).
-RECORD_RESPONSE = "{name} (born {day} {month} {year} in {city}) holds account number {{secret}}."
-RECORD_SPACE = SecretSpace(kind="digits", length=6)
-NUM_RECORDS = 64
-_FIRST = (
-    "Amelia", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ingrid", "Jonas", "Keiko",
-    "Liam", "Maya", "Nikolai", "Olivia", "Pavel", "Quinn", "Rosa", "Samir", "Tessa", "Umar", "Vera",
-    "Wendell", "Ximena", "Yusuf", "Zoe",
-)
-_LAST = (
-    "Abernathy", "Bergstrom", "Castellano", "Delacroix", "Eriksen", "Fairweather", "Gallagher",
-    "Holloway", "Ivanova", "Jablonski", "Kowalczyk", "Lindqvist", "Montgomery", "Nakamura", "Okonkwo",
-    "Pellegrini", "Quintero", "Rasmussen", "Sandoval", "Thornbury", "Underwood", "Valdivia",
-    "Whitfield", "Yamamoto", "Zielinski",
-)
-_CITIES = (
-    "Aberdeen", "Bologna", "Calgary", "Dresden", "Eindhoven", "Fremantle", "Gothenburg", "Hobart",
-    "Innsbruck", "Jaipur", "Krakow", "Lyon", "Mombasa", "Nagoya", "Oaxaca", "Porto", "Quebec",
-    "Rotterdam", "Salzburg", "Tampere",
-)
-_MONTHS = (
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December",
-)
 
 
 @dataclass
@@ -124,10 +86,8 @@ def load_chat(spec: str, *, limit: int | None = None, seed: int = 0) -> list[Cha
         raise fail("seed", seed, "use an integer seed, e.g. 0")
     spec = spec.strip()
     path = Path(spec).expanduser()
-    if spec == "wiki-chat":
-        examples = _wiki_chat()
-    elif spec == "private-records":
-        examples = _private_records(seed)
+    if spec in CHAT_CORPORA:
+        examples = [ChatExample(id_, messages, spec, meta) for id_, messages, meta in load_set(spec, seed)]
     elif path.is_file() and path.suffix.lower() == ".jsonl":
         examples = _load_jsonl(path, spec)
     elif path.exists():
@@ -197,37 +157,6 @@ def _messages(record: Any, where: str) -> list[dict[str, str]]:
     system = [{"role": "system", "content": record["system"]}] if "system" in record else []
     return system + [{"role": "user", "content": record["prompt"]},
                      {"role": "assistant", "content": record["response"]}]
-
-
-def _wiki_chat() -> list[ChatExample]:
-    out = []
-    for doc in load_corpus("wiki-leads"):
-        key = doc.id.split("/", 1)[1]
-        prompt = WIKI_PROMPT.format(title=key.replace("_", " "))
-        out.append(ChatExample(f"wiki-chat/{key}", [{"role": "user", "content": prompt},
-                                                    {"role": "assistant", "content": doc.text}], "wiki-chat"))
-    return out
-
-
-def _private_records(seed: int) -> list[ChatExample]:
-    secrets = RECORD_SPACE.sample(NUM_RECORDS, seed)
-    out, names = [], set()
-    for i, secret in enumerate(secrets):
-        attempt = 0
-        while True:  # distinct names: a record is identified by its name in the prompt
-            r = stable_int("record", seed, i, attempt)
-            name = f"{_FIRST[r % len(_FIRST)]} {_LAST[(r >> 16) % len(_LAST)]}"
-            attempt += 1
-            if name not in names:
-                break
-        names.add(name)
-        template = RECORD_RESPONSE.format(name=name, day=1 + (r >> 32) % 28, month=_MONTHS[(r >> 40) % 12],
-                                          year=1940 + (r >> 48) % 65, city=_CITIES[(r >> 56) % len(_CITIES)])
-        meta = {"name": name, "secret": secret, "template": template, "space": RECORD_SPACE.to_dict()}
-        out.append(ChatExample(f"private-records/{i}", [
-            {"role": "user", "content": RECORD_PROMPT.format(name=name)},
-            {"role": "assistant", "content": render(template, secret)}], "private-records", meta))
-    return out
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import axonn
-from axonn.grid import ProcessGrid, launch_env, parse_grid
+from axonn.grid import ProcessGrid, parse_grid
+from axonn.launch import launch_env
 from axonn.plan import auto_grid
 from axonn.trainer import resolve_device
 

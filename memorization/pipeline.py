@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from axonn.config import to_dict
 from axonn.grid import ProcessGrid
+from axonn.sinks import JsonlSink, MetricSink
 from axonn.state import load_pretrained
 from axonn.swap import parallelize
-from axonn.trainer import Callback, JsonlSink, MetricSink, Trainer
+from axonn.trainer import Callback, Trainer
 from axonn.watchdog import Watchdog, start_watchdog
 from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
     CHECKPOINTS,

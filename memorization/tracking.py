@@ -14,7 +14,7 @@ def _say(msg: str) -> None:
 
 
 class WandbSink:
-    """A MetricSink writing to a W&B run (offline unless the user asked for online)."""
+    """An axonn.sinks.MetricSink writing to a W&B run (offline unless the user asked for online)."""
 
     def __init__(self, cfg: WandbConfig, *, name: str, out_dir: str | Path, config: dict[str, Any]):
         self.run = None

@@ -24,7 +24,8 @@ from data_pipelines import (
     render,
     render_chat,
 )
-from data_pipelines.chat import PLAIN_FORMAT, RECORD_SPACE
+from data_pipelines.chat import PLAIN_FORMAT
+from data_pipelines.chat_sets import RECORD_SPACE
 from evals import extract_pairs
 from memorization.goldfish import GoldfishConfig, GoldfishTransform, goldfish_labels
 from memorize_core import ConfigError

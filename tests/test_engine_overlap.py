@@ -83,7 +83,7 @@ CASES = {  # world -> [(dims, mode, tied, checkpointing, micro-batches)]
 
 def _compare(rank: int, world: int) -> list[dict]:
     import axonn
-    from axonn.comm import EngineOptions
+    from axonn.schedule import EngineOptions
 
     out = []
     for dims, mode, tied, ckpt, accum in CASES[world]:

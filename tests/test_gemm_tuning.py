@@ -64,7 +64,7 @@ def _layers(rank: int, world: int, cache: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import axonn
-    from axonn.comm import EngineOptions
+    from axonn.schedule import EngineOptions
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from helpers import rows, tiny_model
 
 from axonn.config import TrainerConfig
-from axonn.trainer import IGNORE_INDEX, GradientHook, JsonlSink, Trainer, lr_lambda
+from axonn.sinks import JsonlSink
+from axonn.trainer import IGNORE_INDEX, GradientHook, Trainer, lr_lambda
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 

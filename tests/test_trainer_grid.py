@@ -118,7 +118,7 @@ def _run_grids_paired(rank: int, world: int) -> dict:
 
 def _run_bucketed(rank: int, world: int) -> dict:
     import axonn
-    from axonn.comm import EngineOptions
+    from axonn.schedule import EngineOptions
 
     grid = axonn.ProcessGrid(1, 1, 1, 2)
     opts = EngineOptions(bucket_grads=True, bucket_mb=0.01)  # several buckets, launched in backward

@@ -12,7 +12,7 @@ X and Y groups, and so is its gradient; the batch is sharded over Z x data.  Hen
                       all-reduce over the vocab-split axis       (vocab all-reduce mirrors to identity)
 
 The Functions hold no state beyond `ctx`; the grid's Comm counts every byte.  With a `Scheduler`
-(axonn/comm.py, one per parallelized model) the same collectives run overlapped: Z gathers
+(axonn/schedule.py, one per parallelized model) the same collectives run overlapped: Z gathers
 prefetched one layer ahead, weight-gradient reduce-scatters finished in the background; without
 one (sched=None) every collective blocks in program order.  The local GEMMs go through the
 scheduler's GEMM tuner (axonn/gemm.py).

@@ -83,7 +83,7 @@ class ParallelLinear(nn.Module):
             raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
         self.grid, self.style, self.conv1d = grid, style, conv1d
         self.in_axis, self.out_axis = layer_axes(style, pair)
-        self.scheduler: Any = None  # set by parallelize (axonn.comm.Scheduler)
+        self.scheduler: Any = None  # set by parallelize (axonn.schedule.Scheduler)
         self.in_features, self.out_features = in_features, out_features
         self.spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
         if tied_to is not None:
@@ -149,7 +149,7 @@ class ParallelEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.grid = grid
-        self.scheduler: Any = None  # set by parallelize (axonn.comm.Scheduler)
+        self.scheduler: Any = None  # set by parallelize (axonn.schedule.Scheduler)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.spec = weight_spec(grid, num_embeddings, embedding_dim, "easy")
         self.weight = _local_param(weight, self.spec, self.spec.local_shape, grid.device, dtype)
