@@ -78,7 +78,6 @@ class Scheduler:
         self._held: list[tuple[nn.Parameter, torch.Tensor]] = []  # tied weights: summed at the end
         self._task: int | None = None
         self.bucketer: Bucketer | None = None
-        self.grad_mode = True  # the grad mode of the latest layer call (eval chains differ)
         # layer id -> its gathered block, held for a whole evaluation (axonn.inference.keep_gathered)
         self.resident: dict[int, torch.Tensor] = {}
         self.prefetch_hits = 0
@@ -100,16 +99,18 @@ class Scheduler:
 
     # -- Z all-gathers -------------------------------------------------------------------------
     def gather(self, layer: int, shard: torch.Tensor, rows: int, dtype: torch.dtype,
-               backward: bool = False) -> torch.Tensor:
-        """The full weight block of `layer` (shard cast to `dtype`), prefetching the next one."""
+               backward: bool = False, *, grad_mode: bool = True) -> torch.Tensor:
+        """The full weight block of `layer` (shard cast to `dtype`), prefetching the next one.
+
+        `grad_mode`: whether the layer was called with grad enabled (its caller's mode: inside
+        Function.forward grad is always off), so evaluation chains learn their own order."""
         comm = self.comm
         held = self.resident.get(layer)
         if held is not None:
             return held if held.dtype == dtype else held.to(dtype)
         if not self.options.prefetch or comm.size("z") == 1:
             return comm.all_gather(shard.to(dtype), "z", dim=0)[:rows]
-        # Function.forward runs under no_grad: the module recorded the caller's grad mode
-        key = (layer, _phase(backward), backward or self.grad_mode, dtype)
+        key = (layer, _phase(backward), backward or grad_mode, dtype)
         if self._last is not None and not (self._last[1] == "bwd" and key[1] == "fwd"):
             self._next[self._last] = key
         self._last = key

@@ -153,11 +153,10 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _enrol(model: nn.Module, sched: Scheduler, grid: ProcessGrid, options: EngineOptions) -> None:
-    """Enrol every parallel layer in the model's scheduler; gradient hooks if bucketing (the groups
-    come from the model's handle, so it is set first)."""
+    """Register every parallel layer's final weight with the scheduler the layer was built with;
+    gradient hooks if bucketing (the groups come from the model's handle, so it is set first)."""
     for m in model.modules():
-        if isinstance(m, (ParallelLinear, ParallelEmbedding)):
-            m.scheduler = sched
+        if isinstance(m, (ParallelLinear, ParallelEmbedding)) and m.scheduler is sched:
             sched.register(m, m.weight, m.spec.block_rows)
     if options.bucket_grads:
         params = trainable(model)
@@ -187,25 +186,26 @@ def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "
     pair = model_pair_axes(model, grid)
     plan = _plan(model, grid, mode, pair)  # every check first: errors come before any change
 
+    options = options or EngineOptions()
+    sched = Scheduler(grid.comm, options, grid.device)  # every swapped layer is built with it
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
     new_emb: ParallelEmbedding | None = None
     for name, m, style in plan:
         if style == "embedding":
             new_emb = ParallelEmbedding(grid, m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx,
-                                        weight=m.weight, dtype=m.weight.dtype)
+                                        weight=m.weight, dtype=m.weight.dtype, scheduler=sched)
             new: nn.Module = new_emb
         else:
             fin, fout = _features(m)
             new = ParallelLinear(grid, fin, fout, bias=m.bias is not None, style=style, weight=m.weight,
                                  bias_value=m.bias, conv1d=_is_conv1d(m), dtype=m.weight.dtype,
-                                 pair=pair, tied_to=new_emb.weight if style == "head" and tied else None)
+                                 pair=pair, tied_to=new_emb.weight if style == "head" and tied else None,
+                                 scheduler=sched)
         _swap(model, name, new)
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         _materialize_meta(model, grid.device)
     model.to(grid.device)
-    options = options or EngineOptions()
-    sched = Scheduler(grid.comm, options, grid.device)
     set_engine(model, EngineHandle(grid=grid, mode=mode, pair_axes=pair if mode == "paired" else None,
                                    options=options, scheduler=sched, layouts=module_layouts(model)))
     _enrol(model, sched, grid, options)

@@ -94,9 +94,9 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 
 
 def _gather(comm: Comm, sched: Any, layer: int, w_shard: torch.Tensor, rows: int,
-            dtype: torch.dtype, backward: bool = False) -> torch.Tensor:
+            dtype: torch.dtype, backward: bool = False, grad_mode: bool = True) -> torch.Tensor:
     if sched is not None and sched.knows(layer):
-        return sched.gather(layer, w_shard, rows, dtype, backward)
+        return sched.gather(layer, w_shard, rows, dtype, backward, grad_mode=grad_mode)
     return gather_weight(comm, w_shard.to(dtype), rows)
 
 
@@ -123,11 +123,12 @@ class ParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, comm: Comm, in_group: str,
-                out_group: str, rows: int, sched: Any = None, layer: int = 0) -> torch.Tensor:
+                out_group: str, rows: int, sched: Any = None, layer: int = 0,
+                grad_mode: bool = True) -> torch.Tensor:
         dtype = compute_dtype(x, w_shard)
         gemm = sched.gemm if sched is not None else _PLAIN
         with torch.autocast(x.device.type, enabled=False):
-            w = _gather(comm, sched, layer, w_shard, rows, dtype)
+            w = _gather(comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
             y = gemm.linear(x.to(dtype), w)
         comm.all_reduce(y, in_group)  # partial sums over the input slices
         ctx.save_for_backward(x, w_shard)
@@ -156,7 +157,7 @@ class ParallelMatmul(torch.autograd.Function):
             dw_shard = _reduce_weight_grad(comm, sched, ctx.layer, dw, w_shard.shape[0])
         if work is not None:
             work.wait()
-        return dx, dw_shard, None, None, None, None, None, None
+        return dx, dw_shard, None, None, None, None, None, None, None
 
 
 class VocabEmbedding(torch.autograd.Function):
@@ -165,8 +166,8 @@ class VocabEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ids: torch.Tensor, w_shard: torch.Tensor, comm: Comm, vocab_group: str,
                 rows: int, vocab_start: int, padding_idx: int | None, sched: Any = None,
-                layer: int = 0) -> torch.Tensor:
-        w = _gather(comm, sched, layer, w_shard, rows, w_shard.dtype)
+                layer: int = 0, grad_mode: bool = True) -> torch.Tensor:
+        w = _gather(comm, sched, layer, w_shard, rows, w_shard.dtype, grad_mode=grad_mode)
         ctx.whole = comm.size(vocab_group) == 1 and padding_idx is None
         if ctx.whole:  # one vocab shard owns every token: no mask to apply (same bits, less work)
             out = torch.nn.functional.embedding(ids, w)
@@ -198,7 +199,7 @@ class VocabEmbedding(torch.autograd.Function):
         else:
             dw.index_add_(0, local[mask], dy[mask])
         dw_shard = _reduce_weight_grad(ctx.comm, ctx.sched, ctx.layer, dw, ctx.local_rows)
-        return None, dw_shard, None, None, None, None, None, None, None
+        return None, dw_shard, None, None, None, None, None, None, None, None
 
 
 # -- vocab-parallel cross-entropy -------------------------------------------------------------------

@@ -77,13 +77,13 @@ class ParallelLinear(nn.Module):
                  style: str = "easy", weight: torch.Tensor | None = None,
                  bias_value: torch.Tensor | None = None, conv1d: bool = False,
                  dtype: torch.dtype = torch.float32, pair: PairAxes = ("x", "y"),
-                 tied_to: nn.Parameter | None = None) -> None:
+                 tied_to: nn.Parameter | None = None, scheduler: Any = None) -> None:
         super().__init__()
         if style not in STYLES:
             raise ValueError(f"style={style!r}: choose one of {', '.join(STYLES)}")
         self.grid, self.style, self.conv1d = grid, style, conv1d
         self.in_axis, self.out_axis = layer_axes(style, pair)
-        self.scheduler: Any = None  # set by parallelize (axonn.schedule.Scheduler)
+        self.scheduler = scheduler  # the model's axonn.schedule.Scheduler (None: every collective blocks)
         self.in_features, self.out_features = in_features, out_features
         self.spec = weight_spec(grid, out_features, in_features, style, transposed=conv1d, pair=pair)
         if tied_to is not None:
@@ -114,8 +114,6 @@ class ParallelLinear(nn.Module):
         """Apply the layer; input/output layouts depend on the style."""
         g, comm = self.grid, self.grid.comm
         rows = self.spec.block_rows
-        if self.scheduler is not None:
-            self.scheduler.grad_mode = torch.is_grad_enabled()
         # size-1 axes skip the slice/gather Functions outright (identity ops, one autograd node less)
         ax_in, ax_out = self.in_axis, self.out_axis
         split_in, split_out = g.size(ax_in) > 1, g.size(ax_out) > 1
@@ -125,13 +123,15 @@ class ParallelLinear(nn.Module):
             # communicated in the layer, so torch's own linear (and autograd) is the fastest path
             y = F.linear(x, self.weight)
         elif self.style == "row":  # the input arrives split over ax_in (the column layer's output)
-            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self))
+            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
+                                     torch.is_grad_enabled())
             if split_out:
                 y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
         else:
             if split_in:
                 x = SplitLastDim.apply(x, comm, ax_in, g.coord(ax_in))
-            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self))
+            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
+                                     torch.is_grad_enabled())
             if self.style == "easy" and split_out:
                 y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
         if self.bias is not None:
@@ -146,10 +146,10 @@ class ParallelEmbedding(nn.Module):
 
     def __init__(self, grid: ProcessGrid, num_embeddings: int, embedding_dim: int, *,
                  padding_idx: int | None = None, weight: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, scheduler: Any = None) -> None:
         super().__init__()
         self.grid = grid
-        self.scheduler: Any = None  # set by parallelize (axonn.schedule.Scheduler)
+        self.scheduler = scheduler  # the model's axonn.schedule.Scheduler (None: every collective blocks)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.spec = weight_spec(grid, num_embeddings, embedding_dim, "easy")
         self.weight = _local_param(weight, self.spec, self.spec.local_shape, grid.device, dtype)
@@ -165,9 +165,7 @@ class ParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Full-width embeddings of `ids` (identical on the X/Y ranks of a batch shard)."""
         g = self.grid
-        if self.scheduler is not None:
-            self.scheduler.grad_mode = torch.is_grad_enabled()
         rows = self.spec.block_rows
         out = VocabEmbedding.apply(ids, self.weight, g.comm, "y", rows, g.y_rank * rows, self.padding_idx,
-                                   self.scheduler, id(self))
+                                   self.scheduler, id(self), torch.is_grad_enabled())
         return GatherLastDim.apply(out, g.comm, "x", g.x_rank) if g.x > 1 else out
