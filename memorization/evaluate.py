@@ -27,7 +27,7 @@ import axonn
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid
-from data_pipelines import load_corpus, tokenize_documents
+from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
 from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
@@ -223,10 +223,16 @@ def _max_tokens(o: EvalOptions, config: Any) -> int:
 
 def _corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, limit: int) -> _Corpus:
     """Load and tokenize one corpus with the model's tokenizer; documents under 2 tokens are dropped."""
+    if is_chat_spec(spec):
+        raise fail(flag, spec, "holds conversations (prompt/response or messages), but memorize eval scores "
+                   "plain documents: pass a text corpus (a .txt file, or .jsonl with a 'text' key per line); "
+                   "a chat fine-tune's responses are scored by its training run (extraction.jsonl)")
     try:
         docs = load_corpus(spec, limit=limit or None)
     except ConfigError as e:  # its message names `corpus`; say which flag the spec came from
-        raise ConfigError(f"{flag}: {e}") from None
+        msg = str(e).replace("set text_field to the key that holds the text",  # eval has no such flag
+                             "memorize eval reads each line's 'text' key: rename the key that holds the text")
+        raise ConfigError(f"{flag}: {msg}") from None
     seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
     if not seqs:
         raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
