@@ -83,3 +83,29 @@ def test_smollm2_finetune_config_uses_its_own_tokenizer_and_learns(tmp_path):
         AutoTokenizer.from_pretrained(smollm2_dir()).get_vocab()
     summary = json.loads((out / "run.json").read_text())["summary"]
     assert summary["val_loss"] < 5.0
+
+
+def _sharded_tokens(rank, world, model_dir, prefixes, new):
+    import axonn
+    from evals import greedy_generate
+    from memorization.models import load_sharded
+
+    model = load_sharded(model_dir, axonn.init(1, 3, 1, 1), "paired")  # 9 heads, 3 KV heads over Y=3
+    return greedy_generate(model, prefixes, new).tolist()
+
+
+def test_smollm2_greedy_at_a_head_splitting_grid_equals_serial():
+    """SmolLM2 (9 heads, 3 KV heads, vocab 49,152) at 1,3,1,1 paired: each rank holds 3 heads (and a KV
+    cache of 1 KV head) and a third of the vocabulary; the distributed argmax gives serial's tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evals import greedy_generate
+    from memorization.models import smollm2_dir
+
+    model_dir = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prefixes = _batch(tok, rows=5, length=24)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    serial = greedy_generate(model, prefixes, 16).tolist()
+    for tokens in run_distributed(_sharded_tokens, 3, str(model_dir), prefixes, 16, timeout=900):
+        assert tokens == serial
