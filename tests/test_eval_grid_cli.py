@@ -121,3 +121,16 @@ def test_eval_under_torchrun_writes_what_serial_writes(folders, tmp_path, capsys
         assert grid["mia"]["methods"][m] == rec, m
     assert grid["perplexity"][0]["loss"] == pytest.approx(serial["perplexity"][0]["loss"], rel=1e-5)
     assert done.stdout.count('{\n  "model": ') == 1  # only the main rank prints the report
+
+
+def test_grid_auto_asks_the_planner_for_a_grid_that_fits_the_model(folders):
+    from transformers import AutoConfig
+
+    from axonn.grid import validate_grid_for_model
+    from memorization.evaluate import EvalOptions, eval_dims
+
+    config = AutoConfig.from_pretrained(folders / "model")
+    for world in (1, 2, 4):
+        dims = eval_dims(EvalOptions(model=str(folders / "model"), grid="auto"), config, 64, world)
+        assert dims[0] * dims[1] * dims[2] * dims[3] == world
+        validate_grid_for_model(dims, config, "paired")
