@@ -23,6 +23,7 @@ _EXPORTS = {
     "VocabShardedLogits": "axonn.layers", "cross_entropy": "axonn.layers", "gather_logits": "axonn.layers",
     "token_cross_entropy": "axonn.layers",
     "parallelize": "axonn.swap", "is_parallel": "axonn.engine",
+    "ParallelPlan": "axonn.parallel_plan", "plan_for": "axonn.parallel_plan",
     "EngineHandle": "axonn.engine", "engine_of": "axonn.engine", "layouts_of": "axonn.engine",
     "full_grad_dict": "axonn.state", "full_state_dict": "axonn.state", "load_pretrained": "axonn.state",
     "save_pretrained": "axonn.state", "serial_copy": "axonn.state",

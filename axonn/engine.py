@@ -8,14 +8,14 @@ data) -- so each rank ends with exactly the serial gradient of its piece of ever
 
 It also holds what `parallelize` did to a model, in one typed handle: `engine_of(model) ->
 EngineHandle | None`.  The engine keeps no module-level state, so the model carries its own: the
-grid it is sharded over, the mode and pair orientation of its layers, the options and the scheduler
-its layers call, and the layout of every sharded parameter by name. All of it sits in one frozen
-`EngineHandle`, stored in one attribute by `parallelize` (`set_engine`) and read back only through
-`engine_of`: a plain model has none, so "is this model sharded by the engine?" is
-`engine_of(model) is not None` (`axonn.is_parallel`).  Everything that needs a parameter's layout
-(gradient sync, norms, state dicts, checkpoints) takes the model and reads `layouts_of(model)`: the
-handle's, or, for a model built from ParallelLinear / ParallelEmbedding directly, the layouts those
-layers own.  Nothing is tagged on the parameters themselves.
+grid it is sharded over, the parallel plan it applied (which module became which layer; the mode and
+pair orientation), the options and the scheduler its layers call, and the layout of every sharded
+parameter by name. All of it sits in one frozen `EngineHandle`, stored in one attribute by
+`parallelize` (`set_engine`) and read back only through `engine_of`: a plain model has none, so "is
+this model sharded by the engine?" is `engine_of(model) is not None` (`axonn.is_parallel`).
+Everything that needs a parameter's layout (gradient sync, norms, state dicts, checkpoints) takes
+the model and reads `layouts_of(model)`: the handle's, or, for a model built from ParallelLinear /
+ParallelEmbedding directly, the layouts those layers own.  Nothing is tagged on the parameters themselves.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from axonn.grid import ProcessGrid
 from axonn.layers.layout import ParamSpec
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
 from axonn.pairing import PairAxes
+from axonn.parallel_plan import ParallelPlan
 from axonn.schedule import EngineOptions, Scheduler, grad_buckets
 from memorize_core import fail
 
@@ -44,6 +45,7 @@ class EngineHandle:
     grid: ProcessGrid
     mode: str  # easy or paired
     pair_axes: PairAxes | None  # the paired blocks' orientation (None in easy mode)
+    plan: ParallelPlan  # which module became which parallel layer (mode and pair_axes are its)
     options: EngineOptions
     scheduler: Scheduler  # the one every parallel layer of the model calls
     # state-dict name -> its sharding, tied aliases included; a name that is absent: replicated

@@ -1,12 +1,14 @@
-"""`parallelize`: swap a model's linear layers, token embedding and LM head for 3D-parallel ones.
+"""`parallelize`: swap a model's linear layers, token embedding and LM head for 3D-parallel ones, as
+its parallel plan says (axonn/parallel_plan.py: module name -> style, built once by `plan_for` or
+given by the caller).
 
-easy    every nn.Linear / GPT-2 Conv1D becomes an `easy` ParallelLinear: activations between layers
-        stay full-width (identical on X and Y ranks) and batch-sharded over Z x data, so any Hugging
-        Face causal LM built from these layers runs unchanged.
+easy    (plan_for's easy mode) every nn.Linear / GPT-2 Conv1D becomes an `easy` ParallelLinear:
+        activations between layers stay full-width (identical on X and Y ranks) and batch-sharded
+        over Z x data, so any Hugging Face causal LM built from these layers runs unchanged.
 paired  in Llama-family blocks (q/k/v/o_proj attention, gate/up/down_proj MLP) q, k, v, gate and up
-        become `column` layers and o, down `row` layers, so the pair runs without re-layout between
-        them: heads (and the FFN width) are split over Y, or over X when X > Y (`grid.pair_axes`:
-        the orientation that moves fewer bytes).  Other linears stay easy.
+        are planned `column` layers and o, down `row` layers, so the pair runs without re-layout
+        between them: heads (and the FFN width) are split over Y, or over X when X > Y
+        (`axonn.pairing.pair_axes`: the orientation that moves fewer bytes).  Other linears stay easy.
 The LM head becomes a vocab-parallel `head` layer and the input embedding a ParallelEmbedding with the
 same layout, so tied embeddings stay one shared parameter.  A model built on the meta device gets
 empty shards (fill them with `axonn.load_pretrained`); a real model is sliced locally.
@@ -17,100 +19,11 @@ import torch
 from torch import nn
 
 from axonn.engine import EngineHandle, grad_groups, is_parallel, module_layouts, set_engine
-from axonn.grid import ProcessGrid, init, model_dims, validate_grid_for_model
+from axonn.grid import ProcessGrid, init
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
-from axonn.pairing import layer_axes, pair_axes
+from axonn.parallel_plan import MODES, ParallelPlan, features, is_conv1d, plan_for
 from axonn.schedule import Bucketer, EngineOptions, Scheduler, grad_buckets
 from memorize_core import fail
-
-MODES = ("easy", "paired")
-_COLUMN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
-_ROW = {"o_proj", "down_proj"}
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _is_conv1d(m: nn.Module) -> bool:
-    # GPT-2's transformers.pytorch_utils.Conv1D: y = x @ W + b with W stored [in, out].
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
-
-
-def _features(m: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of a Linear or Conv1D."""
-    return (m.nx, m.nf) if _is_conv1d(m) else (m.in_features, m.out_features)
-
-
-def _paired_parents(model: nn.Module) -> set[str]:
-    """Names of attention / MLP modules whose children form column->row pairs."""
-    out = set()
-    for name, m in model.named_modules():
-        for group in (_ATTN, _MLP):
-            if all(isinstance(getattr(m, c, None), nn.Linear) for c in group):
-                out.add(name)
-    return out
-
-
-def _style(name: str, paired_parents: set[str]) -> str:
-    parent, _, leaf = name.rpartition(".")
-    if parent in paired_parents and leaf in _COLUMN:
-        return "column"
-    if parent in paired_parents and leaf in _ROW:
-        return "row"
-    return "easy"
-
-
-def _check_divides(grid: ProcessGrid, name: str, size: int, dim: str, what: str) -> None:
-    n = grid.size(dim)
-    if size % n:
-        raise fail(f"grid.{dim}", n, f"must divide {name}.{what}={size}; choose a {dim} dividing {size}")
-
-
-def model_pair_axes(model: nn.Module, grid: ProcessGrid) -> tuple[str, str]:
-    """The paired blocks' orientation for this model on this grid (`axonn.grid.pair_axes`)."""
-    config = getattr(model, "config", None)
-    if config is None or not (hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads")):
-        return pair_axes(grid.x, grid.y)
-    return pair_axes(grid.x, grid.y, model_dims(config))
-
-
-def _plan(model: nn.Module, grid: ProcessGrid, mode: str,
-          pair: tuple[str, str] = ("x", "y")) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, style) for every module to swap; raises ConfigError before touching anything."""
-    if not (hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings")):
-        raise fail("model", type(model).__name__, "parallelize takes a Hugging Face PreTrainedModel "
-                   "(get_input_embeddings / get_output_embeddings); wrap other models' layers in "
-                   "axonn.ParallelLinear / ParallelEmbedding directly")
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not isinstance(emb, nn.Embedding):
-        raise fail("model", type(model).__name__, "needs an nn.Embedding input embedding "
-                   "(get_input_embeddings()) to parallelize")
-    if emb.max_norm is not None or emb.sparse:
-        raise fail("model.embedding", "max_norm/sparse", "not supported by the parallel embedding")
-    paired = _paired_parents(model) if mode == "paired" else set()
-    if mode == "paired" and not paired:
-        raise fail("mode", mode, f"{type(model).__name__} has no Llama-family q/k/v/o_proj or "
-                   "gate/up/down_proj blocks; use mode='easy'")
-    plan = []
-    for name, m in model.named_modules():
-        if m is emb:
-            _check_divides(grid, name, m.num_embeddings, "y", "num_embeddings")
-            _check_divides(grid, name, m.embedding_dim, "x", "embedding_dim")
-            plan.append((name, m, "embedding"))
-        elif m is head:
-            if not isinstance(m, nn.Linear):
-                raise fail("model.lm_head", type(m).__name__, "the LM head must be an nn.Linear")
-            _check_divides(grid, name, m.out_features, "y", "out_features (vocab)")
-            _check_divides(grid, name, m.in_features, "x", "in_features")
-            plan.append((name, m, "head"))
-        elif isinstance(m, nn.Linear) or _is_conv1d(m):
-            style = _style(name, paired)
-            fin, fout = _features(m)
-            in_dim, out_dim = layer_axes(style, pair)
-            _check_divides(grid, name, fin, in_dim, "in_features")
-            _check_divides(grid, name, fout, out_dim, "out_features")
-            plan.append((name, m, style))
-    plan.sort(key=lambda item: item[2] != "embedding")  # a tied head reuses the embedding's shard
-    return plan
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -168,45 +81,56 @@ def _enrol(model: nn.Module, sched: Scheduler, grid: ProcessGrid, options: Engin
         sched.bucketer = bucketer
 
 
-def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str = "easy",
-                options: EngineOptions | None = None) -> nn.Module:
-    """Swap the model's linears, embedding and LM head for 3D-parallel ones in place; returns it.
+def parallelize(model: nn.Module, grid: ProcessGrid | None = None, mode: str | None = None,
+                options: EngineOptions | None = None, plan: ParallelPlan | None = None) -> nn.Module:
+    """Swap the model's modules for 3D-parallel ones in place, as `plan` says; returns the model.
 
+    `plan` defaults to `plan_for(model, grid, mode)` (a Hugging Face causal LM: `mode` easy, the
+    default, or paired); a plan given is checked against the model and grid first (`plan.check`), so
+    every refusal comes before any change, and `mode` may then be left out (it is the plan's).
     `options` switches overlap and GEMM tuning (default: `EngineOptions()`; numbers are identical
-    with any setting)."""
-    if mode not in MODES:
+    with any setting).  The plan is kept in the model's handle (`engine_of(model).plan`)."""
+    if mode is not None and mode not in MODES:
         raise fail("mode", mode, "choose easy or paired")
+    if plan is not None and not isinstance(plan, ParallelPlan):
+        raise fail("plan", type(plan).__name__, "pass an axonn.ParallelPlan (or leave it out for plan_for's)")
+    if plan is not None and mode is not None and mode != plan.mode:
+        raise fail("mode", mode, f"the plan given is {plan.mode}; leave mode out when passing a plan")
     if is_parallel(model):
         raise fail("model", type(model).__name__, "is already parallelized")
     if not isinstance(grid, ProcessGrid):
         grid = init()  # no grid given: plain data parallelism over the whole world
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "hidden_size") and hasattr(config, "num_attention_heads"):
-        validate_grid_for_model(grid, config, mode)
-    pair = model_pair_axes(model, grid)
-    plan = _plan(model, grid, mode, pair)  # every check first: errors come before any change
+    if plan is None:
+        plan = plan_for(model, grid, mode or "easy")  # built and checked: errors before any change
+    else:
+        plan.check(model, grid)
+    modules = dict(model.named_modules())
+    # every module looked up before the first swap; embeddings first: a tied head reuses their shard
+    targets = [(name, modules[name], style) for name, style in
+               sorted(plan.styles.items(), key=lambda item: item[1] != "embedding")]
 
     options = options or EngineOptions()
     sched = Scheduler(grid.comm, options, grid.device)  # every swapped layer is built with it
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is emb.weight
-    new_emb: ParallelEmbedding | None = None
-    for name, m, style in plan:
+    embeddings: dict[int, ParallelEmbedding] = {}  # id(serial table) -> its parallel embedding
+    for name, m, style in targets:
         if style == "embedding":
-            new_emb = ParallelEmbedding(grid, m.num_embeddings, m.embedding_dim, padding_idx=m.padding_idx,
-                                        weight=m.weight, dtype=m.weight.dtype, scheduler=sched)
-            new: nn.Module = new_emb
+            new: nn.Module = ParallelEmbedding(grid, m.num_embeddings, m.embedding_dim,
+                                               padding_idx=m.padding_idx, weight=m.weight,
+                                               dtype=m.weight.dtype, scheduler=sched)
+            embeddings[id(m.weight)] = new
         else:
-            fin, fout = _features(m)
+            fin, fout = features(m)
+            tied = embeddings.get(id(m.weight)) if style == "head" else None
             new = ParallelLinear(grid, fin, fout, bias=m.bias is not None, style=style, weight=m.weight,
-                                 bias_value=m.bias, conv1d=_is_conv1d(m), dtype=m.weight.dtype,
-                                 pair=pair, tied_to=new_emb.weight if style == "head" and tied else None,
+                                 bias_value=m.bias, conv1d=is_conv1d(m), dtype=m.weight.dtype,
+                                 pair=plan.pair_axes, tied_to=tied.weight if tied is not None else None,
                                  scheduler=sched)
         _swap(model, name, new)
     if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         _materialize_meta(model, grid.device)
     model.to(grid.device)
-    set_engine(model, EngineHandle(grid=grid, mode=mode, pair_axes=pair if mode == "paired" else None,
+    set_engine(model, EngineHandle(grid=grid, mode=plan.mode,
+                                   pair_axes=plan.pair_axes if plan.mode == "paired" else None, plan=plan,
                                    options=options, scheduler=sched, layouts=module_layouts(model)))
     _enrol(model, sched, grid, options)
     return model

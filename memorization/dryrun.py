@@ -4,7 +4,8 @@ No process group, no weights, and no data unless a check needs the row count (DP
 the launched run would make, the dry run makes with the same line: it calls the run's own check,
 `memorization.checks.check_run`, for every sub-run (each arm of an experiment). The model is built on
 the meta device and sharded exactly as rank 0 of the requested grid shards it
-(`axonn.ProcessGrid.virtual` + `axonn.parallelize`); the parameter count of that sharded model goes
+(`axonn.ProcessGrid.virtual` + `axonn.parallelize`; its parallel plan is reported, `plan`); the
+parameter count of that sharded model goes
 through the planner's memory and performance models (`axonn.plan`), so the project has one model of
 memory. On top of the run's checks: memory against the hardware preset and, for a local weights
 folder, the safetensors headers against the sharded model. Sections: `model_config` and `_grid`
@@ -200,7 +201,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     g = Grid(*dims)
 
     model = parallelize(serial, ProcessGrid.virtual(*dims, rank=0), mode=mode)
-    pair = axonn.engine_of(model).pair_axes  # just parallelized: the handle is there
+    handle = axonn.engine_of(model)  # just parallelized: the handle is there
+    pair, planned = handle.pair_axes, handle.plan  # which module became which parallel layer
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
@@ -234,6 +236,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                   "pair_axes": list(pair or ())},
         "grid": {"x": dims[0], "y": dims[1], "z": dims[2], "data": dims[3], "world": world,
                  "nodes": max(1, world // gpn), "gpus_per_node": gpn, "chosen_by": chosen_by},
+        "plan": {**planned.summary(), "lines": planned.describe()},
         "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "usable_bytes": usable,
                      "headroom": headroom},
         "batch": {"global": t.batch_size, "seq": seq, "tokens_per_step": tokens, "micro_batch": mb,
@@ -312,6 +315,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"({m['vocab_source']}); {m['mode']} mode",
         f"  grid       (x, y, z, data) = ({g['x']}, {g['y']}, {g['z']}, {g['data']}) on {g['world']} GPUs "
         f"= {g['nodes']} node(s) x {min(g['world'], g['gpus_per_node'])}; chosen by {g['chosen_by']}",
+        *[f"  {'' if i else 'plan':<10} {line}" for i, line in enumerate(r.get("plan", {}).get("lines", []))],
         f"  batch      {b['global']} x {b['seq']} tokens; {b['rows_per_rank']} rows per rank = "
         f"{b['micro_batches']} micro-batch(es) of {b['micro_batch']}; {r['precision']} activations",
         f"  rank 0     parameters {k['params']:,} ({_gib(k['param_bytes'])}), gradients "
