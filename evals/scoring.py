@@ -38,7 +38,9 @@ class Scorer:
         self.device = model_device(model)
         self.sharded_vocab = engine_of(model) is not None and self.grid.y > 1
         self._keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+        self._cache_kw = cache_keyword(model)
         self.lock = Lockstep(self.grid, self._filler)
+        self._coupled = self.lock.on  # a Z split: every forward waits for its Z group's flag
 
     @property
     def is_main(self) -> bool:
@@ -66,13 +68,14 @@ class Scorer:
     # -- forwards ------------------------------------------------------------------------------
     def forward(self, **kwargs: Any) -> Any:
         """One real forward of the model (its Z peers run one too)."""
-        self.lock.step()
+        if self._coupled:
+            self.lock.step()
         return self.model(**kwargs)
 
     def step(self, ids: torch.Tensor, cache: Any, last_only: bool = True) -> tuple[torch.Tensor, Any]:
         """Forward `ids` after what `cache` holds: (logits, the cache with `ids` added)."""
         kw = self._keep if last_only else {}
-        out = self.forward(input_ids=ids, use_cache=True, **{cache_keyword(self.model): cache}, **kw)
+        out = self.forward(input_ids=ids, use_cache=True, **{self._cache_kw: cache}, **kw)
         return out.logits, returned_cache(out)
 
     def logits(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +89,7 @@ class Scorer:
     # -- vocab reductions ----------------------------------------------------------------------
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy token ids over the whole vocabulary."""
-        return vocab_argmax(logits, self.grid)
+        return vocab_argmax(logits, self.grid) if self.sharded_vocab else logits.argmax(dim=-1)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log p over this rank's vocab columns (all of them unless the vocabulary is split)."""
