@@ -28,18 +28,32 @@ def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         model.train(was_training)
 
 
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a wrapper forwards its keywords to: a peft model's base model, an Opacus
+    GradSampleModule's module (their own forward takes **kwargs, which hides the keywords)."""
+    for _ in range(4):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "_module", None), torch.nn.Module):
+            model = model._module
+        else:
+            break
+    return model
+
+
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether model.forward takes `logits_to_keep` (skips the LM head on positions we never read)."""
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
+        return "logits_to_keep" in inspect.signature(_inner(model).forward).parameters
     except (TypeError, ValueError):
         return False
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The forward keyword that takes a KV cache: `cache` where transformers has renamed it (5.x; the
-    old `past_key_values` goes in 5.40), else `past_key_values`. Looked up once per model class."""
-    return _cache_keyword(type(model))
+    old `past_key_values` goes in 5.40), else `past_key_values`. Looked up once per model class (of
+    the wrapped model, for peft and Opacus wrappers, which pass keywords through)."""
+    return _cache_keyword(type(_inner(model)))
 
 
 @functools.cache

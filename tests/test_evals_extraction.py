@@ -220,3 +220,21 @@ def test_verified_greedy_equals_greedy_for_any_draft():
     assert torch.equal(verified_greedy(model, prefixes, greedy), greedy)  # every row verbatim
     assert torch.equal(verified_greedy(model, prefixes, drafts[:, :1]), greedy[:, :1])  # one token
     assert torch.equal(verified_greedy(model, prefixes[[4]], drafts[[4]]), greedy[[4]])  # one row, m=4
+
+
+def test_a_peft_model_is_decoded_through_its_base_models_cache_keyword():
+    """peft's forward takes **kwargs; the cache must still go under the base model's own keyword
+    (`cache` in transformers 5.x: the old `past_key_values` is deprecated, removed in 5.40)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(seed=3)
+    prefixes = torch.randint(0, base.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1))
+    want = greedy_generate(base, prefixes, 6)
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # B = 0: same model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = greedy_generate(lora, prefixes, 6)
+    assert torch.equal(got, want)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
