@@ -291,9 +291,9 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
         "resamples. With this few documents an AUC CI is wide: read the trend, not the third decimal.",
         "Utility: token-weighted held-out loss (nats/token) on the non-members and on "
         f"'{cfg.other_held_out}'.",
-        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}. "
-        "The random-init control is the "
-        "same architecture with fresh seeded weights, standard loss.",
+        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}."
+        + (" The random-init control is the same architecture with fresh seeded weights, standard loss."
+           if cfg.control else ""),
     ]
     if cfg.sizes:
         which = "; ".join(f"{r['name']}: {r.get('model')} ({r.get('weights')})" for r in runs)
