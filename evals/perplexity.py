@@ -54,8 +54,16 @@ def mean_loss(model: torch.nn.Module, rows: torch.LongTensor, labels: torch.Long
         shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise fail("labels", shape, f"pass a tensor with the same shape as rows {tuple(rows.shape)}")
     _check_batch(batch_size)
-    total, count = _loss_sums(model, [(rows[i], labels[i], None) for i in range(rows.shape[0])],
-                              batch_size, grid)
+    sc = Scorer(model, grid)
+    mine = sc.rows(rows.shape[0])
+    sums: list[tuple[float, int]] = []
+    with evaluating(model):
+        for b in range(0, len(mine), batch_size):
+            idx = mine[b:b + batch_size]
+            tgt = labels[idx, 1:].to(sc.device)
+            sums += _row_nll(sc, rows[idx].to(sc.device), None, tgt, tgt != IGNORE_INDEX)
+        every = sc.collect(mine, sums, rows.shape[0])
+    total, count = sum(v for v, _ in every), sum(c for _, c in every)
     if count == 0:
         raise fail("labels", "all -100", "no supervised token; leave some labels unmasked")
     return total / count
@@ -66,26 +74,13 @@ def _check_batch(batch_size: int) -> None:
         raise fail("batch_size", batch_size, "pass an integer >= 1")
 
 
-def _loss_sums(model: torch.nn.Module, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-               batch_size: int, grid: ProcessGrid | None) -> tuple[float, int]:
-    """Summed next-token CE (float64) and the token count over labels != -100 of (ids, labels, mask)
-    rows of equal length taken in batches; each batch shard sums its share."""
-    sc = Scorer(model, grid)
-    rows = sc.rows(len(items))
-    sums: list[tuple[float, int]] = []
-    with evaluating(model):
-        for b in range(0, len(rows), batch_size):
-            part = [items[i] for i in rows[b:b + batch_size]]
-            ids = torch.stack([p[0] for p in part]).to(sc.device)
-            tgt = torch.stack([p[1] for p in part])[:, 1:].to(sc.device)
-            mask = None if part[0][2] is None else torch.stack([p[2] for p in part]).to(sc.device)
-            valid = tgt != IGNORE_INDEX
-            safe = torch.where(valid, tgt, torch.zeros_like(tgt))
-            lp, _ = sc.token_stats(sc.logits(ids, mask)[:, :-1], safe)
-            nll = (-lp.double() * valid).sum(dim=1).cpu()
-            sums += [(float(v), int(c)) for v, c in zip(nll, valid.sum(dim=1).cpu())]
-        every = sc.collect(rows, sums, len(items))
-    return sum(v for v, _ in every), sum(c for _, c in every)
+def _row_nll(sc: Scorer, ids: torch.Tensor, mask: torch.Tensor | None, targets: torch.Tensor,
+             valid: torch.Tensor) -> list[tuple[float, int]]:
+    """Per row of one batch: the summed next-token CE (float64) over `valid` targets, and their count."""
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    lp, _ = sc.token_stats(sc.logits(ids, mask)[:, :-1], safe)
+    nll = (-lp.double() * valid).sum(dim=1).cpu()
+    return [(float(v), int(c)) for v, c in zip(nll, valid.sum(dim=1).cpu())]
 
 
 def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_size: int = 8, *,
@@ -111,10 +106,7 @@ def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_siz
         for b in range(0, len(rows), batch_size):
             ids, mask = pad_right([seqs[i] for i in rows[b:b + batch_size]])
             ids, mask = ids.to(sc.device), mask.to(sc.device)
-            lp, _ = sc.token_stats(sc.logits(ids, mask)[:, :-1], ids[:, 1:])
-            scored = mask[:, 1:].bool()
-            nll = (-lp.double() * scored).sum(dim=1).cpu()
-            sums += [(float(v), int(c)) for v, c in zip(nll, scored.sum(dim=1).cpu())]
+            sums += _row_nll(sc, ids, mask, ids[:, 1:], mask[:, 1:].bool())
         every = sc.collect(rows, sums, len(seqs))
     total, count = sum(v for v, _ in every), sum(c for _, c in every)
     loss = total / count

@@ -40,7 +40,6 @@ class Scorer:
         self._keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
         self._cache_kw = cache_keyword(model)
         self.lock = Lockstep(self.grid, self._filler)
-        self._coupled = self.lock.on  # a Z split: every forward waits for its Z group's flag
 
     @property
     def is_main(self) -> bool:
@@ -59,8 +58,7 @@ class Scorer:
 
     def collect_rows(self, rows: Sequence[int], local: torch.Tensor, n: int) -> torch.Tensor:
         """`collect` for a tensor of one row per item: the [n, ...] tensor (as is when nothing is split)."""
-        if self.grid.batch_shards == 1:  # every rank scored every row (the decision is the same everywhere)
-            self.lock.drain()
+        if self.grid.batch_shards == 1:  # every rank scored every row (no Z split: nothing to drain)
             return local
         parts = self.collect(rows, list(local.cpu()), n)
         return torch.stack(parts).to(local.device) if n else local
@@ -68,8 +66,7 @@ class Scorer:
     # -- forwards ------------------------------------------------------------------------------
     def forward(self, **kwargs: Any) -> Any:
         """One real forward of the model (its Z peers run one too)."""
-        if self._coupled:
-            self.lock.step()
+        self.lock.step()
         return self.model(**kwargs)
 
     def step(self, ids: torch.Tensor, cache: Any, last_only: bool = True) -> tuple[torch.Tensor, Any]:
@@ -89,7 +86,7 @@ class Scorer:
     # -- vocab reductions ----------------------------------------------------------------------
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy token ids over the whole vocabulary."""
-        return vocab_argmax(logits, self.grid) if self.sharded_vocab else logits.argmax(dim=-1)
+        return vocab_argmax(logits, self.grid)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log p over this rank's vocab columns (all of them unless the vocabulary is split)."""

@@ -26,7 +26,8 @@ from transformers.utils import logging as hf_logging
 import axonn
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.inference import keep_gathered
-from axonn.plan import auto_grid
+from axonn.plan import auto_grid, load_shape
+from axonn.plan.volumes import default_mode
 from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
 from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.mia import membership_inference
@@ -153,11 +154,9 @@ def _load(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> tuple[
 
 
 def _mode(o: EvalOptions, config: Any) -> str:
-    """--mode, with auto = paired (heads split, a KV cache of local heads) for Llama-family blocks."""
-    if o.mode != "auto":
-        return o.mode
-    llama_like = getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma")
-    return "paired" if llama_like else "easy"
+    """--mode, with auto = the planner's default for the model: paired where its blocks pair (heads
+    split, a KV cache of local heads), else easy."""
+    return o.mode if o.mode != "auto" else default_mode(load_shape(config))
 
 
 def eval_dims(o: EvalOptions, config: Any, max_tokens: int, world: int) -> tuple[int, int, int, int]:

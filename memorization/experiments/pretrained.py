@@ -191,13 +191,11 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     data = split.prepared
     exp.check(run_configs(cfg), data)
     runs, samples = [], []
-    evaluators: dict[str, Evaluator] = {}
+    evaluator, evaluated = None, object()  # one size's questions (and reference) at a time
     for size, loss, pretrained in _arms(cfg):
         rc = run_config(cfg, loss, pretrained, size)
-        key = size.name if size else ""
-        if key not in evaluators:
-            evaluators = {key: _evaluator(cfg, size, split, exp.grid_spec)}  # one reference at a time
-        evaluator = evaluators[key]
+        if size is not evaluated:
+            evaluator, evaluated = _evaluator(cfg, size, split, exp.grid_spec), size
 
         def train_arm(rc: RunConfig, run_dir: Path, evaluator: Evaluator = evaluator) -> dict[str, Any]:
             probe = PassEvaluation(evaluator, set(cfg.eval_passes) or None, cfg.passes)
