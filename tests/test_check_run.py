@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from helpers import TINY, checkpoint_trainer, tiny_model
+from helpers import TINY, checkpoint_trainer, tiny_base_yaml, tiny_model
 
 from memorization.cli import main
 
@@ -142,17 +142,7 @@ def test_export_of_a_model_folder_says_what_it_is(capsys, tmp_path):
 
 
 # -- an experiment: every arm checked before the first trains -----------------------------------------
-BASE = """
-name: base
-data: {corpus: wiki-leads, limit: 20, vocab_size: 320, block_len: 40, min_tokens: 40, held_out: ""}
-model:
-  name: tiny
-  overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
-              num_key_value_heads: 4}
-trainer: {batch_size: 4, max_steps: 1, progress: false}
-eval: {extraction: false}
-wandb: {mode: disabled}
-"""
+BASE = tiny_base_yaml(max_steps=1)
 
 EXPERIMENT = """
 kind: mitigations

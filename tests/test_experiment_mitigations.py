@@ -4,20 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_base_yaml
 
 from memorization.cli import main
 
-BASE = """
-name: base
-data: {corpus: wiki-leads, limit: 20, vocab_size: 320, block_len: 40, min_tokens: 40, held_out: ""}
-model:
-  name: tiny
-  overrides: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4,
-              num_key_value_heads: 4}
-trainer: {batch_size: 4, max_steps: 2, progress: false}
-eval: {extraction: false}
-wandb: {mode: disabled}
-"""
+BASE = tiny_base_yaml(max_steps=2)
 
 EXPERIMENT = """
 kind: mitigations
