@@ -47,7 +47,10 @@ def bin_dir(tmp_path, monkeypatch):
     (d / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/sbatch-calls"\n'
                               'echo "Submitted batch job 42"\n')
     (d / "sbatch").chmod(0o755)
-    (d / "python").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a symlinked venv python outside its venv folder finds no pyvenv.cfg and
+    # runs as the base interpreter, without the venv's packages
+    (d / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (d / "python").chmod(0o755)
     monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("VIRTUAL_ENV", raising=False)
     return d
