@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -112,3 +113,47 @@ def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_siz
     loss = total / count
     return {"docs": len(seqs), "tokens": sum(len(s) for s in seqs), "scored_tokens": count,
             "loss": loss, "perplexity": math.exp(loss)}
+
+
+def continuation_scores(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                        batch_size: int = 8, *, grid: ProcessGrid | None = None,
+                        progress: Any = None) -> list[tuple[float, bool]]:
+    """Per (context ids, continuation ids): log p(continuation | context) in nats, and whether greedy
+    decoding from the context reproduces the continuation token for token.
+
+    The model reads context + continuation[:-1] once; each continuation token is scored at the
+    position before it (the lm-eval `loglikelihood` contract). On a sharded model the pairs are split
+    over the batch shards and the vocabulary is reduced, never gathered (evals/scoring.py).
+    `progress(n_pairs, n_tokens)` is called after each of this rank's batches.
+    """
+    seqs: list[list[int]] = []
+    conts: list[int] = []
+    for i, (ctx, cont) in enumerate(pairs):
+        if len(ctx) < 1 or len(cont) < 1:
+            raise fail(f"pairs[{i}]", (len(ctx), len(cont)), "needs at least one context and one "
+                       "continuation token")
+        seqs.append([int(t) for t in ctx] + [int(t) for t in cont])
+        conts.append(len(cont))
+    _check_batch(batch_size)
+    # Longest first, so a too-large batch fails at once and padding stays small.
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    sc = Scorer(model, grid)
+    rows = [order[r] for r in sc.rows(len(order))]
+    mine: list[tuple[float, bool]] = []
+    with evaluating(model):
+        for b in range(0, len(rows), batch_size):
+            batch = [seqs[i] for i in rows[b:b + batch_size]]
+            ids, mask = pad_right([s[:-1] for s in batch])
+            targets, _ = pad_right([s[1:] for s in batch])
+            ids, mask, targets = ids.to(sc.device), mask.to(sc.device), targets.to(sc.device)
+            logits = sc.logits(ids, mask)
+            tok, _ = sc.token_stats(logits, targets)
+            greedy = sc.argmax(logits)
+            for j, i in enumerate(rows[b:b + batch_size]):
+                end = len(seqs[i]) - 1
+                span = slice(end - conts[i], end)
+                mine.append((float(tok[j, span].double().sum()),
+                             bool((greedy[j, span] == targets[j, span]).all())))
+            if progress is not None:
+                progress(len(batch), int(mask.sum()))
+        return sc.collect(rows, mine, len(seqs))

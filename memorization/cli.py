@@ -100,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, default=None,
                    help="cut documents to their first N tokens (default 128, or P+S if larger, "
                         "capped at the model's context)")
-    e.add_argument("--limit", type=int, default=0, help="first N documents of every corpus only")
+    e.add_argument("--tasks", default=None, metavar="NAME[,NAME...]",
+                   help="downstream tasks through lm-eval: the bundled offline ones (memorize tasks) or "
+                        "lm-eval's own (need network)")
+    e.add_argument("--num-fewshot", type=int, default=None, metavar="K",
+                   help="in-context examples per task (default: each task's own)")
+    e.add_argument("--limit", type=int, default=0, help="first N documents of every corpus and task only")
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--beams", type=int, default=1, help="beam search width (1 = greedy)")
     e.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples (default 0)")
@@ -114,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads)")
     e.add_argument("--keep-gathered", action="store_true",
                    help="with a Z split: gather the weights once and hold them for the whole evaluation")
+    k = sub.add_parser("tasks", help="the bundled offline downstream tasks (lm-eval task YAMLs)")
+    k.add_argument("--path", action="store_true",
+                   help="print only their folder, for lm_eval --include_path")
     return parser
 
 
@@ -220,7 +228,23 @@ def cmd_run(args) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export}
+def cmd_tasks(args) -> int:
+    """List the bundled downstream tasks (or print their folder with --path)."""
+    from data_pipelines.downstream import TASK_DIR, describe_tasks  # deferred: see the docstring
+
+    if args.path:
+        print(TASK_DIR)
+        return 0
+    for t in describe_tasks():
+        print(f"{t['name']:<24} {t['kind']:<6} {t['items']:>6} items  {t['source']}")
+    print(f"\nfolder: {TASK_DIR}"
+          "\nmemorize eval --model DIR --tasks NAME[,NAME...] [--num-fewshot K] [--limit N]"
+          f"\nlm_eval --model hf --model_args pretrained=DIR --include_path {TASK_DIR} --tasks NAME")
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export,
+            "tasks": cmd_tasks}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from memorization.downstream import task_table
 from memorization.pipeline import RESULT_FILES
 from memorize_core import fail
 
@@ -55,7 +56,7 @@ def _ci(point: float, ci: list[float] | None) -> str:
 
 
 def markdown_report(report: dict[str, Any]) -> str:
-    """report.md: the extraction summary, the MIA table with intervals, and the perplexity table."""
+    """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks."""
     parts = [f"# memorize eval: `{report['model']}`",
              f"Documents cut to their first {report['max_tokens']} tokens; {report['seconds']:.1f} s in all."]
     ex = report.get("extraction")
@@ -88,4 +89,13 @@ def markdown_report(report: dict[str, Any]) -> str:
                   _table(["corpus", "docs", "scored tokens", "loss (nats/token)", "perplexity"],
                          [[f"`{p['corpus']}`", str(p["docs"]), str(p["scored_tokens"]), f"{p['loss']:.4f}",
                            f"{p['perplexity']:.2f}"] for p in ppl])]
+    tasks = report.get("tasks")
+    if tasks:
+        shots = ("each task's default shots" if tasks["num_fewshot"] is None
+                 else f"{tasks['num_fewshot']}-shot")
+        limit = f"the first {tasks['limit']} documents of each task" if tasks["limit"] else "every document"
+        parts += ["## Utility: downstream tasks (lm-evaluation-harness)",
+                  f"{shots}, {limit}, seed {tasks['seed']}; metric ± lm-eval's standard error; "
+                  f"{tasks['tokens']:,} tokens scored in {tasks['seconds']:.1f} s.",
+                  "\n".join(task_table(tasks))]
     return "\n\n".join(parts) + "\n"

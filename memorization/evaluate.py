@@ -1,4 +1,5 @@
-"""`memorize eval`: extraction, membership inference and utility of any Hugging Face model folder.
+"""`memorize eval`: extraction, membership inference and utility (perplexity, lm-eval downstream tasks) of
+any Hugging Face model folder.
 
 Every input is validated (flags, output folder, model folders, corpora, tokenization, vocabulary
 agreement, member/non-member overlap) before any scoring starts, and the result files are written
@@ -32,6 +33,7 @@ from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
 from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
+from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.models import load_sharded
 from memorization.parallel import launched_world_size, wants_grid
@@ -65,6 +67,8 @@ class EvalOptions:
     grid: str | None = None  # X,Y,Z,D or auto (under torchrun / srun); None: one process, serial
     mode: str = "auto"  # parallel mode of the layers: easy, paired, or auto (paired for Llama-family)
     keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
+    tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
+    num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
 
 
 @dataclass
@@ -80,9 +84,13 @@ class _Corpus:
 
 def check_options(o: EvalOptions) -> None:
     """Flag-level checks that need no file: one ConfigError naming the flag, the value and the fix."""
-    if not (o.corpus or o.mia or o.perplexity):
-        raise fail("--corpus/--mia/--perplexity", None, "nothing to evaluate; pass --corpus CORPUS "
-                   "(extraction), --mia (membership inference) and/or --perplexity CORPUS (utility)")
+    if not (o.corpus or o.mia or o.perplexity or o.tasks):
+        raise fail("--corpus/--mia/--perplexity/--tasks", None, "nothing to evaluate; pass --corpus CORPUS "
+                   "(extraction), --mia (membership inference), --perplexity CORPUS and/or --tasks NAME "
+                   "(utility)")
+    check_fewshot(o.num_fewshot)
+    if o.num_fewshot is not None and not o.tasks:
+        raise fail("--num-fewshot", o.num_fewshot, "only applies to downstream tasks; add --tasks NAME")
     for name in ("prefix", "suffix", "batch_size", "beams"):
         if getattr(o, name) < 1:
             raise fail(f"--{name.replace('_', '-')}", getattr(o, name), "must be >= 1")
@@ -90,6 +98,8 @@ def check_options(o: EvalOptions) -> None:
         raise fail("--max-tokens", o.max_tokens, "must be >= 2 (one context token and one scored token)")
     if o.limit < 0:
         raise fail("--limit", o.limit, "must be >= 0 (0 = every document)")
+    if o.tasks is not None:
+        o.tasks = ",".join(check_tasks(o.tasks))
     if o.mode not in ("auto", "easy", "paired"):
         raise fail("--mode", o.mode, "choose auto, easy or paired")
     if not o.mia:
@@ -322,6 +332,9 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
             report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
         if ppl:
             report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
+        if o.tasks:
+            report["tasks"] = score_tasks(model, tok, o.tasks.split(","), num_fewshot=o.num_fewshot,
+                                          limit=o.limit or None, batch_size=o.batch_size, grid=grid)
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
         files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}

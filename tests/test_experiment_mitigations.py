@@ -22,6 +22,8 @@ bootstrap: 20
 other_held_out: lee-news
 other_held_out_limit: 4
 samples: 1
+downstream: [analogies_family]
+downstream_limit: 3
 arms: {arms}
 base:
   data: {{corpus: wiki-leads, limit: 28, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
@@ -68,8 +70,14 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
         assert set(a["by_copy_count"]) == {"1", "3"}
         for m in a["mia"].values():
             assert m["auc_ci"][0] <= m["auc"] <= m["auc_ci"][1]
+        # downstream utility through lm-eval: 3 four-way family analogies per arm, with a standard error
+        ds = a["utility"]["downstream"]["tasks"]["analogies_family"]
+        assert ds["n"] == 3 and ds["acc"] in (0.0, 1 / 3, 2 / 3, 1.0) and ds["acc_stderr"] >= 0
         assert a["utility"]["val_loss"] > 0 and a["cost"]["peak_rss_gb"] > 0
         assert a["cost"]["trainable_params"] > 0
+    base = report["base_downstream"]["tasks"]["analogies_family"]
+    assert base["n"] == 3
+    assert "analogies_family acc ± SE" in (out / "report.md").read_text()
     assert arms[0]["cost"]["step_time_vs_none"] == pytest.approx(1.0)
     none, dp, lora = arms[0], arms[3], arms[4]
     assert none["privacy"]["epsilon"] is None

@@ -9,7 +9,8 @@ arm is data, not code), or on the deduplicated corpus. Then every arm is asked:
   secrets              canary exposure and extraction over the secret space, by copy count
   membership           MIA (loss, zlib, min-k++, ref_ratio vs the base model) on the leads seen once
                        vs the held-out half, AUC and TPR@1%FPR with bootstrap CIs
-  utility              held-out loss on the non-member half and on another domain
+  utility              held-out loss on the non-member half and on another domain; downstream accuracy
+                       (lm-eval tasks, `downstream`) beside the un-fine-tuned base model's
   cost                 step time vs the unmitigated arm, peak RSS while training, trainable parameters
 """
 from __future__ import annotations
@@ -38,9 +39,12 @@ from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import (
     MiaSettings,
     PrivacyUtility,
+    format_acc,
     format_auc,
+    limit_words,
     other_domain,
     reference_model,
+    task_label,
 )
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents, say
@@ -172,6 +176,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     reference = reference_model(b, exp.grid_spec)
     questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
                                other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
+    base_downstream = questions.downstream(reference)  # what fine-tuning starts from (None: no tasks)
     del reference
     key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
            "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
@@ -183,7 +188,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                       tokenizer=data.tokenizer, batch_size=e.batch_size))
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
                 "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens),
-                **questions(model)}
+                **questions(model, downstream=True)}
 
     arms, samples = [], []
     for arm in cfg.arms:
@@ -201,7 +206,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
                           eval_key={"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
                                     "candidates": cfg.canaries.candidates,
-                                    "other": [cfg.other_held_out, cfg.other_held_out_limit]},
+                                    "other": [cfg.other_held_out, cfg.other_held_out_limit],
+                                    "downstream": [cfg.downstream, cfg.downstream_limit,
+                                                   cfg.downstream_fewshot]},
                           per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:
             continue
@@ -211,7 +218,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         return None
     _relative_cost(arms)
     return _outputs(cfg, arms, len(members), len(nonmembers), len(data.train_docs),
-                    len(dedup_data.train_docs) if dedup_data else None, exp.out, samples)
+                    len(dedup_data.train_docs) if dedup_data else None, exp.out, samples, base_downstream)
 
 
 def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
@@ -246,7 +253,8 @@ def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -
                      "max_exposure": inj["max_exposure"]},
         "by_copy_count": by_count,
         "mia": s["mia"],
-        "utility": {"val_loss": s["val_loss"], "other_val_loss": s["other_val_loss"]},
+        "utility": {"val_loss": s["val_loss"], "other_val_loss": s["other_val_loss"],
+                    "downstream": s.get("downstream")},
         "privacy": {"epsilon": s.get("epsilon"), "delta": s.get("delta")},
         "cost": {"steps": steps, "train_seconds": s.get("train_seconds"),
                  "step_seconds": (s.get("train_seconds") or 0) / steps if steps else None,
@@ -269,7 +277,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembers: int, n_rows: int,
-             n_dedup: int | None, out: Path, samples: list[list[Any]]) -> Outputs:
+             n_dedup: int | None, out: Path, samples: list[list[Any]],
+             base_downstream: dict[str, Any] | None = None) -> Outputs:
     methods = cfg.mia_methods
     rows = []
     for a in arms:
@@ -279,7 +288,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                "exposure": a["canaries"]["exposure_mean"], "extracted": a["canaries"]["extracted_rate"],
                "val": a["utility"]["val_loss"], "other": a["utility"]["other_val_loss"],
                "time": a["cost"]["step_time_vs_none"], "rss": a["cost"]["peak_rss_gb"],
-               "trainable": a["cost"]["trainable_params"], "eps": a["privacy"]["epsilon"]}
+               "trainable": a["cost"]["trainable_params"], "eps": a["privacy"]["epsilon"],
+               "ds": format_acc(a["utility"].get("downstream"))}
         for m in methods:
             row[f"auc_{m}"] = format_auc(a["mia"].get(m))
         rows.append(row)
@@ -288,7 +298,10 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
             ("em_dup", "EM duplicated leads", "{:.0%}"), ("exposure", "canary exposure (bits)", "{:.2f}"),
             ("extracted", "secrets extracted", "{:.0%}")]
     cols += [(f"auc_{m}", f"MIA AUC {m} [95% CI]", "{}") for m in methods]
-    cols += [("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}"),
+    cols += [("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
+    if cfg.downstream:
+        cols += [("ds", f"{task_label(cfg)} ± SE", "{}")]
+    cols += [
              ("time", "step time x", "{:.2f}"), ("rss", "peak RSS GiB", "{:.1f}"),
              ("trainable", "trainable params", "{:,}"), ("eps", "epsilon", "{:.2f}")]
     by_count = [{"arm": a["name"], "copies": int(n), **v}
@@ -315,28 +328,46 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
         "while the arm trained; trainable parameters (LoRA: adapters only).",
     ]
+    if cfg.downstream:
+        notes.append(f"Downstream: accuracy ± standard error (lm-eval) on {', '.join(cfg.downstream)} "
+                     f"({limit_words(cfg)}); the un-fine-tuned base model scores "
+                     f"{format_acc(base_downstream) or 'n/a'}.")
     plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"),
              _plot_bars(arms, methods, out / "mitigations-bars.png")]
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=arms,
                    tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols))],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
-                   extra={"arms": arms, "passes": cfg.passes})
+                   extra={"arms": arms, "passes": cfg.passes, "base_downstream": base_downstream})
+
+
+def _downstream_acc(a: dict[str, Any]) -> tuple[float | None, float | None]:
+    head = (a["utility"].get("downstream") or {}).get("headline") or {}
+    return head.get("acc"), head.get("acc_stderr")
 
 
 def _plot_scatter(arms: list[dict[str, Any]], path: Path) -> Path:
-    """Privacy (duplicated-lead exact match) vs utility (held-out loss); marker area = step time."""
-    fig, axes = figure(2, width=5.2)
-    for ax, (key, label) in zip(axes, (("em_dup", "exact match, duplicated leads"),
-                                       ("auc", "MIA AUC (loss)"))):
+    """Privacy (duplicated-lead exact match, MIA AUC) vs utility (held-out loss, and downstream accuracy
+    with its standard error when the experiment scores tasks); marker area = step time."""
+    utilities = [("val", "held-out loss (lower = more useful)")]
+    if any(_downstream_acc(a)[0] is not None for a in arms):
+        utilities.append(("acc", "downstream accuracy (higher = more useful)"))
+    panels = [(p, u) for u in utilities for p in (("em_dup", "exact match, duplicated leads"),
+                                                  ("auc", "MIA AUC (loss)"))]
+    fig, axes = figure(len(panels), width=5.2)
+    for ax, ((key, label), (ukey, ulabel)) in zip(axes, panels):
         for a in arms:
             x = (a["extraction"]["duplicated"]["exact_match_rate"] if key == "em_dup"
                  else a["mia"].get("loss", {}).get("auc"))
-            y = a["utility"]["val_loss"]
+            y, err = (a["utility"]["val_loss"], None) if ukey == "val" else _downstream_acc(a)
+            if x is None or y is None:
+                continue
             size = 80 * (a["cost"]["step_time_vs_none"] or 1.0)
             ax.scatter([x], [y], s=size, alpha=0.7)
+            if err:
+                ax.errorbar([x], [y], yerr=[err], fmt="none", ecolor="gray", alpha=0.6)
             ax.annotate(a["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-        ax.set(xlabel=f"{label} (lower = more private)", ylabel="held-out loss (lower = more useful)",
+        ax.set(xlabel=f"{label} (lower = more private)", ylabel=ulabel,
                title="privacy vs utility (marker: step time)")
     return save(fig, path)
 
@@ -347,6 +378,7 @@ def _plot_bars(arms: list[dict[str, Any]], methods: list[str], path: Path) -> Pa
                ("canary exposure (bits)", lambda a: a["canaries"]["exposure_mean"]),
                ("MIA AUC (best method)", lambda a: max((v["auc"] for v in a["mia"].values()), default=None)),
                ("held-out loss", lambda a: a["utility"]["val_loss"]),
+               ("downstream accuracy", lambda a: _downstream_acc(a)[0]),
                ("step time x", lambda a: a["cost"]["step_time_vs_none"])]
     fig, axes = figure(len(metrics), width=3.2, height=3.6)
     names = [a["name"] for a in arms]

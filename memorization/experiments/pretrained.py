@@ -27,9 +27,12 @@ from memorization.experiments.catastrophic import ModelSize
 from memorization.experiments.questions import (
     MiaSettings,
     PrivacyUtility,
+    format_acc,
     format_auc,
+    limit_words,
     other_domain,
     reference_model,
+    task_label,
 )
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
@@ -102,19 +105,20 @@ class Evaluator:
     def __init__(self, cfg: Config, split: SplitData, questions: PrivacyUtility):
         self.cfg, self.split, self.questions = cfg, split, questions
 
-    def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None
+    def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None, downstream: bool = False
                  ) -> tuple[dict[str, Any], list[Any]]:
-        """(record: extraction, MIA per method and held-out losses of `model`; extraction results),
-        scored on `grid` (default: the model's own) on every rank."""
+        """(record: extraction, MIA per method and held-out losses of `model`, + the downstream tasks
+        when asked; extraction results), scored on `grid` (default: the model's own) on every rank."""
         results = extraction_results(model, self.cfg.base, self.split.prepared, grid=grid)
         stats = summarize(results)
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
-                  "token_accuracy": stats["token_accuracy"], **self.questions(model, grid)}
+                  "token_accuracy": stats["token_accuracy"], **self.questions(model, grid, downstream)}
         return record, results
 
 
 class PassEvaluation(Callback):
-    """Trainer callback: the Evaluator's record before training (pass 0) and after chosen passes."""
+    """Trainer callback: the Evaluator's record before training (pass 0) and after chosen passes;
+    downstream tasks (the costliest question) at pass 0 and after the last pass only."""
 
     def __init__(self, evaluate: Evaluator, passes: set[int] | None, last: int):
         self.evaluate, self.passes, self.last = evaluate, passes, last
@@ -123,14 +127,19 @@ class PassEvaluation(Callback):
 
     def _score(self, trainer: Trainer, done: int) -> None:
         # the model as it is, on its grid: a collective under a grid, every rank takes part
-        record, self.last_results = self.evaluate(trainer.model, trainer.grid)
+        record, self.last_results = self.evaluate(trainer.model, trainer.grid,
+                                                  downstream=done in (0, self.last))
         rec = {"pass": done, "step": trainer.state.step, **record}
         self.records.append(rec)
+        head = (rec.get("downstream") or {}).get("headline") or {}
         trainer.log({"pass": done, "pass_exact_match": rec["exact_match_rate"],
-                     "pass_val_loss": rec["val_loss"]})
+                     "pass_val_loss": rec["val_loss"],
+                     **({"pass_downstream_acc": head["acc"], "pass_downstream_acc_stderr": head["acc_stderr"]}
+                        if head.get("acc") is not None else {})})
         say(f"{trainer.name} pass {done}: exact match {rec['exact_match_rate']:.0%}, val loss "
             f"{rec['val_loss']:.3f}, MIA AUC "
-            + ", ".join(f"{m} {v['auc']:.2f}" for m, v in rec["mia"].items()))
+            + ", ".join(f"{m} {v['auc']:.2f}" for m, v in rec["mia"].items())
+            + (f", {head['task']} acc {head['acc']:.3f}" if head.get("acc") is not None else ""))
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Pass 0: the model before fine-tuning."""
@@ -212,7 +221,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                           extra_key={"evaluated": "every pass", "mia": cfg.mia_methods, "k": cfg.mia_k,
                                      "bootstrap": cfg.bootstrap, "other": [cfg.other_held_out,
                                                                           cfg.other_held_out_limit],
-                                     "eval_passes": cfg.eval_passes})
+                                     "eval_passes": cfg.eval_passes,
+                                     "downstream": [cfg.downstream, cfg.downstream_limit,
+                                                    cfg.downstream_fewshot]})
         if not exp.is_main:
             continue
         record = _run_record(summary, loss, pretrained)
@@ -250,7 +261,8 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
         first = r["passes"][0] if r["passes"] else {}
         row = {"run": r["name"], "params": r.get("params"), "em_0": first.get("exact_match_rate"),
                "em": r["exact_match_rate"], "first_50": _first_pass(r, 0.5), "rougeL": r["rougeL"],
-               "val_0": first.get("val_loss"), "val": r["val_loss"], "other": r["other_val_loss"]}
+               "val_0": first.get("val_loss"), "val": r["val_loss"], "other": r["other_val_loss"],
+               "ds_0": format_acc(first.get("downstream")), "ds": format_acc(last.get("downstream"))}
         for m in methods:
             row[f"auc_{m}"] = format_auc(last.get("mia", {}).get(m))
         summary_rows.append(row)
@@ -266,6 +278,9 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
             ("rougeL", "RougeL", "{:.3f}"), ("val_0", "val loss pass 0", "{:.3f}"),
             ("val", "val loss", "{:.3f}"),
             ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
+    if cfg.downstream:
+        cols += [("ds_0", f"{task_label(cfg)} pass 0", "{}"),
+                 ("ds", f"{task_label(cfg)} pass {cfg.passes}", "{}")]
     cols += [(f"auc_{m}", f"AUC {m} [95% CI]", "{}") for m in methods]
     pcols = [("run", "run", "{}"), ("pass", "pass", "{}"), ("em", "EM", "{:.0%}"),
              ("rougeL", "RougeL", "{:.3f}"),
@@ -288,7 +303,9 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
         f"un-fine-tuned {b.model.name} as the reference; 95% CIs from {cfg.bootstrap} stratified bootstrap "
         "resamples. With this few documents an AUC CI is wide: read the trend, not the third decimal.",
         "Utility: token-weighted held-out loss (nats/token) on the non-members and on "
-        f"'{cfg.other_held_out}'.",
+        f"'{cfg.other_held_out}'"
+        + (f"; downstream accuracy ± standard error (lm-eval) on {', '.join(cfg.downstream)} "
+           f"({limit_words(cfg)}), at pass 0 and after the last pass." if cfg.downstream else "."),
         f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}."
         + (" The random-init control is the same architecture with fresh seeded weights, standard loss."
            if cfg.control else ""),

@@ -19,6 +19,7 @@ from data_pipelines import load_corpus, tokenize_documents
 from evals.mia import bootstrap_ci, roc_metrics, score_sequences
 from evals.perplexity import corpus_loss
 from memorization.config import RunConfig
+from memorization.downstream import check_fewshot, check_tasks, headline, score_tasks
 from memorization.experiments.spec import choice_list
 from memorization.models import build_model, load_sharded, model_config, resolve_model_dir
 from memorization.parallel import run_dims
@@ -36,6 +37,11 @@ class MiaSettings:
     bootstrap: int = 1000  # resamples for the 95% confidence intervals (0 = none)
     other_held_out: str = "lee-news"  # a second domain for utility ("" = none)
     other_held_out_limit: int = 50
+    # Downstream utility (lm-eval): tasks, the first N documents of each (0 = all), shots (None: the
+    # task's own). [] = none; the experiment configs name the bundled offline analogies.
+    downstream: list[str] = field(default_factory=list)
+    downstream_limit: int = 20
+    downstream_fewshot: int | None = None
 
     def check(self) -> None:
         """Range checks with house-style errors."""
@@ -46,6 +52,12 @@ class MiaSettings:
             raise fail("bootstrap", self.bootstrap, "must be >= 0 (0 = no confidence intervals)")
         if self.other_held_out_limit < 0:
             raise fail("other_held_out_limit", self.other_held_out_limit, "must be >= 0 (0 = all)")
+        if self.downstream:
+            self.downstream = check_tasks(self.downstream, "downstream")
+        if isinstance(self.downstream_limit, bool) or not isinstance(self.downstream_limit, int) \
+                or self.downstream_limit < 0:
+            raise fail("downstream_limit", self.downstream_limit, "must be >= 0 (0 = every document)")
+        check_fewshot(self.downstream_fewshot, "downstream_fewshot")
 
 
 def other_domain(settings: MiaSettings, tokenizer: Any, block_len: int) -> list[list[int]]:
@@ -87,8 +99,19 @@ class PrivacyUtility:
                 self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tokenizer, k=settings.mia_k,
                                                        batch_size=16)["loss"]
 
-    def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None) -> dict[str, Any]:
-        """{"mia": {method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}}, "val_loss", "other_val_loss"}.
+    def downstream(self, model: torch.nn.Module, grid: ProcessGrid | None = None) -> dict[str, Any] | None:
+        """The downstream tasks' results (memorization.downstream.score_tasks) plus `headline`, or None
+        when the experiment names no task."""
+        if not self.s.downstream:
+            return None
+        res = score_tasks(model, self.tok, self.s.downstream, num_fewshot=self.s.downstream_fewshot,
+                          limit=self.s.downstream_limit or None, batch_size=32, grid=grid)
+        return {**res, "headline": headline(res)}
+
+    def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None,
+                 downstream: bool = False) -> dict[str, Any]:
+        """{"mia": {method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}}, "val_loss", "other_val_loss"}
+        (+ "downstream" when asked and the experiment names tasks).
 
         One forward pass over members and non-members gives every MIA score and, from the
         non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1
@@ -110,7 +133,32 @@ class PrivacyUtility:
                 rec.update(auc_ci=ci["auc_ci"], tpr_at_1fpr_ci=ci["tpr_at_1pct_fpr_ci"])
             mia[method] = rec
         other = corpus_loss(model, self.other, batch_size=16, grid=grid)["loss"] if self.other else None
-        return {"mia": mia, "val_loss": val_loss, "other_val_loss": other}
+        out = {"mia": mia, "val_loss": val_loss, "other_val_loss": other}
+        if downstream and self.s.downstream:
+            out["downstream"] = self.downstream(model, grid)
+        return out
+
+
+def task_label(settings: MiaSettings) -> str:
+    """Column title of the downstream accuracy: the task's name when there is one."""
+    return f"{settings.downstream[0]} acc" if len(settings.downstream) == 1 else "downstream acc"
+
+
+def limit_words(settings: MiaSettings) -> str:
+    """How much of each downstream task is scored, in words, for report notes."""
+    shots = "zero-shot" if settings.downstream_fewshot in (None, 0) else f"{settings.downstream_fewshot}-shot"
+    n = (f"the first {settings.downstream_limit} documents of each task" if settings.downstream_limit
+         else "every document")
+    return f"{n}, {shots} unless the task fixes its shots"
+
+
+def format_acc(rec: dict[str, Any] | None) -> str | None:
+    """'0.72 ± 0.05' (downstream accuracy ± lm-eval's standard error) for report tables."""
+    head = (rec or {}).get("headline") or {}
+    if head.get("acc") is None:
+        return None
+    se = head.get("acc_stderr")
+    return f"{head['acc']:.2f}" + (f" ± {se:.2f}" if se is not None else "")
 
 
 def format_auc(rec: dict[str, Any] | None) -> str | None:

@@ -1,0 +1,112 @@
+"""Downstream utility: lm-eval tasks on a model we hold (the bundled offline tasks, or lm-eval's own).
+
+The research layer's glue between the bundled task YAMLs (data_pipelines/tasks, built from real
+published data that gensim ships) and the lm-eval adapter that scores with evals' scoring path
+(evals/harness.py): `check_tasks` refuses a bad request before any model is loaded, `score_tasks`
+runs it (serial or sharded, on every rank), `task_rows`/`task_table` turn the result into report rows.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from data_pipelines.downstream import BUNDLED_TASKS, TASK_DIR
+from memorize_core import ConfigError, fail
+
+HUB_HINT = ("lm-eval's own tasks (hellaswag, arc_easy, piqa, mmlu, ...) are accepted by name but download "
+            "their data from the Hugging Face hub, so they need network")
+
+
+def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
+    """'a,b' or ['a', 'b'] -> ['a', 'b'] (order kept, duplicates dropped)."""
+    if spec is None:
+        return []
+    parts = spec.split(",") if isinstance(spec, str) else [str(s) for s in spec]
+    names = [p.strip() for p in parts if p.strip()]
+    return list(dict.fromkeys(names))
+
+
+def check_tasks(names: Sequence[str], flag: str = "--tasks") -> list[str]:
+    """The task names, each bundled or known to lm-eval; else one ConfigError naming the bundled ones."""
+    names = parse_tasks(names)
+    if not names:
+        raise fail(flag, "", f"name at least one task, e.g. {BUNDLED_TASKS[1]}; bundled: "
+                   f"{', '.join(BUNDLED_TASKS)}")
+    foreign = [n for n in names if n not in BUNDLED_TASKS]
+    if foreign:
+        known = set(_manager(foreign).all_tasks)
+        unknown = [n for n in foreign if n not in known]
+        if unknown:
+            raise fail(flag, unknown[0], f"is not a bundled task ({', '.join(BUNDLED_TASKS)}) nor one of "
+                       f"lm-eval's; {HUB_HINT}")
+    return names
+
+
+def check_fewshot(value: int | None, flag: str = "--num-fewshot") -> None:
+    """None (each task's default) or an integer >= 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise fail(flag, value, "pass the number of in-context examples, >= 0 (0 = zero-shot)")
+
+
+def _manager(names: Sequence[str]) -> Any:
+    from evals.harness import task_manager  # deferred: lm-eval imports in ~3 s
+
+    return task_manager(str(TASK_DIR), defaults=any(n not in BUNDLED_TASKS for n in names))
+
+
+def score_tasks(model: Any, tokenizer: Any, names: Sequence[str], *, num_fewshot: int | None = None,
+                limit: int | None = None, batch_size: int = 16, grid: Any = None) -> dict[str, Any]:
+    """lm-eval on `model` (serial, or sharded over `grid`: call on every rank); the run_tasks dict.
+
+    A hub task that cannot reach its data is one ConfigError, not a traceback."""
+    from evals.harness import run_tasks  # deferred: lm-eval imports in ~3 s
+
+    names = parse_tasks(names)
+    offline = all(n in BUNDLED_TASKS for n in names)
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"} if offline else {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return run_tasks(model, tokenizer, names, num_fewshot=num_fewshot, limit=limit,
+                         manager=_manager(names), batch_size=batch_size, grid=grid)
+    except ConfigError:
+        raise
+    except (ConnectionError, OSError, TimeoutError) as e:
+        hub = [n for n in names if n not in BUNDLED_TASKS]
+        raise fail("--tasks", ",".join(hub) or ",".join(names), f"could not load its data "
+                   f"({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}); {HUB_HINT}, "
+                   f"or use the bundled offline tasks ({', '.join(BUNDLED_TASKS)})") from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The one accuracy a report column shows: the first requested group's, else the first task's
+    (acc, acc_stderr, name)."""
+    rows = {**result.get("tasks", {}), **result.get("groups", {})}
+    order = list(result.get("groups", {})) + list(result.get("tasks", {}))
+    for name in order:
+        if rows[name].get("acc") is not None:
+            return {"task": name, "acc": rows[name]["acc"], "acc_stderr": rows[name].get("acc_stderr")}
+    return {"task": None, "acc": None, "acc_stderr": None}
+
+
+def task_table(result: dict[str, Any]) -> list[str]:
+    """Markdown lines: one row per task and group with each metric ± its standard error."""
+    rows = [(n, r) for n, r in result.get("groups", {}).items()] + list(result.get("tasks", {}).items())
+    metrics = sorted({k for _, r in rows for k in r if k not in ("alias", "n") and not k.endswith("_stderr")
+                      and "_stderr[" not in k})
+    lines = ["| task | n | shots | " + " | ".join(metrics) + " |", "|---|---|---|" + "---|" * len(metrics)]
+    shots = result.get("n_shot", {})
+    for name, r in rows:
+        cells = []
+        for m in metrics:
+            v, se = r.get(m), r.get(m.replace("[", "_stderr[", 1) if "[" in m else f"{m}_stderr")
+            cells.append("" if v is None else f"{v:.3f}" + (f" ± {se:.3f}" if isinstance(se, float) else ""))
+        lines.append(f"| {name} | {r.get('n', '')} | {shots.get(name, '')} | " + " | ".join(cells) + " |")
+    return lines
