@@ -16,7 +16,7 @@ from scipy import stats
 
 from axonn.grid import ProcessGrid
 from evals._model import pad_right
-from evals.perplexity import sequence_logprobs
+from evals.perplexity import prefix_continuation_logprobs, sequence_logprobs
 from memorize_core import fail
 
 Span = tuple[int, int]
@@ -85,7 +85,9 @@ def sequence_log_perplexity(model: torch.nn.Module, ids_list: Sequence[Sequence[
 
     `spans` picks the scored tokens: None scores every token but the first; one (start, end) pair
     applies to all sequences (e.g. the positions of the secret digits in "my pin is 1 2 3 4");
-    a list gives one pair per sequence. Positions index the token list, so start >= 1.
+    a list gives one pair per sequence. Positions index the token list, so start >= 1. When every
+    span starts at the same position after a prefix all sequences share (candidate secrets in one
+    template), the prefix is scored once and only the span tokens run per sequence.
     """
     seqs = [[int(t) for t in s] for s in ids_list]
     if not seqs:
@@ -95,6 +97,12 @@ def sequence_log_perplexity(model: torch.nn.Module, ids_list: Sequence[Sequence[
     windows = _spans(seqs, spans)
     out = np.empty(len(seqs), dtype=np.float64)
     inv_ln2 = 1.0 / math.log(2.0)
+    start = windows[0][0]
+    if all(w[0] == start for w in windows) and all(s[:start] == seqs[0][:start] for s in seqs):
+        # exposure's candidates: one template prefix, many secrets; the prefix runs once (KV cache)
+        tails = [s[start:end] for s, (_, end) in zip(seqs, windows)]
+        lps = prefix_continuation_logprobs(model, seqs[0][:start], tails, batch_size, grid=grid)
+        return np.array([-lp.double().sum().item() * inv_ln2 for lp in lps], dtype=np.float64)
     for b in range(0, len(seqs), batch_size):
         ids, mask = pad_right(seqs[b:b + batch_size])
         lp = sequence_logprobs(model, ids, mask, grid=grid).double().numpy()

@@ -1,6 +1,7 @@
 """Token log-probabilities and held-out loss of a causal LM (on its grid when sharded: evals/scoring.py)."""
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -9,6 +10,7 @@ import torch
 
 from axonn.grid import ProcessGrid
 from evals._model import evaluating, pad_right
+from evals.kv_cache import preallocated_cache
 from evals.scoring import Scorer
 from memorize_core import IGNORE_INDEX, fail
 
@@ -157,3 +159,48 @@ def continuation_scores(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[i
             if progress is not None:
                 progress(len(batch), int(mask.sum()))
         return sc.collect(rows, mine, len(seqs))
+
+
+def prefix_continuation_logprobs(model: torch.nn.Module, prefix: Sequence[int],
+                                 suffixes: Sequence[Sequence[int]], batch_size: int = 64, *,
+                                 grid: ProcessGrid | None = None) -> list[torch.Tensor]:
+    """log p(suffix[t] | prefix + suffix[:t]) for many suffixes of ONE shared prefix, [len(suffix)] each.
+
+    The prefix is run once into a KV cache; every batch of suffixes continues from a copy of it, so
+    only the suffix tokens go through the model and the LM head (exposure's candidates: a template
+    prefix of ~20 tokens and a 3-digit secret cost 4 positions each instead of 20). Equals the
+    matching entries of `sequence_logprobs` on prefix + suffix up to float32 rounding.
+    """
+    prefix = [int(t) for t in prefix]
+    suffixes = [[int(t) for t in s] for s in suffixes]
+    if not prefix or any(not s for s in suffixes):
+        raise fail("prefix/suffixes", (len(prefix), min(map(len, suffixes), default=0)),
+                   "need at least one prefix token and one token per suffix")
+    _check_batch(batch_size)
+    sc = Scorer(model, grid)
+    rows = sc.rows(len(suffixes))
+    width = max(len(s) for s in suffixes)
+    mine: list[torch.Tensor] = []
+    with evaluating(model):
+        cache = preallocated_cache(model, len(prefix) + width)
+        if len(prefix) > 1:  # the last prefix token goes with each suffix: its logits score suffix[0]
+            _, cache = sc.step(torch.tensor([prefix[:-1]], device=sc.device), cache)
+        for b in range(0, len(rows), batch_size):
+            batch = [suffixes[i] for i in rows[b:b + batch_size]]
+            ids, _ = pad_right([[prefix[-1]] + s[:-1] for s in batch])
+            targets, _ = pad_right(batch)
+            ids, targets = ids.to(sc.device), targets.to(sc.device)
+            copy = _batched_copy(cache, len(batch))
+            logits, _ = sc.step(ids, copy, last_only=False)
+            lp, _ = sc.token_stats(logits.float(), targets)
+            mine += [lp[j, :len(s)].cpu() for j, s in enumerate(batch)]
+        return sc.collect(rows, mine, len(suffixes))
+
+
+def _batched_copy(cache: Any, batch: int) -> Any:
+    """A copy of a batch-1 cache repeated `batch` times (None stays None: nothing cached yet)."""
+    if cache is None:
+        return None
+    out = copy.deepcopy(cache)
+    out.batch_repeat_interleave(batch)
+    return out

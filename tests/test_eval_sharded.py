@@ -66,6 +66,9 @@ def evaluate(m: torch.nn.Module, beams: bool) -> dict:
         "scores": score_sequences(m, seqs, batch_size=2, ref_model=m),
         "mia": membership_inference(m, seqs[:5], seqs[5:], batch_size=3, bootstrap=50),
         "logppl": sequence_log_perplexity(m, seqs, spans=(1, 5), batch_size=4),
+        # candidates of one template (a shared prefix run once through the KV cache), 7 of them
+        "shared": sequence_log_perplexity(m, [seqs[3][:6] + s[:1 + i % 3] for i, s in enumerate(seqs[:7])],
+                                          spans=[(6, 7 + i % 3) for i in range(7)], batch_size=3),
         "loss": corpus_loss(m, seqs, batch_size=3),
     }
     out["exposure"] = exposure_rank(float(out["logppl"][0]), out["logppl"][1:], 2 ** 10)
@@ -92,6 +95,7 @@ def _same(got: dict, want: dict) -> None:
     for method, v in want["mia"].items():
         assert got["mia"][method] == v, method  # AUCs, TPRs and bootstrap CIs identical
     np.testing.assert_allclose(got["logppl"], want["logppl"], rtol=1e-5)
+    np.testing.assert_allclose(got["shared"], want["shared"], rtol=1e-5)
     assert got["exposure"] == want["exposure"]
     assert got["loss"]["scored_tokens"] == want["loss"]["scored_tokens"]
     assert got["loss"]["loss"] == pytest.approx(want["loss"]["loss"], rel=1e-5)
