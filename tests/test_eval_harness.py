@@ -128,8 +128,9 @@ def test_sharded_adapter_equals_serial(tok, dims, mode):
     want_ll = lm.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
     want_gen = lm.generate_until(requests("generate_until", [("The capital of France is",
                                                                {"until": ["."], "max_gen_toks": 6})]), True)
-    want_acc = run_tasks(tiny(), tok, ["analogies_family"], limit=5,
-                         manager=task_manager(str(TASK_DIR), defaults=False))["tasks"]["analogies_family"]["acc"]
+    manager = task_manager(str(TASK_DIR), defaults=False)
+    want = run_tasks(tiny(), tok, ["analogies_family"], limit=5, manager=manager)
+    want_acc = want["tasks"]["analogies_family"]["acc"]
     for r in run_distributed(_sharded, 2, dims, mode, tok, timeout=300):  # every rank: the same answers
         np.testing.assert_allclose([v for v, _ in r["ll"]], [v for v, _ in want_ll], rtol=1e-5, atol=1e-5)
         assert [g for _, g in r["ll"]] == [g for _, g in want_ll]
