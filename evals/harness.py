@@ -9,7 +9,8 @@ scores the same requests as lm-eval's Hugging Face backend on the same folder.
 
 On a sharded model every rank runs `run_tasks` with the same arguments: lm-eval sees one process
 (rank 0 of 1) on each, hands every rank all requests, and the scoring functions split them over the
-batch shards and gather the answers, so each rank computes the same metrics.
+batch shards and gather the answers, so each rank computes the same metrics (lm-eval assembles its
+results dict only where LOCAL_RANK is 0; rank 0's is broadcast, so every rank returns it).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lm_eval import simple_evaluate
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -194,6 +196,10 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str], *, n
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
+    if lm.grid.distributed:  # lm-eval builds the results dict where LOCAL_RANK is 0 only: share rank 0's
+        box = [out]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
     groups = set(out.get("groups", {}))
     return {"tasks": {name: _metrics(res, out.get("n-samples", {}).get(name))
                       for name, res in out["results"].items() if name not in groups},
