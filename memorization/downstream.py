@@ -3,13 +3,14 @@
 The research layer's glue between the bundled task YAMLs (data_pipelines/tasks, built from real
 published data that gensim ships) and the lm-eval adapter that scores with evals' scoring path
 (evals/harness.py): `check_tasks` refuses a bad request before any model is loaded, `score_tasks`
-runs it (serial or sharded, on every rank), `task_rows`/`task_table` turn the result into report rows.
+runs it (serial or sharded, on every rank), `headline`/`task_table` turn the result into report cells.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 from data_pipelines.downstream import BUNDLED_TASKS, TASK_DIR
 from memorize_core import ConfigError, fail
@@ -65,11 +66,10 @@ def score_tasks(model: Any, tokenizer: Any, names: Sequence[str], *, num_fewshot
     names = parse_tasks(names)
     offline = all(n in BUNDLED_TASKS for n in names)
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"} if offline else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        return run_tasks(model, tokenizer, names, num_fewshot=num_fewshot, limit=limit,
-                         manager=_manager(names), batch_size=batch_size, grid=grid)
+        with mock.patch.dict(os.environ, env):  # restored afterwards, whatever happens
+            return run_tasks(model, tokenizer, names, num_fewshot=num_fewshot, limit=limit,
+                             manager=_manager(names), batch_size=batch_size, grid=grid)
     except ConfigError:
         raise
     except (ConnectionError, OSError, TimeoutError) as e:
@@ -77,12 +77,6 @@ def score_tasks(model: Any, tokenizer: Any, names: Sequence[str], *, num_fewshot
         raise fail("--tasks", ",".join(hub) or ",".join(names), f"could not load its data "
                    f"({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}); {HUB_HINT}, "
                    f"or use the bundled offline tasks ({', '.join(BUNDLED_TASKS)})") from None
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:

@@ -134,8 +134,8 @@ class PrivacyUtility:
             mia[method] = rec
         other = corpus_loss(model, self.other, batch_size=16, grid=grid)["loss"] if self.other else None
         out = {"mia": mia, "val_loss": val_loss, "other_val_loss": other}
-        if downstream and self.s.downstream:
-            out["downstream"] = self.downstream(model, grid)
+        if downstream and (tasks := self.downstream(model, grid)) is not None:
+            out["downstream"] = tasks
         return out
 
 
