@@ -129,30 +129,34 @@ class ParallelMatmul(torch.autograd.Function):
         gemm = sched.gemm if sched is not None else _PLAIN
         with torch.autocast(x.device.type, enabled=False):
             w = _gather(comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
-            y = gemm.linear(x.to(dtype), w)
+            xs = x.to(dtype)
+            y = gemm.linear(xs, w)
         comm.all_reduce(y, in_group)  # partial sums over the input slices
-        ctx.save_for_backward(x, w_shard)
+        # Backward needs the input and the block in the compute dtype: keep the cast input (not the
+        # fp32 one: half the bytes, no second cast) and, where nothing is gathered (Z = 1), the cast
+        # block too, as autocast's weight cache does; a Z-split block is re-gathered in backward.
+        keep_w = comm.size("z") == 1
+        ctx.save_for_backward(xs, w_shard, w if keep_w else None)
         ctx.comm, ctx.in_group, ctx.out_group, ctx.rows, ctx.dtype = comm, in_group, out_group, rows, dtype
-        ctx.sched, ctx.layer = sched, layer
+        ctx.sched, ctx.layer, ctx.x_dtype = sched, layer, x.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        x, w_shard = ctx.saved_tensors
+        xs, w_shard, w = ctx.saved_tensors
         comm, dtype, sched = ctx.comm, ctx.dtype, ctx.sched
         gemm = sched.gemm if sched is not None else _PLAIN
         overlap_dx = sched is None or sched.options.overlap_dx
-        # Re-gather instead of keeping the gathered block alive between forward and backward.
-        w = _gather(comm, sched, ctx.layer, w_shard, ctx.rows, dtype, backward=True)
+        if w is None:  # Z-split: re-gather instead of keeping the gathered block alive since forward
+            w = _gather(comm, sched, ctx.layer, w_shard, ctx.rows, dtype, backward=True)
         dy = dy.to(dtype)  # no forced copy: the GEMMs take strided operands, reshape copies if it must
         dx, work = None, None
         if ctx.needs_input_grad[0]:
-            dx = gemm.matmul(dy, w).to(x.dtype)
+            dx = gemm.matmul(dy, w).to(ctx.x_dtype)
             # async: the all-reduce runs behind the dW GEMM below
             work = comm.all_reduce(dx, ctx.out_group, async_op=overlap_dx)
         dw_shard = None
         if ctx.needs_input_grad[1]:
-            xs = x.to(dtype)
             dw = gemm.mm(dy.reshape(-1, dy.shape[-1]).t(), xs.reshape(-1, xs.shape[-1])).to(w_shard.dtype)
             dw_shard = _reduce_weight_grad(comm, sched, ctx.layer, dw, w_shard.shape[0])
         if work is not None:

@@ -91,12 +91,23 @@ def activation_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
 
 
 def z_buffer_bytes(shape: ModelShape, grid: Grid, prefetch: bool = True,
-                   precision: str | Precision = "bf16") -> float:
+                   precision: str | Precision = "bf16", checkpoint: bool = False,
+                   mode: str | None = None) -> float:
     """The largest gathered weight block (twice when the next is prefetched) and its unscattered
-    gradient (in the parameter dtype); 0 without a Z split."""
-    if grid.z == 1:
-        return 0.0
+    gradient (in the parameter dtype).
+
+    Without a Z split nothing is gathered, but under bf16 every matmul keeps its block cast to bf16
+    from forward to backward (as autocast's weight cache does; a Z-split block is re-gathered
+    instead): every block's matrices and the output table, or with checkpointing one block's (its
+    recompute) and the table."""
     p = get_precision(precision)
+    if grid.z == 1:
+        if p.activation >= p.weight:
+            return 0.0  # fp32: the matmuls use the parameters themselves
+        mode = mode or default_mode(shape)
+        block = sum(lin.block(grid) for lin in block_linears(shape, grid, mode))
+        table = z_block(shape.vocab // grid.y, shape.hidden // grid.x, 1)
+        return float(p.activation) * ((1 if checkpoint else shape.layers) * block + table)
     largest = max([o * i for _, o, i, _ in shape.block_linears()] + [shape.vocab * shape.hidden])
     gathered = largest / (grid.x * grid.y)
     return gathered * (p.activation * (2 if prefetch else 1) + p.grad)
@@ -118,7 +129,7 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
         "weights": p.weight * n,
         "gradients": p.grad * n,
         "optimizer": p.optimizer * n,
-        "z_buffers": z_buffer_bytes(shape, grid, prefetch, p),
+        "z_buffers": z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode),
         "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p),
     }
 
