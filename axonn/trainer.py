@@ -50,7 +50,8 @@ class GradientHook:
     One optimizer step (`Trainer.train_step`) calls it in this order:
     - draw_rows(step, n) -> the row indices of the step's global batch, or None for the trainer's shuffled
       fixed-size batch (the default). A drawn batch is padded with unsupervised copies of row 0 (zero
-      gradient) to whole micro-batches.
+      gradient) to a multiple of the batch shards (z*data; at least one row per shard) and cut into
+      micro-batches of at most batch_size/grad_accum rows, the last one ragged.
     - per micro-batch: objective(loss_sum, denom, token_losses, targets) -> the tensor to backpropagate
       (default loss_sum / denom: the CE over this rank's supervised tokens over the global batch's
       supervised-token count); with `token_losses = True` the trainer also hands it each token's CE
@@ -265,9 +266,11 @@ class Trainer:
             self.state.batch_in_epoch = 0
 
     def _padded(self, idx: torch.Tensor) -> Batch:
-        """The rows `idx` plus unsupervised copies of row 0 up to whole micro-batches (at least one)."""
-        micro = self.cfg.batch_size // self.grad_accum  # rows per micro-batch over all shards
-        pad = (-len(idx)) % micro if len(idx) else micro
+        """The rows `idx` plus unsupervised copies of row 0 up to a multiple of the batch shards (at
+        least one row per shard), so every shard holds as many rows. Not up to whole micro-batches:
+        a Poisson draw of 9 rows at batch_size 8 would then cost 16 rows of compute."""
+        shards = self.grid.batch_shards
+        pad = (-len(idx)) % shards if len(idx) else shards
         batch = self.train_data[torch.cat([idx.long(), torch.zeros(pad, dtype=torch.long)])]
         labels = batch.get("labels", batch["input_ids"]).clone()
         labels[len(idx):] = IGNORE_INDEX  # no supervised token: a zero gradient, clipped to zero
@@ -346,10 +349,13 @@ class Trainer:
         supervised = int((labels[:, 1:] != IGNORE_INDEX).sum())
         denom = max(supervised, 1)
         sums = torch.zeros(3, dtype=torch.float64)
-        micro = cfg.batch_size // self.grad_accum
-        accum = batch["input_ids"].shape[0] // micro  # grad_accum, unless the hook drew the batch's rows
+        micro = cfg.batch_size // self.grad_accum  # a multiple of the batch shards (cfg.accumulation)
+        n = batch["input_ids"].shape[0]
+        # grad_accum micro-batches, unless the hook drew the batch's rows: then as many as its rows
+        # need, the last one ragged (still a multiple of the shards: `_padded`)
+        accum = -(-n // micro)
         for m in range(accum):
-            rows = slice(m * micro, (m + 1) * micro)
+            rows = slice(m * micro, min((m + 1) * micro, n))
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
             tgt = self._shard(labels[rows])[:, 1:].to(self.device)
             # gradient all-reduces launched during backward wait for the last micro-batch

@@ -6,7 +6,8 @@ What one step does (Abadi et al. 2016, as Opacus implements it):
 1. Sampling: every training row joins the step's batch independently with probability
    q = batch_size / N (Poisson, Opacus' UniformWithReplacementSampler), from a generator seeded by
    (trainer.seed, step): the same rows on every rank and after a resume. The batch is padded with
-   unsupervised rows to whole micro-batches; such rows have a zero gradient.
+   unsupervised rows to a multiple of the batch shards (z*data), and such rows have a zero gradient;
+   it runs in micro-batches of at most batch_size/grad_accum rows, the last one ragged.
 2. Per-sample gradients: Opacus' GradSampleHooks on the unwrapped model (its own grad samplers for
    nn.Linear and nn.Embedding, functorch for layers it has none for, e.g. LlamaRMSNorm; tied
    embeddings are summed over their two uses). Row i's loss is l_i = (sum of CE over row i's
