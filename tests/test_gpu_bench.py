@@ -40,3 +40,25 @@ def test_engine_bf16_losses_follow_plain_pytorch(tmp_path) -> None:
     assert max(abs(a - b) for a, b in zip(tb, tf)) <= 0.15, (tb, tf)
     for curve in (eng, tb, tf):
         assert curve[-1] < curve[0] - 0.5  # the steps were taken (random tokens: ~8.3 -> below 7.8)
+
+
+def test_profile_accounting_reads_every_kernel_of_the_trace() -> None:
+    """The profile's kernel accounting (CPU: a made-up trace): only `kernel` events count, in time
+    order, the span runs from the first start to the last end, and kernel names map to families."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_gpu
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "nvjet_sm90_tst_128x256_64x4_2x1_v_bz", "ts": 110.0, "dur": 40.0},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 90.0, "dur": 500.0},
+        {"cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<8, "
+                                  "at::native::bfloat16_copy_kernel_cuda", "ts": 100.0, "dur": 5.0},
+        {"cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 100.0, "dur": 80.0},
+        {"cat": "kernel", "name": "multi_tensor_apply_kernel<FusedAdamMathFunctor>", "ts": 160.0, "dur": 20.0},
+    ]}
+    kernels, span = bench_gpu.kernel_times(trace)
+    assert [k["ts"] for k in kernels] == [100.0, 110.0, 160.0]
+    assert span == 80.0  # 100 -> 180
+    assert [bench_gpu._family(k["name"]) for k in kernels] == ["copy/cast", "gemm", "optimizer"]
+    assert bench_gpu._family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert bench_gpu._family("cunn_SoftMaxForward<4, float>") == "cross-entropy"
