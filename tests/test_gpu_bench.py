@@ -54,7 +54,7 @@ def test_profile_accounting_reads_every_kernel_of_the_trace() -> None:
         {"cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<8, "
                                   "at::native::bfloat16_copy_kernel_cuda", "ts": 100.0, "dur": 5.0},
         {"cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 100.0, "dur": 80.0},
-        {"cat": "kernel", "name": "multi_tensor_apply_kernel<FusedAdamMathFunctor>", "ts": 160.0, "dur": 20.0},
+        {"cat": "kernel", "name": "multi_tensor_apply_kernel<FusedAdam>", "ts": 160.0, "dur": 20.0},
     ]}
     kernels, span = bench_gpu.kernel_times(trace)
     assert [k["ts"] for k in kernels] == [100.0, 110.0, 160.0]
