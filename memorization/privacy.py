@@ -44,6 +44,7 @@ micro-batch x 4 bytes x params on top of a plain step, e.g. 4.3 GB for SmolLM2-1
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import warnings
@@ -109,17 +110,24 @@ def noise_multiplier(cfg: RunTrainerConfig, rows: int) -> float:
     dp = cfg.dp
     if dp.noise_multiplier is not None:
         return dp.noise_multiplier
-    from opacus.accountants.utils import get_noise_multiplier  # deferred: opacus +1.9 s, DP runs only
-
     rate, steps = cfg.batch_size / rows, cfg.planned_steps(rows)[1]
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return float(get_noise_multiplier(target_epsilon=dp.target_epsilon, target_delta=dp.delta,
-                                              sample_rate=rate, steps=steps, accountant=dp.accountant))
+        return _solve_sigma(dp.target_epsilon, dp.delta, rate, steps, dp.accountant)
     except ValueError as e:
         raise fail("trainer.dp.target_epsilon", dp.target_epsilon, f"unreachable with q={rate:.3g} "
                    f"over {steps} steps ({e}); raise it, raise delta or train fewer steps") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _solve_sigma(epsilon: float, delta: float, rate: float, steps: int, accountant: str) -> float:
+    """Opacus' binary search for sigma (~4 s on SmolLM2's schedule), once per setting: the run's
+    check and the privacy plug-in ask for the same one."""
+    from opacus.accountants.utils import get_noise_multiplier  # deferred: opacus +1.9 s, DP runs only
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=rate,
+                                          steps=steps, accountant=accountant))
 
 
 _CSPRNG_FIX = ("needs torchcsprng (Opacus secure_mode); install it or set it false for seeded, "
