@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from bench_engine import engine_step
 from common import alternate, ratio, report
+from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import axonn
@@ -134,11 +137,6 @@ def kernel_times(trace: dict[str, Any]) -> tuple[list[dict], float]:
 def profile_step(step: Callable[[], None], top: int = 15, trace: str | None = None) -> dict[str, Any]:
     """One step under the torch profiler: kernel time by family, GPU idle time, the top kernels and
     operators (and, with `trace`, the Chrome trace kept there)."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
