@@ -31,37 +31,49 @@ from data_pipelines import per_document
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 
 
+def _amp(autocast: str | None) -> Any:
+    return torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
 def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-               labels: torch.Tensor, clip: Any = None) -> None:
-    """A plain PyTorch step: forward, token-sum CE / count, backward, clip, AdamW."""
-    logits = model(input_ids=ids).logits[:, :-1]
+               labels: torch.Tensor, clip: Any = None, autocast: str | None = None) -> torch.Tensor:
+    """A plain PyTorch step: forward (under bf16 autocast on `autocast`'s device type, if given),
+    token-sum CE / count, backward, clip (`clip(model)`, default torch's clip_grad_norm_ without
+    foreach), AdamW. Returns the mean token loss it stepped on (a tensor: no host sync)."""
+    with _amp(autocast):
+        logits = model(input_ids=ids).logits[:, :-1]
     tgt = labels[:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum")
-    (loss / (tgt != -100).sum().clamp(min=1)).backward()
+    # in fp32, as the engine's loss (bf16 logits from autocast would give a bf16-rounded loss)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    loss = F.cross_entropy(flat, tgt.reshape(-1), reduction="sum") / (tgt != -100).sum().clamp(min=1)
+    loss.backward()
     if clip is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
     else:
         clip(model)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-                labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None) -> None:
+                labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None) -> torch.Tensor:
     """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip);
-    `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast)."""
+    `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast). Returns
+    this rank's token-loss sum over the global token count (the mean loss on a 1-shard grid)."""
     # every rank holds the global batch (as in the Trainer): the token count needs no collective
     count = max(int((labels[:, 1:] != -100).sum()), 1)
     ids, labels = axonn.shard_batch(ids, grid), axonn.shard_batch(labels, grid)
-    amp = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with amp:
+    with _amp(autocast):
         logits = model(input_ids=ids).logits[:, :-1]
     loss, _ = axonn.cross_entropy(logits, labels[:, 1:], grid)
-    (loss / count).backward()
+    loss = loss / count
+    loss.backward()
     axonn.sync_gradients(model, grid)
     axonn.clip_grad_norm_(model, 1.0, grid)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def single_rank(args: argparse.Namespace) -> dict:

@@ -28,7 +28,6 @@ engine / plain PyTorch <= 1.03.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import tempfile
@@ -38,8 +37,7 @@ from typing import Any
 
 import common
 import torch
-import torch.nn.functional as F
-from bench_engine import engine_step
+from bench_engine import engine_step, torch_step
 from common import alternate, ratio, report
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,18 +66,12 @@ def build(shape, seq: int, device: str, checkpoint: bool, seed: int = 0) -> torc
 
 def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
                autocast: str | None) -> torch.Tensor:
-    """What a user writes without the engine: bf16 autocast forward, CE / tokens, backward, torch's
-    own clip_grad_norm_ (foreach), AdamW.  Returns the loss (a tensor: no host sync)."""
-    amp = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with amp:
-        logits = model(input_ids=ids).logits[:, :-1]
-    tgt = ids[:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    """What a user writes without the engine: bench_engine's plain step with torch's own (foreach)
+    clip_grad_norm_, the fast path on a GPU."""
+    def clip(m: torch.nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+
+    return torch_step(model, opt, ids, ids, clip=clip, autocast=autocast)
 
 
 def _check_cuda(device: str) -> str | None:
@@ -297,26 +289,11 @@ def bf16_losses(steps: int = 20, device: str = "cuda", lr: float = 1e-3, rows: i
         out = []
         for ids in batches:
             if name == "engine_bf16":
-                out.append(_engine_loss(model, opt, ids, grid, device))
+                out.append(float(engine_step(model, opt, ids, ids, grid, autocast=device)))
             else:
                 out.append(float(plain_step(model, opt, ids, device if name == "torch_bf16" else None)))
         curves[name] = out
     return curves
-
-
-def _engine_loss(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, grid: Any,
-                 device: str) -> float:
-    """engine_step, returning the mean token loss it stepped on."""
-    count = max(int(ids[:, 1:].numel()), 1)
-    with torch.autocast(device, dtype=torch.bfloat16):
-        logits = model(input_ids=ids).logits[:, :-1]
-    loss, _ = axonn.cross_entropy(logits, ids[:, 1:], grid)
-    (loss / count).backward()
-    axonn.sync_gradients(model, grid)
-    axonn.clip_grad_norm_(model, 1.0, grid)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss.detach()) / count
 
 
 def bf16_check(args: argparse.Namespace) -> int:
