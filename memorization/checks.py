@@ -1,25 +1,30 @@
-"""One check of a run: every refusal a run can make, made once, before anything is built or written.
+"""The one resolved plan of a run: every decision and every refusal, made once, before anything is
+built or written.
 
-`check_run(cfg, data, dims, ...)` is the only place a run's config is judged. Every entry point
-calls it: `start_run` (so `memorize train`, the demo and every sub-run of an experiment), `memorize
-run` (every sub-run of the experiment, before anything is written, and again with the prepared
-data before the first one trains: `check_runs`), `--dry-run`
-(memorization/dryrun.py, for each sub-run) and, through the dry run, scripts/slurm.py. After it the
-constructors (the model, LoRA, OpacusPrivacy, the Trainer) assume a valid config. Each refusal is a
-ConfigError: one line naming the field as the user writes it, the bad value and the fix; the dry run
-refuses with the same line as the run because it is the same call.
+`plan_run(cfg, data, launch=..., spec=..., out=...)` turns a config, the launch (processes, per node,
+hardware: `memorization.parallel.Launch`) and, when known, the data into a `RunPlan`: the grid
+(`auto` chosen by the planner for this config and launch), the batch split and accumulation, the
+checkpoint to resume, DP-SGD's noise multiplier, the membership sets' sizes, the evaluation batch and
+the files the run writes. Every entry point takes its decision from it: `start_run` (so `memorize
+train`, the demo and every sub-run of an experiment), `memorize run` (every sub-run before anything is
+written, again with the prepared data before the first one trains: `check_runs`), `--dry-run`
+(memorization/dryrun.py prints the plan, for each sub-run) and, through the dry run,
+scripts/slurm.py. The constructors after it (the model, LoRA, OpacusPrivacy, the Trainer) take what it
+decided and do not decide again. Each refusal is a ConfigError: one line naming the field as the user
+writes it, the bad value and the fix; the dry run refuses with the same line as the run because it is
+the same call.
 
-What it checks, in order (each section a function below):
+What `check_run` (the refusals, given the grid) checks, in order (each section a function below):
 1. `check_out`: OUT can take new results; `--resume` names a sealed checkpoint (or `auto`).
 2. `check_tokenizer` (memorization.models): a pretrained model's own tokenizer ids.
-3. `check_grid`: X*Y*Z*D equals the processes; LoRA and DP-SGD run serial or 1,1,1,D only; the
-   grid divides heads, KV heads, hidden, FFN and vocab; the batch splits over z*data shards.
+3. `check_grid`: X*Y*Z*D equals the processes; LoRA and DP-SGD grids; the grid divides heads, KV
+   heads, hidden, FFN and vocab; the batch splits over z*data shards.
 4. `check_model`: the model builds (a meta copy, no storage); LoRA's target_modules match modules
    peft can adapt; activation checkpointing is supported; a checkpoint to resume holds every tensor
    of this model with its shape.
 5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and, once the row count N
-   is known (the dry run counts rows when DP-SGD is on), batch_size <= N, delta < 1/N, a reachable
-   target epsilon.
+   is known, batch_size <= N, delta < 1/N, a reachable target epsilon.
+6. `mia_sets` (memorization.prepare): with eval.mia, at least 2 members and 2 held-out documents.
 """
 from __future__ import annotations
 
@@ -40,14 +45,15 @@ from memorization.lora import apply_lora, check_lora_run
 from memorization.models import (
     check_tokenizer,
     meta_model,
-    model_config,
     pretrained_config,
     reason,
     resolve_model_dir,
     run_tokenizer,
     zoo_config,
 )
-from memorization.parallel import run_dims, run_world
+from memorization.models import model_config as memorization_model_config
+from memorization.parallel import Dims, Launch, run_dims
+from memorization.prepare import mia_sets
 from memorization.privacy import check_dp, check_dp_grid
 from memorize_core import fail
 
@@ -57,13 +63,14 @@ CHECKPOINTS = "checkpoints"
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "intermediate_size", "n_embd", "n_layer", "n_head")
 
-Dims = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
-class CheckedRun:
-    """What check_run established: the grid, the model's config, how the batch splits, the checkpoint
-    to resume from (None: start fresh) and DP-SGD's noise multiplier (None: DP off or N unknown)."""
+class RunPlan:
+    """A run's whole decision: the grid and what chose it, the launch, the model's config, how the batch
+    splits (micro-batches per step x rows per rank), the checkpoint to resume from (None: start
+    fresh), DP-SGD's noise multiplier (None: DP off or N unknown), the membership sets' sizes (None:
+    eval.mia off or data unknown), the evaluation batch and the entries it writes under OUT."""
 
     dims: Dims
     model_config: Any
@@ -71,6 +78,49 @@ class CheckedRun:
     micro_batch: int
     checkpoint: Path | None = None
     noise_multiplier: float | None = None
+    chosen_by: str = "--grid"
+    launch: Launch | None = None
+    mia_sizes: tuple[int, int] | None = None
+    eval_batch: int = 0
+    files: tuple[str, ...] = ()
+    data_checked: bool = False
+    distributed: bool = False  # through the engine: several processes, a grid that splits, or a given one
+
+
+CheckedRun = RunPlan  # the name of the plan before it held the grid's choice
+
+
+def run_files(cfg: RunConfig) -> tuple[str, ...]:
+    """The entries a run writes under OUT (what --overwrite replaces)."""
+    skip = set() if cfg.eval.extraction else {"extraction.jsonl"}
+    return tuple(name for name in RESULT_FILES if name not in skip)
+
+
+def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, spec: str | None = None,
+             grid: Any = None, model_config: Any = None, out: str | Path | None = None,
+             overwrite: bool = False, resume: str | None = None,
+             model: torch.nn.Module | None = None) -> RunPlan:
+    """The run's plan on `launch` (default: this process's launch): the grid (`grid`, an initialised
+    ProcessGrid, as given; else `spec`, the --grid text, or cfg.grid; `auto` chosen by the planner)
+    and every refusal (check_run); ConfigError on the first.
+
+    `data`: the run's PreparedData, a row count, or None (the data-dependent checks wait).
+    `model_config`: the HF config the run builds (default: from the data's tokenizer, else planned)."""
+    launch = launch or Launch.current()
+    if grid is not None:
+        launch = replace(launch, world=grid.world_size)
+    if model_config is None:
+        _, tok = _rows(data)
+        model_config = (planned_model_config(cfg)[0] if tok is None else
+                        memorization_model_config(cfg.model.name, vocab_size=len(tok),
+                                                  overrides=cfg.model.overrides))
+    dims, chosen_by = run_dims(cfg, model_config, spec=spec, grid=grid, launch=launch)
+    checked = check_run(cfg, data, dims, world=launch.world, model_config=model_config, out=out,
+                        overwrite=overwrite, resume=resume, model=model)
+    distributed = grid.distributed if grid is not None else launch.world > 1 or dims != (1, 1, 1, 1)
+    return replace(checked, chosen_by=chosen_by, launch=launch, distributed=distributed,
+                   eval_batch=cfg.eval.batch_size, files=run_files(cfg),
+                   data_checked=data is not None and not isinstance(data, int))
 
 
 def effective_trainer(cfg: RunConfig):
@@ -87,8 +137,9 @@ def effective_trainer(cfg: RunConfig):
 
 def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, model_config: Any,
               out: str | Path | None = None, overwrite: bool = False, resume: str | None = None,
-              model: torch.nn.Module | None = None) -> CheckedRun:
-    """Every refusal of the run `cfg` on grid `dims` over `world` processes; ConfigError on the first.
+              model: torch.nn.Module | None = None) -> RunPlan:
+    """Every refusal of the run `cfg` on grid `dims` over `world` processes; ConfigError on the first
+    (plan_run's refusals once the grid is known).
 
     `data` is the run's PreparedData (its rows and tokenizer), a row count, or None when the rows are
     not known (the row-dependent DP-SGD checks wait for them: call again with the data). `model_config`
@@ -104,7 +155,11 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
     check_model(cfg, model_config, checkpoint=ckpt, model=model)
     sigma = check_dp(effective_trainer(cfg), rows, dims)
-    return CheckedRun(dims, model_config, accum, micro, checkpoint=ckpt, noise_multiplier=sigma)
+    mia = None
+    if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents
+        members, nonmembers = mia_sets(cfg, data)
+        mia = (len(members), len(nonmembers))
+    return RunPlan(dims, model_config, accum, micro, checkpoint=ckpt, noise_multiplier=sigma, mia_sizes=mia)
 
 
 def planned_model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
@@ -129,20 +184,16 @@ def planned_model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
 
 
 def check_runs(configs: Sequence[RunConfig], data: Any = None, *, spec: str | None = None) -> None:
-    """check_run for every sub-run of an experiment before the first one trains (`memorize run`).
+    """plan_run for every sub-run of an experiment before the first one trains (`memorize run`).
 
     Without `data` (before any is prepared) each model's vocabulary is the planned one
     (planned_model_config) and the row-dependent DP-SGD checks wait; an experiment calls it again with
     its prepared data (PreparedData, or a list of one per config) before its first sub-run trains.
     `spec` is the --grid text (None: each config's grid)."""
     many = isinstance(data, (list, tuple))
+    launch = Launch.current()
     for i, rc in enumerate(configs):
-        d = data[i] if many else data
-        if d is None:
-            hf = planned_model_config(rc)[0]
-        else:
-            hf = model_config(rc.model.name, vocab_size=len(d.tokenizer), overrides=rc.model.overrides)
-        check_run(rc, d, run_dims(rc, hf, spec=spec), world=run_world(), model_config=hf)
+        plan_run(rc, data[i] if many else data, launch=launch, spec=spec)
 
 
 def _rows(data: Any) -> tuple[int | None, Any]:
@@ -238,5 +289,6 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module) -> None:
     checkpoint.check_fits(ckpt, meta, model)
 
 
-__all__ = ["CheckedRun", "check_grid", "check_model", "check_out", "check_out_dir", "check_resume_fits",
-           "check_run", "check_runs", "effective_trainer", "planned_model_config", "resolve_resume"]
+__all__ = ["CheckedRun", "RunPlan", "check_grid", "check_model", "check_out", "check_out_dir",
+           "check_resume_fits", "check_run", "check_runs", "effective_trainer", "plan_run",
+           "planned_model_config", "resolve_resume", "run_files"]

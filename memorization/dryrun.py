@@ -25,19 +25,19 @@ import yaml
 
 import axonn
 from axonn.engine import layouts_of
-from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
-from axonn.plan import get_hardware, load_shape, plan, predict, valid_grids
+from axonn.grid import ProcessGrid
+from axonn.plan import get_hardware, load_shape, plan, predict
 from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.memory import local_params, memory_breakdown
 from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
 from axonn.state import SafetensorsSlices
 from axonn.swap import parallelize, trainable
-from memorization.checks import check_run, planned_model_config
+from memorization.checks import plan_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
 from memorization.models import meta_model
-from memorization.parallel import SERIAL, grid_spec
+from memorization.parallel import Launch, memory_fix, precision_for
 from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
 
@@ -56,52 +56,6 @@ def _check_corpus(field: str, spec: str) -> None:
     if spec and (spec.endswith((".txt", ".jsonl", ".parquet")) or spec.startswith(("/", "./", "~")))\
             and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
         raise fail(field, spec, "no such file or folder; pass an existing corpus path or a corpus name")
-
-
-def precision_for(trainer_precision: str, hw: Any) -> str:
-    """The activation precision the run will use: auto is bf16 on GPUs, fp32 on the CPU profile."""
-    if trainer_precision != "auto":
-        return trainer_precision
-    return "fp32" if hw.name.startswith("local") else "bf16"
-
-
-def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int, hw: Any,
-                headroom: float, precision: str) -> tuple[int, int, int, int]:
-    """The predicted-fastest grid that runs this config as written (micro-batch, checkpointing)."""
-    t, mode = cfg.trainer, cfg.parallel_mode
-    best, least, reasons = None, None, []
-    for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
-        try:
-            validate_grid_for_model((g.x, g.y, g.z, g.data), hf_config, mode)
-            _, mb = t.accumulation(g.z * g.data)
-        except ConfigError as e:
-            reasons.append(str(e))
-            continue
-        p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
-                    checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                    precision=precision)
-        if least is None or p.memory_gb < least.memory_gb:
-            least = p
-        if p.fits and (best is None or p.time_s < best.time_s):
-            best = p
-    if best is not None:
-        return best.grid
-    if least is None:
-        why = reasons[0] if reasons else (f"no (x, y, z, data) of {world} divides the model's heads, "
-                                          f"hidden, FFN and vocab and trainer.batch_size={t.batch_size}")
-        raise fail("--grid", "auto", f"no grid of {world} GPUs can run this config: {why}")
-    raise fail("--grid", "auto", f"no grid of {world} GPUs fits {shape.name} in {hw.name} memory; the "
-               f"smallest needs {least.memory_gb:.1f} GiB at {least.grid} ({_fix(t)})")
-
-
-def _fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
-    """What to change when memory does not fit (`state`: weights + gradients + optimizer bytes)."""
-    if state > usable:
-        return (f"the parameters, gradients and optimizer state alone need {state / GiB:.1f} GiB: split "
-                "them over more GPUs (a larger x*y*z) or add nodes")
-    if not t.activation_checkpointing:
-        return "set trainer.activation_checkpointing=true, lower trainer.micro_batch or add nodes"
-    return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
 
 
 def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
@@ -152,21 +106,11 @@ def _launch(command: str, config_path: str, dims: Sequence[int], overrides: Sequ
     return out
 
 
-def _grid(cfg: RunConfig, grid: str | None, shape: Any, hf_config: Any, world: int, gpn: int, hw: Any,
-          headroom: float, precision: str) -> tuple[tuple[int, int, int, int], str]:
-    """(X,Y,Z,D, what chose it): --grid (or the config's grid) as written, or the fastest that fits."""
-    spec = grid_spec(grid, cfg)
-    if spec == "auto":
-        return (choose_grid(shape, hf_config, cfg, world, gpn, hw, headroom, precision),
-                f"the performance model ({hw.name})")
-    return (1, 1, 1, 1) if spec in SERIAL else parse_grid(spec), "--grid"
-
-
 def _rows(cfg: RunConfig, data: Any = None) -> Any:
-    """The run's training rows when a check needs their number (DP-SGD: delta < 1/N, batch <= N, the
-    noise for a target epsilon): `data` as an experiment prepares it, else prepared as the run
-    prepares them (the tokenizer cache is shared)."""
-    if not cfg.trainer.dp.enabled:
+    """The run's prepared data when a check needs it (DP-SGD: delta < 1/N, batch <= N, the noise for a
+    target epsilon; eval.mia: at least 2 members and 2 held-out documents): `data` as an experiment
+    prepares it, else prepared as the run prepares it (the tokenizer cache is shared)."""
+    if not (cfg.trainer.dp.enabled or cfg.eval.mia):
         return None
     return data if data is not None else prepare_data(cfg)
 
@@ -192,12 +136,13 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     hf_config, weights, vocab_source = model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
-    dims, chosen_by = _grid(cfg, grid, shape, hf_config, world, gpn, hw, headroom, precision)
     serial = meta_model(hf_config)
-    # the run's own check (memorization.checks): every refusal the launched run would make, same line
-    checked = check_run(cfg, _rows(cfg, data), dims, world=world, model_config=hf_config, out=out,
-                        overwrite=overwrite, resume=resume, model=serial)
-    accum, mb = checked.micro_batches, checked.micro_batch  # batch over Z x data, micro-batches
+    # the run's own plan (memorization.checks.plan_run): the grid the launch takes, every refusal the
+    # launched run would make, with the same line
+    run_plan = plan_run(cfg, _rows(cfg, data), launch=Launch(world, gpn, hardware, headroom), spec=grid,
+                        model_config=hf_config, out=out, overwrite=overwrite, resume=resume, model=serial)
+    dims, chosen_by = run_plan.dims, run_plan.chosen_by
+    accum, mb = run_plan.micro_batches, run_plan.micro_batch  # batch over Z x data, micro-batches
     g = Grid(*dims)
 
     model = parallelize(serial, ProcessGrid.virtual(*dims, rank=0), mode=mode)
@@ -215,7 +160,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         raise fail("--grid", ",".join(map(str, dims)), f"needs {total / GiB:.1f} GiB per GPU but "
                    f"{hw.name} has {usable / GiB:.1f} GiB usable ({hw.memory_bytes / GiB:.0f} GiB, "
                    f"{headroom:.0%} headroom); "
-                   f"{_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
+                   f"{memory_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
                 precision=precision, local=local)

@@ -36,7 +36,7 @@ from evals.perplexity import corpus_loss
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.models import load_sharded
-from memorization.parallel import launched_world_size, wants_grid
+from memorization.parallel import Launch, launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
 DEFAULT_MAX_TOKENS = 128  # this project's training block length (configs/train/tiny-wiki.yaml)
@@ -177,10 +177,10 @@ def eval_dims(o: EvalOptions, config: Any, max_tokens: int, world: int) -> tuple
     except (AttributeError, TypeError, ValueError):
         raise fail("--grid", o.grid, "needs a transformer config with hidden_size and num_attention_heads; "
                    f"{o.model} has model_type {getattr(config, 'model_type', None)!r}") from None
-    if o.grid == "auto":
-        hardware = "h100" if torch.cuda.is_available() else "local"
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world)))
-        dims = auto_grid(config, world, max(1, per_node), max_tokens, max(o.batch_size, world), hardware)
+    if o.grid == "auto":  # the planner on this launch's hardware, as a training run's `auto`
+        launch = Launch.current()
+        dims = auto_grid(config, world, launch.gpus_per_node, max_tokens, max(o.batch_size, world),
+                         launch.hw())
     else:
         dims = parse_grid(o.grid or "1,1,1,1")
     n = dims[0] * dims[1] * dims[2] * dims[3]

@@ -1,24 +1,32 @@
 """From `--grid X,Y,Z,D` (or `auto`) to the run's ProcessGrid, validated before any collective.
 
-A run's grid is decided here: `run_dims` reads the grid a caller passes in, else the `--grid` text
-(`grid_spec`: it wins over the config's `grid` key; `auto` asks the planner about the run's model),
-memorization.checks.check_run checks those X,Y,Z,D against the model and the launch (no collective),
-and `resolve_grid` makes the ProcessGrid: a single process that asks for no split trains on
-`ProcessGrid.serial()` (the 1x1x1x1 grid: no process group, every collective a no-op); anything else
-initialises torch.distributed.
+A run's grid is decided here, the same way for the launched run, its dry run, `memorize eval` and the
+Slurm writer: `Launch` is where the job runs (processes, processes per node, hardware preset: the
+current launch's from its environment, or the dry run's `--world/--gpus-per-node/--hardware`);
+`run_dims` reads the grid a caller passes in, else the `--grid` text (`grid_spec`: it wins over the
+config's `grid` key), and `auto` is `choose_grid`: the planner's predicted-fastest grid that runs this
+config as written (its micro-batch, activation checkpointing, parallel mode and precision) and fits
+the launch's hardware. memorization.checks.plan_run checks those X,Y,Z,D against the model and the
+launch (no collective), and `resolve_grid` makes the ProcessGrid: a single process that asks for no
+split trains on `ProcessGrid.serial()` (the 1x1x1x1 grid: no process group, every collective a no-op);
+anything else initialises torch.distributed.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 import axonn
-from axonn.grid import ProcessGrid, parse_grid
+from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
 from axonn.launch import launch_env
-from axonn.plan import auto_grid
+from axonn.plan import get_hardware, load_shape, predict, valid_grids
+from axonn.plan.hardware import PRESETS
 from axonn.trainer import resolve_device
+from memorize_core import ConfigError, fail
 
 if TYPE_CHECKING:
     from memorization.config import RunConfig
@@ -32,8 +40,9 @@ def launched_world_size() -> int:
 
 
 def wants_grid(spec: str | None) -> bool:
-    """True when the run must go through the engine (a non-trivial grid or a multi-process launch)."""
-    return (spec or "") not in SERIAL or launched_world_size() > 1
+    """True when the run must go through the engine (a grid that splits, or a multi-process launch;
+    `auto` in one process is the 1x1x1x1 grid: serial)."""
+    return (spec or "") not in (*SERIAL, "auto") or launched_world_size() > 1
 
 
 def grid_spec(arg: str | None, cfg: RunConfig) -> str:
@@ -46,31 +55,124 @@ def run_world(grid: ProcessGrid | None = None) -> int:
     return grid.world_size if isinstance(grid, ProcessGrid) else launched_world_size()
 
 
-def run_dims(cfg: RunConfig, model_config: Any, *, spec: str | None = None,
-             grid: ProcessGrid | None = None) -> tuple[int, int, int, int]:
-    """The run's X,Y,Z,D before anything is built: `grid`'s; else `spec` (the --grid text, or cfg.grid)
-    parsed, `auto` asking the planner about this model on the launched processes. Whether it fits the
-    model and the launch is memorization.checks.check_run's question."""
-    if isinstance(grid, ProcessGrid):
-        return grid.dims
-    text = grid_spec(spec, cfg)
-    world = launched_world_size()
-    if text == "auto":
-        hardware = "h100" if torch.cuda.is_available() else "local"
+Dims = tuple[int, int, int, int]
+
+
+def detect_hardware() -> str:
+    """The hardware preset of this process's accelerator: `local` (this machine, calibrated) without
+    CUDA; else the preset of the same GPU and memory (H100 80 GB -> h100, GH200's 96 GB -> alps-h100,
+    A100 -> perlmutter-a100, MI250X -> frontier-mi250x); any other GPU by its name (auto refuses it)."""
+    if not torch.cuda.is_available():
+        return "local"
+    props = torch.cuda.get_device_properties(0)
+    name, gib = props.name.upper(), props.total_memory / 2**30
+    if "MI250" in name:
+        return "frontier-mi250x"
+    if "A100" in name:
+        return "perlmutter-a100"
+    if "H100" in name or "H200" in name:
+        return "alps-h100" if gib > 88 else "h100"
+    return props.name
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where a job runs: its processes, processes per node and hardware preset (axonn.plan), with the
+    memory headroom the planner keeps free. The launched run reads it from its environment
+    (`Launch.current`); a dry run states it (`--world`, `--gpus-per-node`, `--hardware`)."""
+
+    world: int
+    gpus_per_node: int
+    hardware: Any  # a preset name, "local", or an axonn.plan Hardware
+    headroom: float = 0.1
+
+    @classmethod
+    def current(cls) -> Launch:
+        """This process's launch (torchrun / srun / MPI, or one plain process) on this machine."""
+        world = launched_world_size()
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", world)))
-        return auto_grid(model_config, world, max(1, per_node), cfg.data.block_len, cfg.trainer.batch_size,
-                         hardware)
-    return (1, 1, 1, 1) if text in SERIAL else parse_grid(text)
+        return cls(world, max(1, per_node), detect_hardware())
+
+    def hw(self) -> Any:
+        """The planner's Hardware for this launch."""
+        if isinstance(self.hardware, str) and self.hardware != "local" and self.hardware not in PRESETS:
+            raise fail("--grid", "auto", f"no hardware preset for the GPU {self.hardware!r}; pass an "
+                       "explicit --grid X,Y,Z,D (a dry run with --hardware NAME sizes one)")
+        return get_hardware(self.hardware)
 
 
-def resolve_grid(cfg: RunConfig, dims: tuple[int, int, int, int], *, spec: str | None = None,
+def precision_for(trainer_precision: str, hw: Any) -> str:
+    """The activation precision the run will use: auto is bf16 on GPUs, fp32 on the CPU profile."""
+    if trainer_precision != "auto":
+        return trainer_precision
+    return "fp32" if hw.name.startswith("local") else "bf16"
+
+
+def memory_fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
+    """What to change when memory does not fit (`state`: weights + gradients + optimizer bytes)."""
+    if state > usable:
+        return (f"the parameters, gradients and optimizer state alone need {state / 2**30:.1f} GiB: split "
+                "them over more GPUs (a larger x*y*z) or add nodes")
+    if not t.activation_checkpointing:
+        return "set trainer.activation_checkpointing=true, lower trainer.micro_batch or add nodes"
+    return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
+
+
+def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
+    """`grid: auto`: the predicted-fastest grid of `launch.world` processes that runs this config as
+    written (micro-batch, activation checkpointing, parallel mode, precision) and fits in memory."""
+    t, mode, world = cfg.trainer, cfg.parallel_mode, launch.world
+    hw = launch.hw()
+    shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
+    precision = precision_for(t.precision, hw)
+    best, least, reasons = None, None, []
+    for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
+        try:
+            validate_grid_for_model((g.x, g.y, g.z, g.data), model_config, mode)
+            _, mb = t.accumulation(g.z * g.data)
+        except ConfigError as e:
+            reasons.append(str(e))
+            continue
+        p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=launch.gpus_per_node,
+                    micro_batch=mb, checkpoint=t.activation_checkpointing, headroom=launch.headroom,
+                    mode=mode, precision=precision)
+        if least is None or p.memory_gb < least.memory_gb:
+            least = p
+        if p.fits and (best is None or p.time_s < best.time_s):
+            best = p
+    if best is not None:
+        return best.grid
+    if least is None:
+        why = reasons[0] if reasons else (f"no (x, y, z, data) of {world} divides the model's heads, "
+                                          f"hidden, FFN and vocab and trainer.batch_size={t.batch_size}")
+        raise fail("--grid", "auto", f"no grid of {world} processes can run this config: {why}")
+    raise fail("--grid", "auto", f"no grid of {world} processes fits {shape.name} in {hw.name} memory; "
+               f"the smallest needs {least.memory_gb:.1f} GiB at {least.grid} ({memory_fix(t)})")
+
+
+def run_dims(cfg: RunConfig, model_config: Any, *, spec: str | None = None, grid: ProcessGrid | None = None,
+             launch: Launch | None = None) -> tuple[Dims, str]:
+    """(the run's X,Y,Z,D, what chose them) before anything is built: `grid`'s; else `spec` (the --grid
+    text, or cfg.grid) parsed, `auto` asking the planner (choose_grid) about this config on `launch`
+    (default: this process's). Whether it fits the model and the launch is memorization.checks'
+    question."""
+    if isinstance(grid, ProcessGrid):
+        return grid.dims, "the given process grid"
+    text = grid_spec(spec, cfg)
+    if text == "auto":
+        launch = launch or Launch.current()
+        return choose_grid(cfg, model_config, launch), f"the performance model ({launch.hw().name})"
+    return ((1, 1, 1, 1) if text in SERIAL else parse_grid(text)), "--grid"
+
+
+def resolve_grid(cfg: RunConfig, dims: Dims, *, distributed: bool,
                  grid: ProcessGrid | None = None) -> ProcessGrid:
-    """The run's ProcessGrid (decided here only), once check_run passed `dims`: `grid` as given; else
-    the serial grid on cfg.trainer.device when one process asks for no split; else torch.distributed
+    """The run's ProcessGrid once its plan is made (memorization.checks.plan_run: `dims`, whether it is
+    `distributed`): `grid` as given; else the serial grid on cfg.trainer.device; else torch.distributed
     initialised on `dims` (every collective bounded by trainer.collective_timeout_s)."""
     if isinstance(grid, ProcessGrid):
         return grid
-    if not wants_grid(grid_spec(spec, cfg)):
+    if not distributed:
         return ProcessGrid.serial(device=resolve_device(cfg.trainer.device))
     if not torch.cuda.is_available():
         # gloo ranks share the CPU: one thread each unless the user said otherwise

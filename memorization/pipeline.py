@@ -33,19 +33,17 @@ from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: i
     CHECKPOINTS,
     RESULT_FILES,
     check_out_dir,
-    check_run,
     effective_trainer,
+    plan_run,
 )
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, export_lora, trainable_params
-from memorization.models import build_model, count_params, is_pretrained, model_config, resolve_model_dir
-from memorization.parallel import grid_spec as parallel_grid_spec
-from memorization.parallel import is_main_process, resolve_grid, run_dims, run_world, wants_grid
-from memorization.prepare import PreparedData, prepare_data
+from memorization.models import build_model, count_params, is_pretrained, resolve_model_dir
+from memorization.parallel import is_main_process, resolve_grid
+from memorization.prepare import PreparedData, mia_sets, prepare_data
 from memorization.privacy import OpacusPrivacy
 from memorization.tracking import WandbSink
-from memorize_core import fail
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
 
@@ -149,26 +147,22 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
               callbacks: list[Callback] | None = None) -> Run:
     """Stage 2: check everything, build the model on its grid, open OUT and the sinks, make the Trainer.
 
-    Bad input (an occupied OUT, a checkpoint of another model, a grid LoRA or DP-SGD cannot use, a
-    tokenizer the model cannot take, ...) fails in memorization.checks.check_run, the one check every
-    entry point makes, before anything is built or written.
+    The run's decision is its plan (memorization.checks.plan_run, the one every entry point takes):
+    bad input (an occupied OUT, a checkpoint of another model, a grid the model cannot split, a
+    tokenizer the model cannot take, ...) fails there, before anything is built or written.
     `grid` is an initialised ProcessGrid to train on; without one the grid's X,Y,Z,D come from
-    `grid_spec` (the --grid text) or cfg.grid (`auto`: the planner on this model), and the
-    ProcessGrid is made once they passed the check (memorization.parallel).
+    `grid_spec` (the --grid text) or cfg.grid (`auto`: the planner for this config and launch), and
+    the ProcessGrid is made once the plan is made (memorization.parallel).
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
     `callbacks` are Trainer callbacks (axonn.trainer.Callback: on_fit_start, on_step_end,
     on_epoch_end), called on every rank: the hook for per-pass evaluation.
     """
     is_main = is_main_process()
     lora = cfg.model.lora
-    hf_config = model_config(cfg.model.name, vocab_size=len(data.tokenizer), overrides=cfg.model.overrides)
-    dims = run_dims(cfg, hf_config, spec=grid_spec, grid=grid)  # `auto`: the planner on this model
-    if cfg.eval.mia:
-        mia_sets(cfg, data)  # before anything is written
-    checked = check_run(cfg, data, dims, world=run_world(grid), model_config=hf_config, out=out,
-                        overwrite=overwrite, resume=resume)  # every refusal; nothing built or written yet
-    ckpt = checked.checkpoint
-    distributed = grid.distributed if grid is not None else wants_grid(parallel_grid_spec(grid_spec, cfg))
+    plan = plan_run(cfg, data, spec=grid_spec, grid=grid, out=out, overwrite=overwrite,
+                    resume=resume)  # every decision and refusal; nothing built or written yet
+    ckpt = plan.checkpoint
+    distributed = plan.distributed
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
     stream = distributed and not cfg.model.random_init \
@@ -177,7 +171,7 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
     if lora.enabled:
         model = apply_lora(model, lora, seed=cfg.seed)
-    grid = resolve_grid(cfg, checked.dims, spec=grid_spec, grid=grid)  # the run's grid, from here on
+    grid = resolve_grid(cfg, plan.dims, distributed=plan.distributed, grid=grid)  # the grid from here on
     tcfg = effective_trainer(cfg)
     privacy = OpacusPrivacy(tcfg, len(data.train), grid=grid) if cfg.trainer.dp.enabled else None
     if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
@@ -301,17 +295,6 @@ def summarise(run: Run) -> dict[str, Any]:
     if run.privacy is not None:
         summary.update(run.privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
     return summary
-
-
-def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:
-    """eval.mia's members and non-members (checked when the run starts: at least 2 of each)."""
-    n = cfg.eval.mia_docs or None
-    members = [list(t[:cfg.data.block_len]) for t in data.train_docs][:n]
-    nonmembers = (data.held_out_docs or [])[:n]
-    if len(members) < 2 or len(nonmembers) < 2:
-        raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
-                   f"{len(members)} and {len(nonmembers)}: raise data.limit or data.held_out_fraction")
-    return members, nonmembers
 
 
 def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,

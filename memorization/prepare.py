@@ -124,3 +124,14 @@ def prepare_chat(cfg: RunConfig) -> PreparedData:
                             d.block_len, tok.eos_token_id)
     return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
                         [c.id for c in chats], held, prompts, responses)
+
+
+def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:
+    """eval.mia's members and non-members (checked when the run starts: at least 2 of each)."""
+    n = cfg.eval.mia_docs or None
+    members = [list(t[:cfg.data.block_len]) for t in data.train_docs][:n]
+    nonmembers = (data.held_out_docs or [])[:n]
+    if len(members) < 2 or len(nonmembers) < 2:
+        raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
+                   f"{len(members)} and {len(nonmembers)}: raise data.limit or data.held_out_fraction")
+    return members, nonmembers

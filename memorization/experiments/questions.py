@@ -75,7 +75,7 @@ def reference_model(base: RunConfig, grid_spec: str | None) -> torch.nn.Module:
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1) \
             or resolve_model_dir(name) is None:
         return build_model(name, overrides=base.model.overrides).eval()
-    dims = run_dims(base, model_config(name, overrides=base.model.overrides), spec=grid_spec)
+    dims, _ = run_dims(base, model_config(name, overrides=base.model.overrides), spec=grid_spec)
     return load_sharded(resolve_model_dir(name), axonn.init(*dims), base.parallel_mode)
 
 
