@@ -33,10 +33,12 @@ from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
 from axonn.state import SafetensorsSlices
 from axonn.swap import parallelize, trainable
+from data_pipelines.corpora import CORPORA
 from memorization.checks import plan_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
-from memorization.models import meta_model
+from memorization.models import meta_model, resolve_model_dir
+from memorization.models import model_config as hf_model_config
 from memorization.parallel import Launch, memory_fix, precision_for
 from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
@@ -106,13 +108,46 @@ def _launch(command: str, config_path: str, dims: Sequence[int], overrides: Sequ
     return out
 
 
-def _rows(cfg: RunConfig, data: Any = None) -> Any:
-    """The run's prepared data when a check needs it (DP-SGD: delta < 1/N, batch <= N, the noise for a
-    target epsilon; eval.mia: at least 2 members and 2 held-out documents): `data` as an experiment
-    prepares it, else prepared as the run prepares it (the tokenizer cache is shared)."""
-    if not (cfg.trainer.dp.enabled or cfg.eval.mia):
-        return None
-    return data if data is not None else prepare_data(cfg)
+def _vocab_from_corpus(cfg: RunConfig) -> bool:
+    """A zoo shape whose tokenizer is trained on the corpus: its vocabulary is known only from the data."""
+    return resolve_model_dir(cfg.model.name) is None and cfg.data.tokenizer in ("auto", "bpe")
+
+
+def _not_here(cfg: RunConfig) -> str | None:
+    """Why the run's data cannot be read on this machine (None: it can)."""
+    for field, spec in (("data.corpus", cfg.data.corpus), ("data.held_out", cfg.data.held_out)):
+        if spec and spec not in CORPORA and not Path(spec).expanduser().exists():
+            return f"{field}={spec} is not on this machine"
+    return None
+
+
+_PREPARED: dict[str, Any] = {}
+
+
+def _prepared(cfg: RunConfig) -> Any:
+    """prepare_data, once per data setting in this process (an experiment's sub-runs share their data)."""
+    key = repr((cfg.data, cfg.model.name, cfg.model.overrides, cfg.seed))
+    if key not in _PREPARED:
+        _PREPARED[key] = prepare_data(cfg)
+    return _PREPARED[key]
+
+
+def plan_data(cfg: RunConfig, data: Any = None) -> tuple[Any, str]:
+    """(the run's prepared data, or None; what the dry run says of it). The data is prepared as the run
+    prepares it when the plan depends on it and it is on this machine: DP-SGD (delta < 1/N, batch <= N,
+    the noise for a target epsilon), eval.mia (at least 2 members and 2 held-out documents) and a
+    vocabulary trained on the corpus (the grid must divide it; `auto` weighs its LM head)."""
+    needs = [why for why, on in (("DP-SGD", cfg.trainer.dp.enabled), ("eval.mia", cfg.eval.mia),
+                                 ("the corpus vocabulary", _vocab_from_corpus(cfg))) if on]
+    if not needs:
+        return None, "not needed"
+    if data is not None:
+        return data, f"checked ({len(data.train)} rows; {', '.join(needs)})"
+    missing = _not_here(cfg)
+    if missing:
+        return None, f"not checked: data not on this machine ({missing}; {', '.join(needs)} wait for it)"
+    data = _prepared(cfg)
+    return data, f"checked ({len(data.train)} rows; {', '.join(needs)})"
 
 
 def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, grid: str | None = None,
@@ -133,13 +168,18 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     check_inputs(world, gpn, seq, t.batch_size, headroom)
     _check_corpus("data.corpus", cfg.data.corpus)
     _check_corpus("data.held_out", cfg.data.held_out)
+    data, data_note = plan_data(cfg, data)
     hf_config, weights, vocab_source = model_config(cfg)
+    if data is not None and _vocab_from_corpus(cfg):  # the vocabulary the run will have
+        hf_config = hf_model_config(cfg.model.name, vocab_size=len(data.tokenizer),
+                                    overrides=cfg.model.overrides)
+        vocab_source = f"the corpus BPE: {len(data.tokenizer)} ids, padded to a multiple of 128"
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
     serial = meta_model(hf_config)
     # the run's own plan (memorization.checks.plan_run): the grid the launch takes, every refusal the
     # launched run would make, with the same line
-    run_plan = plan_run(cfg, _rows(cfg, data), launch=Launch(world, gpn, hardware, headroom), spec=grid,
+    run_plan = plan_run(cfg, data, launch=Launch(world, gpn, hardware, headroom), spec=grid,
                         model_config=hf_config, out=out, overwrite=overwrite, resume=resume, model=serial)
     dims, chosen_by = run_plan.dims, run_plan.chosen_by
     accum, mb = run_plan.micro_batches, run_plan.micro_batch  # batch over Z x data, micro-batches
@@ -196,8 +236,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "predicted": {"step_s": p.time_s, "tokens_per_s": tokens / p.time_s, "mfu": p.pct_peak / 100,
                       "tflops_per_gpu": p.tflops_per_gpu, "exposed_comm_s": p.exposed_comm_s},
         "planner_best": best, "weights": weights_info, "evaluation": evaluation,
-        "checks": ["the run's checks (memorization.checks.check_run): OUT and --resume when given, "
-                   "tokenizer, LoRA, DP-SGD, activation checkpointing",
+        "checks": ["the run's plan (memorization.checks.plan_run): OUT and --resume when given, "
+                   "tokenizer, LoRA, DP-SGD, activation checkpointing", f"data: {data_note}",
                    "grid product = GPUs", f"grid divides heads, KV heads, hidden, FFN, vocab ({mode})",
                    f"batch {t.batch_size} = {accum} micro-batches x {mb} rows x {dims[2] * dims[3]} "
                    "batch shards (z*data)", f"memory fits {hw.name}"]

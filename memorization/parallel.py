@@ -24,6 +24,7 @@ import axonn
 from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
 from axonn.launch import launch_env
 from axonn.plan import get_hardware, load_shape, predict, valid_grids
+from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
 from axonn.trainer import resolve_device
 from memorize_core import ConfigError, fail
@@ -118,6 +119,18 @@ def memory_fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
     return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
 
 
+def eval_bytes(cfg: RunConfig, shape: Any, g: Any, mode: str, precision: str, local: float | None = None
+               ) -> float:
+    """Peak bytes per rank while the run scores its model in place (axonn.plan.evaluation): 0 when it
+    scores nothing. MIA scores whole blocks (full-sequence logits), extraction's verify pass the suffix."""
+    e = cfg.eval
+    if not (e.extraction or e.mia):
+        return 0.0
+    return sum(eval_memory(shape, g, batch=e.batch_size, context=e.prefix, new=e.suffix,
+                           seq=cfg.data.block_len if e.mia else e.suffix, mode=mode, precision=precision,
+                           local=local).values())
+
+
 def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     """`grid: auto`: the predicted-fastest grid of `launch.world` processes that runs this config as
     written (micro-batch, activation checkpointing, parallel mode, precision) and fits in memory."""
@@ -136,6 +149,9 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
         p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=launch.gpus_per_node,
                     micro_batch=mb, checkpoint=t.activation_checkpointing, headroom=launch.headroom,
                     mode=mode, precision=precision)
+        if p.fits and eval_bytes(cfg, shape, g, mode, precision) > hw.memory_bytes * (1 - launch.headroom):
+            reasons.append(f"eval.batch_size={cfg.eval.batch_size}: scoring in place does not fit at {g}")
+            continue  # the run scores its model where it trained: that must fit too
         if least is None or p.memory_gb < least.memory_gb:
             least = p
         if p.fits and (best is None or p.time_s < best.time_s):

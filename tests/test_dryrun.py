@@ -30,7 +30,8 @@ def _cfg(*overrides: str):
     from memorization.config import load_run_config
 
     return load_run_config(None, ["model.name=tiny", "data.vocab_size=320", "data.block_len=16",
-                                  "trainer.batch_size=12", "trainer.precision=fp32", "eval.extraction=false",
+                                  "data.min_tokens=8", "trainer.batch_size=12", "trainer.precision=fp32",
+                                  "eval.extraction=false",
                                   *[f"model.overrides.{k}={v}" for k, v in SMALL.items()], *overrides])
 
 
@@ -110,8 +111,18 @@ def test_cli_json_and_text():
     code, out, _ = _memorize("train", "configs/train/llama-8b-finetune.yaml", "--dry-run", "--world", "4",
                              "--hardware", "alps-h100", "--json")
     r = json.loads(out)
-    assert code == 0 and r["grid"]["world"] == 4 and r["rank0"]["fits"]
-    assert r["model"]["params"] == 8_030_261_248 and r["model"]["vocab"] == 128256
+    assert code == 0 and r["grid"]["world"] == 4
+    assert r["rank0"]["total_bytes"] <= r["hardware"]["usable_bytes"]
+    # the zoo shape trains a corpus BPE of data.vocab_size=128256 at most: the dry run shows the vocabulary
+    # the run will have (the data is prepared as the run prepares it), and the parameters with it
+    from dataclasses import replace
+
+    from axonn.plan import load_shape
+
+    vocab = r["model"]["vocab"]
+    assert vocab < 128256 and vocab % 128 == 0 and r["model"]["vocab_source"].startswith("the corpus BPE: ")
+    assert vocab - 128 < int(r["model"]["vocab_source"].split()[3]) <= vocab  # padded to a multiple of 128
+    assert r["model"]["params"] == replace(load_shape("llama-8b"), vocab=vocab).params < 8_030_261_248
     code, out, _ = _memorize("train", "configs/train/llama-8b-finetune.yaml", "--dry-run", "--world", "4",
                              "--hardware", "alps-h100", "--grid", "1,1,4,1")
     assert code == 0 and "(x, y, z, data) = (1, 1, 4, 1)" in out and "MFU" in out and "srun" in out
@@ -153,20 +164,22 @@ def test_run_dry_runs_every_model_of_an_experiment():
                                          ("llama-405b-finetune", 6144)])
 def test_finetune_configs_dry_run_clean_at_axonn_plans_grid(config, gpus):
     """1 node, 16 nodes and 1,536 Alps nodes: the grid `axonn-plan --strict` ranks first runs."""
-    from axonn.plan import plan
+    from dataclasses import replace
+
+    from axonn.plan import load_shape, plan
     from memorization.config import load_run_config
     from memorization.dryrun import dry_run
 
     cfg = load_run_config(ROOT / "configs" / "train" / f"{config}.yaml")
-    top = plan(cfg.model.name, gpus, 4, cfg.data.block_len, cfg.trainer.batch_size, "alps-h100",
-               strict=True)[0]
-    r = dry_run(cfg, world=gpus, grid=",".join(map(str, top.grid)), hardware="alps-h100")
-    assert r["rank0"]["fits"] and r["grid"]["nodes"] == gpus // 4
-    # the config carries the planner's switches: the same micro-batch, checkpointing and time
-    assert ((r["batch"]["micro_batch"], r["activation_checkpointing"])
-            == (top.micro_batch, top.checkpoint_activations))
-    assert r["predicted"]["step_s"] == pytest.approx(top.time_s)
-    assert r["planner_best"]["grid"] == list(top.grid)
+    auto = dry_run(replace(cfg, grid="auto"), world=gpus, hardware="alps-h100")
+    shape = replace(load_shape(cfg.model.name), vocab=auto["model"]["vocab"])  # the run's vocabulary
+    t = cfg.trainer  # the planner's best grid for the config as written (its micro-batch, checkpointing)
+    top = plan(shape, gpus, 4, cfg.data.block_len, t.batch_size, "alps-h100", strict=True,
+               micro_batch=t.micro_batch, checkpoint=t.activation_checkpointing)[0]
+    assert auto["rank0"]["total_bytes"] <= auto["hardware"]["usable_bytes"]
+    assert auto["grid"]["nodes"] == gpus // 4
+    # `grid: auto` with the config's own settings reaches the planner's best time
+    assert auto["predicted"]["step_s"] == pytest.approx(top.time_s)
 
 
 def _hf_folder(tmp_path: Path, cache: Path) -> Path:
@@ -211,5 +224,5 @@ def test_405b_on_6144_gpus_in_a_minute_and_4_gb():
     rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
-    assert r["grid"]["world"] == 6144 and r["rank0"]["fits"]
+    assert r["grid"]["world"] == 6144 and r["rank0"]["total_bytes"] <= r["hardware"]["usable_bytes"]
     print(f"405B dry run on 6,144 GPUs: {took:.1f} s, peak RSS {rss_gb:.2f} GB")
