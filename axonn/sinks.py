@@ -14,6 +14,10 @@ class MetricSink(Protocol):
     """Receives one metrics dict per optimizer step (and eval results)."""
 
     def log(self, metrics: dict[str, Any]) -> None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
@@ -29,6 +33,11 @@ class JsonlSink:
         """Write one line."""
         self._fh.write(json.dumps(metrics) + "\n")
         self._fh.flush()
+
+    @property
+    def closed(self) -> bool:
+        """True once close() has run."""
+        return self._fh.closed
 
     def close(self) -> None:
         """Close the file."""

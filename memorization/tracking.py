@@ -74,6 +74,11 @@ class WandbSink:
         if self.run is not None:
             self.run.summary.update(values)
 
+    @property
+    def closed(self) -> bool:
+        """True when no W&B run is open (finished by close(), or never started)."""
+        return self.run is None
+
     def close(self) -> None:
         """Finish the run."""
         if self.run is not None:

@@ -134,14 +134,14 @@ def test_every_copy_of_a_canary_or_duplicate_drops_the_same_tokens(injected, str
     blocks = per_document(tokens, 96, tok.pad_token_id)
     record_token_positions(manifest, blocks, tokens)
     labels = GoldfishTransform(GoldfishConfig(enabled=True, strategy=strategy, k=K, h=H))(blocks[:])
-    checked = 0
+    repeated = 0
     for item in manifest.items:
         copies = [[labels[r, t].item() == IGNORE_INDEX for r, s, e in spans for t in range(s, e)]
                   for spans in item.token_positions]
         assert len(copies) == item.count and all(c == copies[0] for c in copies), item.id
         assert any(copies[0]), f"{item.id}: nothing dropped, so the test would prove nothing"
-        checked += item.count
-    assert checked == sum(i.count for i in manifest.items)
+        repeated += item.count > 1
+    assert repeated >= 2, "no item has two copies to compare: the fixture proves nothing"
 
 
 class _FakeGrid:

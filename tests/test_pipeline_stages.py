@@ -95,7 +95,9 @@ def test_a_failing_run_closes_its_sinks(setup, tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with start_run(cfg, tmp_path / "fail", data, callbacks=[_Boom()]) as run:
             train(run)
-    assert all(sink._fh.closed for sink in run.trainer.sinks if hasattr(sink, "_fh"))
+    sinks = run.trainer.sinks
+    assert sorted(type(s).__name__ for s in sinks) == ["JsonlSink", "WandbSink"]
+    assert all(sink.closed for sink in sinks)
     assert not (tmp_path / "fail" / "run.json").exists()  # no summary of a run that did not finish
 
 
