@@ -86,14 +86,13 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _coerce(value, a, field)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                pass  # the union's next type; none fitting is one error naming them all
         names = " or ".join(_type_name(a) for a in args)
         raise fail(field, value, f"expected {names}")
     if origin is typing.Literal:

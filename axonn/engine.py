@@ -102,10 +102,16 @@ def is_parallel(model: nn.Module) -> bool:
     return engine_of(model) is not None
 
 
-def model_grid(model: nn.Module) -> ProcessGrid:
-    """The grid a parallelized model is sharded over; the serial grid for a plain model."""
+def model_grid(model: nn.Module, grid: ProcessGrid | None = None) -> ProcessGrid:
+    """`grid` if given, else the grid the model is sharded over, else the serial grid on its device
+    (the one place a model's grid is looked up)."""
+    if grid is not None:
+        return grid
     handle = engine_of(model)
-    return handle.grid if handle is not None else ProcessGrid.serial()
+    if handle is not None:
+        return handle.grid
+    first = next(model.parameters(), None)
+    return ProcessGrid.serial(device=first.device if first is not None else "cpu")
 
 
 def batch_shard(grid: ProcessGrid) -> tuple[int, int]:
@@ -155,7 +161,7 @@ def sync_gradients(model: nn.Module, grid: ProcessGrid | None = None, bucket_mb:
     With `EngineOptions(bucket_grads=True)` the buckets were launched during backward: this waits
     for them.  Otherwise it flattens the same buckets (same order, same size: same bits) and
     all-reduces them now.  `bucket_mb` defaults to the model's EngineOptions.bucket_mb."""
-    grid = grid or model_grid(model)
+    grid = model_grid(model, grid)
     if grid.world_size == 1 and not is_parallel(model):
         return  # a plain model in one process: nothing to sum
     handle = engine_of(model)
@@ -195,17 +201,6 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         bucketer.enabled = True
 
 
-def _grid_of(model: nn.Module, grid: ProcessGrid | None) -> ProcessGrid:
-    """`grid`, else the grid the model is sharded over, else the serial grid on its device."""
-    if grid is not None:
-        return grid
-    handle = engine_of(model)
-    if handle is not None:
-        return handle.grid
-    first = next(model.parameters(), None)
-    return ProcessGrid.serial(device=first.device if first is not None else "cpu")
-
-
 def _sq_norm(g: torch.Tensor) -> torch.Tensor:
     # each piece's norm accumulated in fp32 (fp64 for fp64 gradients; an fp64 reduction of fp32
     # values is 2.4x slower on CPU), the pieces summed in fp64
@@ -226,7 +221,7 @@ def grad_norm(model: nn.Module, grid: ProcessGrid | None = None) -> float:
     if not isinstance(model, nn.Module):
         raise TypeError(f"grad_norm/clip_grad_norm_ take the model (its layouts say which pieces each rank "
                         f"holds), not {type(model).__name__}; pass the nn.Module")
-    grid = _grid_of(model, grid)
+    grid = model_grid(model, grid)
     total = torch.zeros((), dtype=torch.float64, device=grid.device)
     first = all(grid.coord(d) == 0 for d in _TENSOR)  # counts the replicated parameters
     for p, spec in param_layouts(model):

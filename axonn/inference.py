@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from axonn.engine import engine_of
+from axonn.engine import engine_of, model_grid
 from axonn.grid import ProcessGrid
 from memorize_core import fail
 
@@ -36,7 +36,7 @@ def grid_of(model: nn.Module, grid: ProcessGrid | None = None) -> ProcessGrid:
     A plain model with a grid that splits tensors is refused (only a replica can be batch-sharded)."""
     handle = engine_of(model)
     if grid is None:
-        return handle.grid if handle is not None else ProcessGrid.serial(device=_device(model))
+        return model_grid(model)
     if handle is None and grid.x * grid.y * grid.z > 1:
         raise fail("grid", ",".join(map(str, grid.dims)), "splits tensors but the model is not "
                    "parallelized; pass a model from axonn.parallelize (or a grid of 1,1,1,D)")
@@ -44,12 +44,6 @@ def grid_of(model: nn.Module, grid: ProcessGrid | None = None) -> ProcessGrid:
         raise fail("grid", ",".join(map(str, grid.dims)), "is not the grid the model is sharded "
                    f"over ({','.join(map(str, handle.grid.dims))}); leave grid unset")
     return grid
-
-
-def _device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def shard_rows(n: int, grid: ProcessGrid) -> list[int]:

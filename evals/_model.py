@@ -70,13 +70,6 @@ def returned_cache(out: object) -> object:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def float_logits(model: torch.nn.Module, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Full-sequence logits [B, T, V] in float32 (bf16 log-softmax loses too much for MIA scores)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.logits.float()
-
-
 def pad_right(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad ragged token lists into (ids [B, T], attention_mask [B, T]) LongTensors.
 

@@ -168,10 +168,7 @@ def model_config(name: str, *, vocab_size: int | None = None, overrides: dict | 
 def meta_model(config: Any) -> torch.nn.Module:
     """The model of `config` with fp32 parameters (as the trainer builds it) and no storage."""
     with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        except TypeError:  # transformers 4.x spells it torch_dtype
-            return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def load_sharded(folder: str | Path, grid: Any, mode: str = "easy") -> torch.nn.Module:
