@@ -36,6 +36,7 @@ from axonn import checkpoint
 from axonn.grid import validate_grid_for_model
 from data_pipelines import load_tokenizer
 from memorization.config import RunConfig
+from memorization.fits import check_shape
 from memorization.lora import apply_lora, check_lora_run
 from memorization.models import (
     check_tokenizer,
@@ -47,6 +48,7 @@ from memorization.models import (
     run_tokenizer,
     zoo_config,
 )
+from memorization.outputs import check_inputs, check_writable, existing_entries
 from memorization.parallel import run_dims, run_world
 from memorization.privacy import check_dp, check_dp_grid
 from memorize_core import fail
@@ -99,6 +101,8 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
     rows, tokenizer = _rows(data)
     dims = tuple(dims)
     ckpt = check_out(out, overwrite=overwrite, resume=resume) if out is not None else None
+    if out is not None:
+        check_out_inputs(cfg, out)
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
@@ -154,14 +158,21 @@ def _rows(data: Any) -> tuple[int | None, Any]:
 # -- 1. OUT and --resume ---------------------------------------------------------------------------
 def check_out_dir(out: str | Path, overwrite: bool) -> list[str]:
     """Raise unless `out` can take new results; return the result entries overwrite would replace."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise fail("--out", str(out), "exists and is not a directory; choose another path")
-    taken = [name for name in RESULT_FILES if (path / name).exists()]
+    check_writable("--out", out)  # before any work: permission, read-only, not a folder, no space
+    taken = existing_entries(out, RESULT_FILES)  # a dangling symlink counts (writing would follow it)
     if taken and not overwrite:
         raise fail("--out", str(out), f"already holds results ({', '.join(taken)}); choose a new "
                    "folder or pass --overwrite")
     return taken
+
+
+def check_out_inputs(cfg: RunConfig, out: str | Path) -> None:
+    """OUT is not, and does not lie inside, a folder the run reads (a local model, corpus or tokenizer),
+    and none of those lies inside a result entry --overwrite would replace (OUT/model, ...)."""
+    d = cfg.data
+    inputs = {"model.name": resolve_model_dir(cfg.model.name), "data.corpus": d.corpus,
+              "data.held_out": d.held_out or None, "data.tokenizer": d.tokenizer}
+    check_inputs("--out", out, inputs, entries=RESULT_FILES)
 
 
 def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
@@ -206,6 +217,7 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
                 model: torch.nn.Module | None = None) -> None:
     """What only the model's structure answers (on a meta copy: no weights, no storage)."""
     lora, t = cfg.model.lora, cfg.trainer
+    check_shape("model.name", cfg.model.name, model_config)  # before a meta build of 10^9 layers
     if model is None:
         model = _meta(cfg, model_config)
     if t.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
@@ -238,5 +250,6 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module) -> None:
     checkpoint.check_fits(ckpt, meta, model)
 
 
-__all__ = ["CheckedRun", "check_grid", "check_model", "check_out", "check_out_dir", "check_resume_fits",
-           "check_run", "check_runs", "effective_trainer", "planned_model_config", "resolve_resume"]
+__all__ = ["CheckedRun", "check_grid", "check_model", "check_out", "check_out_dir", "check_out_inputs",
+           "check_resume_fits", "check_run", "check_runs", "effective_trainer", "planned_model_config",
+           "resolve_resume"]

@@ -10,11 +10,15 @@ from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
 from data_pipelines import is_chat_spec
 from memorization.goldfish import GoldfishConfig
 from memorization.lora import LoraSettings
+from memorization.outputs import check_name
 from memorize_core import ConfigError, fail
 
 PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")
 WANDB_MODES = ("offline", "online", "disabled")
+# The largest target epsilon accepted: e^epsilon bounds how much likelier any output becomes with a
+# row in the data; at 100 that factor is 2.7e43, a guarantee in name only (papers report 1 to 10).
+MAX_EPSILON = 100.0
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
 
 
@@ -45,6 +49,9 @@ class DPConfig:
             raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
         if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
             raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
+        if self.target_epsilon is not None and self.target_epsilon > MAX_EPSILON:
+            raise fail(f"{p}.target_epsilon", self.target_epsilon, f"must be <= {MAX_EPSILON:g}: beyond it "
+                       f"e^epsilon (> {math.exp(MAX_EPSILON):.0e}) bounds nothing; use e.g. 8 or turn DP off")
         if not 0 < self.delta < 1:
             raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
         if not 0 < self.max_grad_norm < math.inf:
@@ -183,6 +190,7 @@ class RunConfig:
 
     def validate(self, prefix: str = "") -> None:
         """Cross-section checks."""
+        check_name("name", self.name)  # the default OUT is runs/NAME; experiments' run folders too
         if self.parallel_mode not in ("easy", "paired"):
             raise fail("parallel_mode", self.parallel_mode, "choose easy or paired")
         if self.eval.extraction and self.eval.prefix + self.eval.suffix > self.data.block_len:

@@ -35,7 +35,9 @@ from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.fits import check_fits, check_shape
 from memorization.models import load_sharded
+from memorization.outputs import check_inputs
 from memorization.parallel import launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
@@ -124,11 +126,23 @@ def _hf_config(flag: str, path: str) -> Any:
     if not (folder / "config.json").is_file():
         raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
                    "folder such as OUT/model of a training run")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings on a bad config would precede our one line
     try:
         return AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise fail(flag, path, f"has a config.json transformers cannot read ({type(e).__name__}: "
                    f"{str(e).splitlines()[0][:120]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _inputs(o: EvalOptions) -> dict[str, str | None]:
+    """Every path the evaluation reads (corpus names that are not paths are skipped by check_inputs)."""
+    found: dict[str, str | None] = {"--model": o.model, "--reference": o.reference, "--corpus": o.corpus,
+                                    "--members": o.members, "--non-members": o.non_members}
+    found.update({f"--perplexity[{i}]": p for i, p in enumerate(o.perplexity or [])})
+    return found
 
 
 def _unreadable(flag: str, path: str, e: BaseException) -> ConfigError:
@@ -292,10 +306,16 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     start = time.perf_counter()
     check_options(o)
     out = check_eval_out(o.out, o.overwrite) if o.out else None
+    if o.out:  # the report must not land in (or over) what the evaluation reads
+        check_inputs("--out", o.out, _inputs(o), entries=EVAL_FILES)
     config = _hf_config("--model", o.model)
+    check_shape("--model", o.model, config)  # 10^9 layers, a vocabulary of 0: before anything is built
     max_tokens = _max_tokens(o, config)
     ref_config = _hf_config("--reference", o.reference) if o.mia and o.reference else None
     grid = eval_grid(o, config, max_tokens)
+    check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
+    if ref_config is not None:
+        check_fits("--reference", o.reference, ref_config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
     mode = _mode(o, config)
     model, tok = _load("--model", o.model, grid, mode)
     if tok is None:

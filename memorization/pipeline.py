@@ -13,7 +13,6 @@ trained model where it is, on the run's grid (evals/scoring.py): nothing gathers
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,6 +39,7 @@ from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, export_lora, trainable_params
 from memorization.models import build_model, count_params, is_pretrained, model_config, resolve_model_dir
+from memorization.outputs import remove_entries
 from memorization.parallel import grid_spec as parallel_grid_spec
 from memorization.parallel import is_main_process, resolve_grid, run_dims, run_world, wants_grid
 from memorization.prepare import PreparedData, prepare_data
@@ -53,11 +53,7 @@ EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_
 def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
     """Create `out` for new results (after check_out_dir), clearing old ones when overwrite is set."""
     path = Path(out)
-    taken = check_out_dir(out, overwrite)
-    if taken:
-        for name in taken:
-            target = path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    remove_entries(path, check_out_dir(out, overwrite))  # only the run's own entries; links, not targets
     path.mkdir(parents=True, exist_ok=True)
     return path
 
