@@ -44,10 +44,18 @@ def check_tasks(names: Sequence[str], flag: str = "--tasks") -> list[str]:
     return names
 
 
+# Most in-context examples accepted: published lm-eval results use 0 to 25 (ARC 25, HellaSwag 10, MMLU 5);
+# 100 leaves room and still refuses values whose prompts no model's context could hold.
+MAX_FEWSHOT = 100
+
+
 def check_fewshot(value: int | None, flag: str = "--num-fewshot") -> None:
-    """None (each task's default) or an integer >= 0."""
+    """None (each task's default) or an integer in [0, MAX_FEWSHOT]."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise fail(flag, value, "pass the number of in-context examples, >= 0 (0 = zero-shot)")
+    if value is not None and value > MAX_FEWSHOT:
+        raise fail(flag, value, f"must be <= {MAX_FEWSHOT}: every example is a whole question and answer "
+                   "in every prompt (published results use 0 to 25); pass e.g. 5")
 
 
 def _manager(names: Sequence[str]) -> Any:

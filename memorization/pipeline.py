@@ -32,6 +32,7 @@ from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: i
     CHECKPOINTS,
     RESULT_FILES,
     check_out_dir,
+    check_out_inputs,
     check_run,
     effective_trainer,
 )
@@ -259,6 +260,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, data: PreparedData | None =
     start_run's (overwrite, grid, grid_spec, resume, progress, progress_position, callbacks).
     """
     check_out_dir(out, options.get("overwrite", False) or bool(options.get("resume")))  # before the data
+    check_out_inputs(cfg, out)  # OUT must not overlap the model, corpus or tokenizer it reads
     data = data or prepare_data(cfg)
     with start_run(cfg, out, data, **options) as run:
         train(run)
