@@ -182,6 +182,8 @@ def to_dict(obj: Any) -> Any:
 # The most optimizer steps (or epochs, each at least one step) any run may ask for: a step of even the
 # smallest model takes >= ~1 ms, so 1e9 steps is > 11 days nonstop; larger values are typos or junk.
 MAX_STEPS = 10**9
+# The most rows one batch may ask for: 2^31 rows of even 2 tokens are 4e9 tokens of activations at once.
+MAX_ROWS = 2**31
 
 
 @dataclasses.dataclass
@@ -274,6 +276,12 @@ class TrainerConfig:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be within [0, 1), e.g. 0.9")
         if self.weight_decay < 0:
             raise fail(f"{prefix}.weight_decay", self.weight_decay, "must be >= 0 (0: no decay), e.g. 0.1")
+        if self.seed >= 2**63:
+            raise fail(f"{prefix}.seed", self.seed, "must be within [0, 2**63) (a 64-bit seed); pass e.g. 0")
+        for name in ("batch_size", "eval_batch_size", "micro_batch"):
+            if getattr(self, name) > MAX_ROWS:
+                raise fail(f"{prefix}.{name}", getattr(self, name), f"must be <= {MAX_ROWS}: no memory holds "
+                           "the activations of that many rows at once; pass e.g. 8")
         for name in ("epochs", "max_steps", "warmup_steps", "eval_every", "checkpoint_every"):
             if getattr(self, name) > MAX_STEPS:
                 raise fail(f"{prefix}.{name}", getattr(self, name), f"must be <= {MAX_STEPS:.0e}: even at "

@@ -19,6 +19,9 @@ WANDB_MODES = ("offline", "online", "disabled")
 # The largest target epsilon accepted: e^epsilon bounds how much likelier any output becomes with a
 # row in the data; at 100 that factor is 2.7e43, a guarantee in name only (papers report 1 to 10).
 MAX_EPSILON = 100.0
+# Largest data.block_len / data.vocab_size: 2**24 is 16x the longest context and largest vocabulary in
+# use; beyond it the BPE trainer panics and a row of ids cannot be allocated.
+MAX_TOKENS = 2**24
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
 
 
@@ -112,6 +115,9 @@ class DataConfig:
         for name in ("block_len", "vocab_size"):
             if getattr(self, name) < 2:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 2")
+            if getattr(self, name) > MAX_TOKENS:  # beyond: the tokenizer trainer and the allocator crash
+                raise fail(f"{prefix}.{name}", getattr(self, name), f"must be <= 2**24 = {MAX_TOKENS} (the "
+                           "longest contexts and largest vocabularies in use are ~1e6); pass e.g. 4096")
         for name in ("limit", "min_tokens", "held_out_limit"):
             if getattr(self, name) < 0:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
@@ -191,6 +197,8 @@ class RunConfig:
     def validate(self, prefix: str = "") -> None:
         """Cross-section checks."""
         check_name("name", self.name)  # the default OUT is runs/NAME; experiments' run folders too
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
+            raise fail("seed", self.seed, "must be within [0, 2**63); pass e.g. 0")
         if self.parallel_mode not in ("easy", "paired"):
             raise fail("parallel_mode", self.parallel_mode, "choose easy or paired")
         if self.eval.extraction and self.eval.prefix + self.eval.suffix > self.data.block_len:

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import axonn
+from axonn.config import MAX_ROWS
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid, load_shape
@@ -96,6 +97,9 @@ def check_options(o: EvalOptions) -> None:
     for name in ("prefix", "suffix", "batch_size", "beams"):
         if getattr(o, name) < 1:
             raise fail(f"--{name.replace('_', '-')}", getattr(o, name), "must be >= 1")
+    if o.batch_size > MAX_ROWS:
+        raise fail("--batch-size", o.batch_size, f"must be <= {MAX_ROWS}: no memory holds that many "
+                   "sequences at once; pass e.g. 32")
     if o.max_tokens is not None and o.max_tokens < 2:
         raise fail("--max-tokens", o.max_tokens, "must be >= 2 (one context token and one scored token)")
     if o.limit < 0:

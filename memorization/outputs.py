@@ -55,6 +55,14 @@ def check_writable(field: str, out: str | Path) -> None:
                    "free some space or choose another folder")
 
 
+def _resolve(field: str, path: str | Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise fail(field, str(path), f"cannot be resolved ({type(e).__name__}: {e}); a symlink loop? "
+                   "point it at a real file or folder") from None
+
+
 def _overlap(out: Path, src: Path) -> str | None:
     if out == src:
         return "is"
@@ -71,12 +79,12 @@ def check_inputs(field: str, out: str | Path, inputs: Mapping[str, str | Path | 
     and paths that do not exist are skipped). `entries`: the names the command writes in OUT; then an
     input is only refused inside one of them (or when OUT is or lies inside it). Without `entries`
     the whole of OUT is the command's (export) and any overlap is refused."""
-    dest = Path(out).resolve()
+    dest = _resolve(field, out)
     targets = [dest / e for e in entries] if entries is not None else [dest]
     for name, value in inputs.items():
         if value is None or not os.path.lexists(value):
             continue
-        src = Path(value).resolve()
+        src = _resolve(name, value)
         how = _overlap(dest, src)
         if how == "contains" and entries is not None:
             how = "contains" if any(t == src or t in src.parents for t in targets) else None
