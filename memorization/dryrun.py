@@ -39,6 +39,7 @@ from memorization.experiments import load_experiment
 from memorization.models import meta_model
 from memorization.parallel import SERIAL, grid_spec
 from memorization.prepare import prepare_data
+from memorization.privacy import check_dp_grid
 from memorize_core import ConfigError, fail
 
 GiB = 2**30
@@ -194,6 +195,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     precision = precision_for(t.precision, hw)
     dims, chosen_by = _grid(cfg, grid, shape, hf_config, world, gpn, hw, headroom, precision)
     serial = meta_model(hf_config)
+    check_dp_grid(cfg.trainer.dp, dims)  # a grid DP-SGD cannot use answers before any rows are counted
     # the run's own check (memorization.checks): every refusal the launched run would make, same line
     checked = check_run(cfg, _rows(cfg, data), dims, world=world, model_config=hf_config, out=out,
                         overwrite=overwrite, resume=resume, model=serial)

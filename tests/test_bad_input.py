@@ -208,3 +208,14 @@ def test_check_name_accepts_plain_names():
         assert outputs.check_name("n", ok) == ok
     with pytest.raises(ConfigError):
         outputs.check_name("n", 3)
+
+
+def test_dry_run_of_dp_on_a_z_grid_answers_about_the_grid(capsys, monkeypatch, cfg):
+    import memorization.dryrun as dryrun
+
+    def no_data(*a, **k):
+        raise AssertionError("rows were prepared before the grid was judged")
+
+    monkeypatch.setattr(dryrun, "prepare_data", no_data)
+    _refused(capsys, ["train", cfg, "--dry-run", "--world", "2", "--grid", "1,1,2,1",
+                      "trainer.dp.enabled=true", "trainer.dp.noise_multiplier=1"], "1,1,2,1", "DP-SGD")
