@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "lm-eval's own (need network)")
     e.add_argument("--num-fewshot", type=int, default=None, metavar="K",
                    help="in-context examples per task (default: each task's own)")
+    e.add_argument("--verbose", action="store_true",
+                   help="lm-eval's own log on stderr (default: OUT/lm-eval.log; a temp file without --out)")
     e.add_argument("--limit", type=int, default=0, help="first N documents of every corpus and task only")
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--beams", type=int, default=1, help="beam search width (1 = greedy)")

@@ -12,7 +12,7 @@ from memorization.outputs import check_writable
 from memorization.pipeline import RESULT_FILES
 from memorize_core import fail
 
-EVAL_FILES = ("report.json", "report.md", "extraction.jsonl")
+EVAL_FILES = ("report.json", "report.md", "extraction.jsonl", "lm-eval.log")
 
 
 def check_eval_out(out: str, overwrite: bool) -> Path:

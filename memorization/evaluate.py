@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,6 +73,7 @@ class EvalOptions:
     keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
     tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
     num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
+    verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
 
 
 @dataclass
@@ -349,6 +351,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     if grid.distributed:
         report["mode"] = mode
     results: list[ExtractionResult] = []
+    log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
         if extraction is not None:
             report["extraction"], results = _extraction(o, model, tok, extraction)
@@ -356,15 +359,22 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
             report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
         if ppl:
             report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
-        if o.tasks:
+        if o.tasks:  # lm-eval's own output goes to a log beside the report (or a temp file) unless --verbose
+            log = None if o.verbose else Path(tempfile.mkstemp(prefix="memorize-lm-eval-", suffix=".log")[1])
             report["tasks"] = score_tasks(model, tok, o.tasks.split(","), num_fewshot=o.num_fewshot,
-                                          limit=o.limit or None, batch_size=o.batch_size, grid=grid)
+                                          limit=o.limit or None, batch_size=o.batch_size, grid=grid, log=log)
+            if log is not None:
+                report["tasks_log"] = str(out / "lm-eval.log") if out is not None else str(log)
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
         files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)
+        if log is not None:
+            files["lm-eval.log"] = log.read_text(encoding="utf-8", errors="replace")
         write_files(out, files, replace=EVAL_FILES)
+    if out is not None and log is not None:
+        log.unlink(missing_ok=True)  # moved beside the report
     return report
 
 

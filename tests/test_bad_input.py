@@ -219,3 +219,40 @@ def test_dry_run_of_dp_on_a_z_grid_answers_about_the_grid(capsys, monkeypatch, c
     monkeypatch.setattr(dryrun, "prepare_data", no_data)
     _refused(capsys, ["train", cfg, "--dry-run", "--world", "2", "--grid", "1,1,2,1",
                       "trainer.dp.enabled=true", "trainer.dp.noise_multiplier=1"], "1,1,2,1", "DP-SGD")
+
+
+def test_stderr_to_takes_what_subprocesses_and_logging_write(tmp_path, capfd):
+    import logging
+    import subprocess
+    import sys
+
+    from memorization.downstream import stderr_to
+
+    log = tmp_path / "lm-eval.log"
+    with stderr_to(log):
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('fatal: not a git repo\\n')"])
+        logging.StreamHandler(sys.__stderr__).emit(logging.makeLogRecord({"msg": "lm-eval says"}))
+    assert "fatal: not a git repo" in log.read_text() and "lm-eval says" in log.read_text()
+    assert capfd.readouterr().err == ""
+    print("after", file=sys.stderr)  # the descriptor is back
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_eval_tasks_log_goes_beside_the_report(tmp_path, capfd):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["the capital of france is paris"] * 5,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    model = tmp_path / "m"
+    tiny_model(vocab=300).save_pretrained(model)
+    fast.save_pretrained(model)
+    capfd.readouterr()
+    assert main(["eval", "--model", str(model), "--tasks", "analogies_family", "--limit", "2",
+                 "--out", str(tmp_path / "ev")]) == 0
+    assert capfd.readouterr().err == ""  # lm-eval's lines, bars and its git call: all in the log
+    assert (tmp_path / "ev" / "lm-eval.log").read_text().strip()
+    assert json.loads((tmp_path / "ev" / "report.json").read_text())["tasks_log"].endswith("lm-eval.log")
