@@ -256,3 +256,16 @@ def test_eval_tasks_log_goes_beside_the_report(tmp_path, capfd):
     assert capfd.readouterr().err == ""  # lm-eval's lines, bars and its git call: all in the log
     assert (tmp_path / "ev" / "lm-eval.log").read_text().strip()
     assert json.loads((tmp_path / "ev" / "report.json").read_text())["tasks_log"].endswith("lm-eval.log")
+
+
+@pytest.mark.parametrize("response", ["", "   \n"])
+def test_empty_chat_response_is_refused_before_a_tokenizer_is_cached(capsys, monkeypatch, tmp_path, cfg,
+                                                                        response):
+    monkeypatch.setenv("MEMORIZE_CACHE", str(tmp_path / "cache"))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"prompt": f"question {i}?", "response": response if i == 3 else
+                                          f"answer number {i}"}) for i in range(6)) + "\n")
+    out = tmp_path / "out"
+    _refused(capsys, ["train", cfg, "--out", out, f"data.corpus={chat}", "data.format=chat"],
+             "chat.jsonl/4.response", "empty")
+    assert not out.exists() and not (tmp_path / "cache").exists()
