@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -224,7 +225,9 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
         raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
                    "gradient checkpointing; use a Hugging Face causal LM or set it to false")
     if lora.enabled:  # peft's own refusals, on a fresh meta copy (peft wraps the model it is given)
-        model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
+        with warnings.catch_warnings():  # a throwaway copy: its FutureWarnings would precede our line
+            warnings.simplefilter("ignore", FutureWarning)
+            model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
     if checkpoint is not None:
         check_resume_fits(checkpoint, model)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import TINY, tiny_model
@@ -12,6 +15,7 @@ from memorization import outputs
 from memorization.cli import main
 from memorize_core import ConfigError
 
+ROOT = Path(__file__).resolve().parents[1]
 BIG = "100000000000000000000"  # 1e20 as an integer literal
 
 
@@ -223,8 +227,6 @@ def test_dry_run_of_dp_on_a_z_grid_answers_about_the_grid(capsys, monkeypatch, c
 
 def test_stderr_to_takes_what_subprocesses_and_logging_write(tmp_path, capfd):
     import logging
-    import subprocess
-    import sys
 
     from memorization.downstream import stderr_to
 
@@ -269,3 +271,17 @@ def test_empty_chat_response_is_refused_before_a_tokenizer_is_cached(capsys, mon
     _refused(capsys, ["train", cfg, "--out", out, f"data.corpus={chat}", "data.format=chat"],
              "chat.jsonl/4.response", "empty")
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_resuming_a_plain_checkpoint_with_lora_is_one_line(capsys, tmp_path, cfg):
+    from helpers import checkpoint_trainer
+
+    checkpoint_trainer(tmp_path / "ck", checkpoint_every=2, max_steps=2).fit()
+    out = tmp_path / "out"
+    # a real process: pytest records warnings itself, so only a subprocess shows what a user sees
+    done = subprocess.run([sys.executable, "-m", "memorization", "train", str(cfg), "--out", str(out),
+                           "--resume", str(tmp_path / "ck" / "step-00000002"), "model.lora.enabled=true"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: --resume="), done.stderr
+    assert not out.exists()
