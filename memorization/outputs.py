@@ -90,7 +90,7 @@ def check_inputs(field: str, out: str | Path, inputs: Mapping[str, str | Path | 
             how = "contains" if any(t == src or t in src.parents for t in targets) else None
         if how:
             raise fail(field, str(out), f"{how} the input {name}={str(value)!r}; the command would write "
-                       "over what it reads: choose an output folder outside it")
+                       "over what it reads: choose an output path outside it")
 
 
 def existing_entries(out: str | Path, names: Iterable[str]) -> list[str]:

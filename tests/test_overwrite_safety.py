@@ -187,3 +187,19 @@ def test_experiment_writes_nothing_until_checked_and_overwrite_removes_only_its_
     exp.prepare_out()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "runs"]
     assert list((out / "runs").iterdir()) == [] and (target / "f").read_text() == "x"
+
+
+def test_prepare_corpus_overwrite_never_replaces_its_input(capsys, tmp_path):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "prepare_corpus.py"
+    spec = importlib.util.spec_from_file_location("prepare_corpus_27", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "hello world"}\n')
+    before = tree(tmp_path)
+    assert module.main([str(src), "--out", str(src), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "is the input inputs[0]=" in err, err
+    assert tree(tmp_path) == before
