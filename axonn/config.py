@@ -7,6 +7,7 @@ field, the bad value and the fix; CLIs print it as one line on stderr and exit w
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -177,6 +178,13 @@ def to_dict(obj: Any) -> Any:
 # -- the trainer's section (axonn.trainer.Trainer reads it; memorization's RunConfig nests a subclass) --
 
 
+# The most optimizer steps (or epochs, each at least one step) any run may ask for: a step of even the
+# smallest model takes >= ~1 ms, so 1e9 steps is > 11 days nonstop; larger values are typos or junk.
+MAX_STEPS = 10**9
+# The most rows one batch may ask for: 2^31 rows of even 2 tokens are 4e9 tokens of activations at once.
+MAX_ROWS = 2**31
+
+
 @dataclasses.dataclass
 class TrainerConfig:
     """Optimisation and loop settings (global batch = rows per optimizer step over all ranks)."""
@@ -224,6 +232,7 @@ class TrainerConfig:
 
     def validate(self, prefix: str = "trainer") -> None:
         """Raise ConfigError on out-of-range values."""
+        self._validate_bounds(prefix)
         positive = {"lr": self.lr, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
                     "eval_batch_size": self.eval_batch_size}
         for name, value in positive.items():
@@ -253,6 +262,29 @@ class TrainerConfig:
             raise fail(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
+
+    def _validate_bounds(self, prefix: str) -> None:
+        """Non-finite floats, betas outside [0, 1), and step counts no run could ever reach."""
+        for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip",
+                     "collective_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise fail(f"{prefix}.{name}", value, "must be a finite number")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise fail(f"{prefix}.{name}", getattr(self, name), "must be within [0, 1), e.g. 0.9")
+        if self.weight_decay < 0:
+            raise fail(f"{prefix}.weight_decay", self.weight_decay, "must be >= 0 (0: no decay), e.g. 0.1")
+        if self.seed >= 2**63:
+            raise fail(f"{prefix}.seed", self.seed, "must be within [0, 2**63) (a 64-bit seed); pass e.g. 0")
+        for name in ("batch_size", "eval_batch_size", "micro_batch"):
+            if getattr(self, name) > MAX_ROWS:
+                raise fail(f"{prefix}.{name}", getattr(self, name), f"must be <= {MAX_ROWS}: no memory holds "
+                           "the activations of that many rows at once; pass e.g. 8")
+        for name in ("epochs", "max_steps", "warmup_steps", "eval_every", "checkpoint_every"):
+            if getattr(self, name) > MAX_STEPS:
+                raise fail(f"{prefix}.{name}", getattr(self, name), f"must be <= {MAX_STEPS:.0e}: even at "
+                           "1 ms a step that many steps take over 11 days; no run here could finish")
 
     def check_gradient_hook(self, hook: Any) -> None:
         """Refuse to train with `hook` (the Trainer's gradient_hook, None for none) when these settings

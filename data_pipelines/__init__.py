@@ -9,6 +9,7 @@ from data_pipelines.chat import (
                                  ChatExample,
                                  ChatTokens,
                                  chat_blocks,
+                                 check_responses,
                                  extraction_pairs,
                                  is_chat_spec,
                                  load_chat,
@@ -41,6 +42,6 @@ __all__ = [
     "Document", "DuplicateSpec", "InjectedItem", "Manifest", "SecretSpace", "TokenLists",
     "canary_candidates", "chat_blocks", "extraction_pairs", "inject", "is_chat_spec", "load_chat",
     "load_corpus", "load_tokenizer", "pack", "per_document", "record_token_positions", "render",
-    "render_chat", "split_documents", "tokenize_documents", "unpack",
+    "check_responses", "render_chat", "split_documents", "tokenize_documents", "unpack",
     "DedupConfig", "DedupManifest", "Removal", "deduplicate",
 ]

@@ -159,6 +159,17 @@ def _messages(record: Any, where: str) -> list[dict[str, str]]:
                      {"role": "assistant", "content": record["response"]}]
 
 
+def check_responses(examples: list[ChatExample]) -> None:
+    """ConfigError on an empty (or whitespace-only) assistant turn, from the text alone: before any
+    tokenizer is trained or cached for the corpus (render_chat also refuses ones empty once tokenized)."""
+    for ex in examples:
+        for j, m in enumerate(ex.messages):
+            if m["role"] == "assistant" and not m["content"].strip():
+                where = "response" if ex.meta.get("row") == "prompt-response" else f"messages[{j}].content"
+                raise fail(f"{ex.id}.{where}", m["content"], "the response is empty after "
+                           "tokenization; write a non-empty response or drop the row")
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +42,7 @@ from axonn import checkpoint
 from axonn.grid import validate_grid_for_model
 from data_pipelines import load_tokenizer
 from memorization.config import RunConfig
+from memorization.fits import check_shape
 from memorization.lora import apply_lora, check_lora_run
 from memorization.models import (
     check_tokenizer,
@@ -52,6 +54,7 @@ from memorization.models import (
     zoo_config,
 )
 from memorization.models import model_config as memorization_model_config
+from memorization.outputs import check_inputs, check_writable, existing_entries
 from memorization.parallel import Dims, Launch, run_dims
 from memorization.prepare import mia_sets
 from memorization.privacy import check_dp, check_dp_grid
@@ -150,6 +153,8 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
     rows, tokenizer = _rows(data)
     dims = tuple(dims)
     ckpt = check_out(out, overwrite=overwrite, resume=resume) if out is not None else None
+    if out is not None:
+        check_out_inputs(cfg, out)
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
@@ -205,14 +210,21 @@ def _rows(data: Any) -> tuple[int | None, Any]:
 # -- 1. OUT and --resume ---------------------------------------------------------------------------
 def check_out_dir(out: str | Path, overwrite: bool) -> list[str]:
     """Raise unless `out` can take new results; return the result entries overwrite would replace."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise fail("--out", str(out), "exists and is not a directory; choose another path")
-    taken = [name for name in RESULT_FILES if (path / name).exists()]
+    check_writable("--out", out)  # before any work: permission, read-only, not a folder, no space
+    taken = existing_entries(out, RESULT_FILES)  # a dangling symlink counts (writing would follow it)
     if taken and not overwrite:
         raise fail("--out", str(out), f"already holds results ({', '.join(taken)}); choose a new "
                    "folder or pass --overwrite")
     return taken
+
+
+def check_out_inputs(cfg: RunConfig, out: str | Path) -> None:
+    """OUT is not, and does not lie inside, a folder the run reads (a local model, corpus or tokenizer),
+    and none of those lies inside a result entry --overwrite would replace (OUT/model, ...)."""
+    d = cfg.data
+    inputs = {"model.name": resolve_model_dir(cfg.model.name), "data.corpus": d.corpus,
+              "data.held_out": d.held_out or None, "data.tokenizer": d.tokenizer}
+    check_inputs("--out", out, inputs, entries=RESULT_FILES)
 
 
 def resolve_resume(resume: str | None, out: str | Path) -> Path | None:
@@ -257,13 +269,16 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
                 model: torch.nn.Module | None = None) -> None:
     """What only the model's structure answers (on a meta copy: no weights, no storage)."""
     lora, t = cfg.model.lora, cfg.trainer
+    check_shape("model.name", cfg.model.name, model_config)  # before a meta build of 10^9 layers
     if model is None:
         model = _meta(cfg, model_config)
     if t.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
                    "gradient checkpointing; use a Hugging Face causal LM or set it to false")
     if lora.enabled:  # peft's own refusals, on a fresh meta copy (peft wraps the model it is given)
-        model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
+        with warnings.catch_warnings():  # a throwaway copy: its FutureWarnings would precede our line
+            warnings.simplefilter("ignore", FutureWarning)
+            model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
     if checkpoint is not None:
         check_resume_fits(checkpoint, model)
 
@@ -290,5 +305,5 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module) -> None:
 
 
 __all__ = ["CheckedRun", "RunPlan", "check_grid", "check_model", "check_out", "check_out_dir",
-           "check_resume_fits", "check_run", "check_runs", "effective_trainer", "plan_run",
-           "planned_model_config", "resolve_resume", "run_files"]
+           "check_out_inputs", "check_resume_fits", "check_run", "check_runs", "effective_trainer",
+           "plan_run", "planned_model_config", "resolve_resume", "run_files"]

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 
+from memorization.outputs import check_inputs, check_writable, remove_entries
 from memorize_core import ConfigError, fail
+
+# weight files of a save_pretrained folder: an earlier export's, replaced as a whole by a new one
+EXPORT_WEIGHTS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face model folder")
     x.add_argument("checkpoint", help="a checkpoint folder, e.g. OUT/checkpoints/step-00000100")
     x.add_argument("out", help="where to write the save_pretrained folder")
-    x.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    x.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty OUT, replacing only the files export writes")
 
     e = sub.add_parser("eval", help="extraction, membership inference and perplexity of a saved model")
     e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
@@ -105,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "lm-eval's own (need network)")
     e.add_argument("--num-fewshot", type=int, default=None, metavar="K",
                    help="in-context examples per task (default: each task's own)")
+    e.add_argument("--verbose", action="store_true",
+                   help="lm-eval's own log on stderr (default: OUT/lm-eval.log; a temp file without --out)")
     e.add_argument("--limit", type=int, default=0, help="first N documents of every corpus and task only")
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--beams", type=int, default=1, help="beam search width (1 = greedy)")
@@ -186,8 +195,11 @@ def cmd_export(args) -> int:
 
     read_meta(args.checkpoint, verify=False)  # a clear error before anything else
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise fail("out", args.out, "exists and is not empty; choose a new folder or pass --overwrite")
+    check_inputs("out", args.out, {"checkpoint": args.checkpoint})  # it would write over what it reads
+    check_writable("out", args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise fail("out", args.out, "exists and is not empty; choose a new folder or pass --overwrite "
+                   "(which replaces only the files export writes)")
     meta, state = consolidate(args.checkpoint)  # verifies every shard's sha256
     if not meta.get("model_config"):
         raise fail("checkpoint", args.checkpoint, "holds no model config; it was not written by memorize")
@@ -204,15 +216,29 @@ def cmd_export(args) -> int:
                    f"{missing[:2]}, unexpected {result.unexpected_keys[:2]}); it is damaged")
     if tied:
         model.tie_weights()
-    if out.exists() and args.overwrite:
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    model.save_pretrained(out, safe_serialization=True)
-    tok = Path(args.checkpoint) / "tokenizer"
-    if tok.is_dir():
-        for f in tok.iterdir():
-            shutil.copy2(f, out / f.name)
+    _write_export(model, Path(args.checkpoint) / "tokenizer", out)
     print(json.dumps({"checkpoint": str(args.checkpoint), "step": meta["step"], "out": str(out)}))
     return 0
+
+
+def _write_export(model, tokenizer: Path, out: Path) -> None:
+    """save_pretrained + the tokenizer into a scratch folder in OUT, then moved in by name: --overwrite
+    replaces only those names (and stale weight shards of an earlier export), nothing else in OUT."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer.is_dir():
+            for f in tokenizer.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, tmp / f.name)
+        names = sorted(p.name for p in tmp.iterdir())
+        stale = [p.name for pattern in EXPORT_WEIGHTS for p in out.glob(pattern)]
+        remove_entries(out, dict.fromkeys(names + stale))
+        for name in names:
+            (tmp / name).replace(out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cmd_run(args) -> int:
@@ -247,6 +273,16 @@ COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_r
             "tasks": cmd_tasks}
 
 
+def _main_rank() -> bool:
+    """Whether this process is rank 0 of a torchrun / srun / MPI launch (or not launched at all), read
+    from the launcher's variables without importing torch (an argument error answers at once)."""
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
+                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        if rank_var in os.environ and size_var in os.environ:
+            return os.environ[rank_var].strip() in ("0", "")
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit code (2 on bad input, with one line on stderr)."""
     try:
@@ -260,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.overrides = list(args.overrides) + extra
         return COMMANDS[args.command](args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if _main_rank():  # every rank refuses alike; one line from one process (torchrun adds its summary)
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except RuntimeError as e:
         from axonn.trainer import NonFiniteError  # deferred: see the module docstring

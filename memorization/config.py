@@ -10,11 +10,18 @@ from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
 from data_pipelines import is_chat_spec
 from memorization.goldfish import GoldfishConfig
 from memorization.lora import LoraSettings
+from memorization.outputs import check_name
 from memorize_core import ConfigError, fail
 
 PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")
 WANDB_MODES = ("offline", "online", "disabled")
+# The largest target epsilon accepted: e^epsilon bounds how much likelier any output becomes with a
+# row in the data; at 100 that factor is 2.7e43, a guarantee in name only (papers report 1 to 10).
+MAX_EPSILON = 100.0
+# Largest data.block_len / data.vocab_size: 2**24 is 16x the longest context and largest vocabulary in
+# use; beyond it the BPE trainer panics and a row of ids cannot be allocated.
+MAX_TOKENS = 2**24
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
 
 
@@ -45,6 +52,9 @@ class DPConfig:
             raise fail(f"{p}.noise_multiplier", self.noise_multiplier, "must be >= 0 (0: no noise)")
         if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
             raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
+        if self.target_epsilon is not None and self.target_epsilon > MAX_EPSILON:
+            raise fail(f"{p}.target_epsilon", self.target_epsilon, f"must be <= {MAX_EPSILON:g}: beyond it "
+                       f"e^epsilon (> {math.exp(MAX_EPSILON):.0e}) bounds nothing; use e.g. 8 or turn DP off")
         if not 0 < self.delta < 1:
             raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
         if not 0 < self.max_grad_norm < math.inf:
@@ -105,6 +115,9 @@ class DataConfig:
         for name in ("block_len", "vocab_size"):
             if getattr(self, name) < 2:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 2")
+            if getattr(self, name) > MAX_TOKENS:  # beyond: the tokenizer trainer and the allocator crash
+                raise fail(f"{prefix}.{name}", getattr(self, name), f"must be <= 2**24 = {MAX_TOKENS} (the "
+                           "longest contexts and largest vocabularies in use are ~1e6); pass e.g. 4096")
         for name in ("limit", "min_tokens", "held_out_limit"):
             if getattr(self, name) < 0:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
@@ -183,6 +196,9 @@ class RunConfig:
 
     def validate(self, prefix: str = "") -> None:
         """Cross-section checks."""
+        check_name("name", self.name)  # the default OUT is runs/NAME; experiments' run folders too
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
+            raise fail("seed", self.seed, "must be within [0, 2**63); pass e.g. 0")
         if self.parallel_mode not in ("easy", "paired"):
             raise fail("parallel_mode", self.parallel_mode, "choose easy or paired")
         if self.eval.extraction and self.eval.prefix + self.eval.suffix > self.data.block_len:

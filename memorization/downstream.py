@@ -7,8 +7,11 @@ runs it (serial or sharded, on every rank), `headline`/`task_table` turn the res
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -44,10 +47,18 @@ def check_tasks(names: Sequence[str], flag: str = "--tasks") -> list[str]:
     return names
 
 
+# Most in-context examples accepted: published lm-eval results use 0 to 25 (ARC 25, HellaSwag 10, MMLU 5);
+# 100 leaves room and still refuses values whose prompts no model's context could hold.
+MAX_FEWSHOT = 100
+
+
 def check_fewshot(value: int | None, flag: str = "--num-fewshot") -> None:
-    """None (each task's default) or an integer >= 0."""
+    """None (each task's default) or an integer in [0, MAX_FEWSHOT]."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise fail(flag, value, "pass the number of in-context examples, >= 0 (0 = zero-shot)")
+    if value is not None and value > MAX_FEWSHOT:
+        raise fail(flag, value, f"must be <= {MAX_FEWSHOT}: every example is a whole question and answer "
+                   "in every prompt (published results use 0 to 25); pass e.g. 5")
 
 
 def _manager(names: Sequence[str]) -> Any:
@@ -56,18 +67,40 @@ def _manager(names: Sequence[str]) -> Any:
     return task_manager(str(TASK_DIR), defaults=any(n not in BUNDLED_TASKS for n in names))
 
 
+@contextlib.contextmanager
+def stderr_to(path: str | Path | None) -> Iterator[None]:
+    """Send file descriptor 2 to `path` (appending) for the block, None: leave it. At the descriptor,
+    not sys.stderr, because lm-eval's log lines, tqdm bars and the `git` it runs all write there."""
+    if path is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "a", encoding="utf-8") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(log):  # where sys.stderr is not descriptor 2 (pytest, IDEs)
+                yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def score_tasks(model: Any, tokenizer: Any, names: Sequence[str], *, num_fewshot: int | None = None,
-                limit: int | None = None, batch_size: int = 16, grid: Any = None) -> dict[str, Any]:
+                limit: int | None = None, batch_size: int = 16, grid: Any = None,
+                log: str | Path | None = None) -> dict[str, Any]:
     """lm-eval on `model` (serial, or sharded over `grid`: call on every rank); the run_tasks dict.
 
-    A hub task that cannot reach its data is one ConfigError, not a traceback."""
+    `log`: a file that takes everything lm-eval prints (None: stderr). A hub task that cannot reach
+    its data is one ConfigError, not a traceback."""
     from evals.harness import run_tasks  # deferred: lm-eval imports in ~3 s
 
     names = parse_tasks(names)
     offline = all(n in BUNDLED_TASKS for n in names)
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"} if offline else {}
     try:
-        with mock.patch.dict(os.environ, env):  # restored afterwards, whatever happens
+        with mock.patch.dict(os.environ, env), stderr_to(log):  # both restored, whatever happens
             return run_tasks(model, tokenizer, names, num_fewshot=num_fewshot, limit=limit,
                              manager=_manager(names), batch_size=batch_size, grid=grid)
     except ConfigError:

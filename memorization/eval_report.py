@@ -8,17 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from memorization.downstream import task_table
+from memorization.outputs import check_writable
 from memorization.pipeline import RESULT_FILES
 from memorize_core import fail
 
-EVAL_FILES = ("report.json", "report.md", "extraction.jsonl")
+EVAL_FILES = ("report.json", "report.md", "extraction.jsonl", "lm-eval.log")
 
 
 def check_eval_out(out: str, overwrite: bool) -> Path:
     """Raise unless --out can take eval results (existing results need --overwrite); create nothing."""
     path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise fail("--out", out, "exists and is not a directory; choose another path")
+    check_writable("--out", out)  # before any work: permission, read-only, not a folder, no space
     # A training run's results count too: an eval must not silently land beside them.
     taken = [n for n in dict.fromkeys(EVAL_FILES + tuple(RESULT_FILES)) if (path / n).exists()]
     if taken and not overwrite:

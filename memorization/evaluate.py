@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import axonn
+from axonn.config import MAX_ROWS
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid, load_shape
@@ -35,7 +37,9 @@ from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.fits import check_fits, check_shape
 from memorization.models import load_sharded
+from memorization.outputs import check_inputs
 from memorization.parallel import Launch, launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
@@ -69,6 +73,7 @@ class EvalOptions:
     keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
     tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
     num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
+    verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
 
 
 @dataclass
@@ -94,6 +99,9 @@ def check_options(o: EvalOptions) -> None:
     for name in ("prefix", "suffix", "batch_size", "beams"):
         if getattr(o, name) < 1:
             raise fail(f"--{name.replace('_', '-')}", getattr(o, name), "must be >= 1")
+    if o.batch_size > MAX_ROWS:
+        raise fail("--batch-size", o.batch_size, f"must be <= {MAX_ROWS}: no memory holds that many "
+                   "sequences at once; pass e.g. 32")
     if o.max_tokens is not None and o.max_tokens < 2:
         raise fail("--max-tokens", o.max_tokens, "must be >= 2 (one context token and one scored token)")
     if o.limit < 0:
@@ -124,11 +132,23 @@ def _hf_config(flag: str, path: str) -> Any:
     if not (folder / "config.json").is_file():
         raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
                    "folder such as OUT/model of a training run")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings on a bad config would precede our one line
     try:
         return AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise fail(flag, path, f"has a config.json transformers cannot read ({type(e).__name__}: "
                    f"{str(e).splitlines()[0][:120]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _inputs(o: EvalOptions) -> dict[str, str | None]:
+    """Every path the evaluation reads (corpus names that are not paths are skipped by check_inputs)."""
+    found: dict[str, str | None] = {"--model": o.model, "--reference": o.reference, "--corpus": o.corpus,
+                                    "--members": o.members, "--non-members": o.non_members}
+    found.update({f"--perplexity[{i}]": p for i, p in enumerate(o.perplexity or [])})
+    return found
 
 
 def _unreadable(flag: str, path: str, e: BaseException) -> ConfigError:
@@ -292,10 +312,16 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     start = time.perf_counter()
     check_options(o)
     out = check_eval_out(o.out, o.overwrite) if o.out else None
+    if o.out:  # the report must not land in (or over) what the evaluation reads
+        check_inputs("--out", o.out, _inputs(o), entries=EVAL_FILES)
     config = _hf_config("--model", o.model)
+    check_shape("--model", o.model, config)  # 10^9 layers, a vocabulary of 0: before anything is built
     max_tokens = _max_tokens(o, config)
     ref_config = _hf_config("--reference", o.reference) if o.mia and o.reference else None
     grid = eval_grid(o, config, max_tokens)
+    check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
+    if ref_config is not None:
+        check_fits("--reference", o.reference, ref_config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
     mode = _mode(o, config)
     model, tok = _load("--model", o.model, grid, mode)
     if tok is None:
@@ -325,6 +351,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     if grid.distributed:
         report["mode"] = mode
     results: list[ExtractionResult] = []
+    log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
         if extraction is not None:
             report["extraction"], results = _extraction(o, model, tok, extraction)
@@ -332,15 +359,22 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
             report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
         if ppl:
             report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
-        if o.tasks:
+        if o.tasks:  # lm-eval's own output goes to a log beside the report (or a temp file) unless --verbose
+            log = None if o.verbose else Path(tempfile.mkstemp(prefix="memorize-lm-eval-", suffix=".log")[1])
             report["tasks"] = score_tasks(model, tok, o.tasks.split(","), num_fewshot=o.num_fewshot,
-                                          limit=o.limit or None, batch_size=o.batch_size, grid=grid)
+                                          limit=o.limit or None, batch_size=o.batch_size, grid=grid, log=log)
+            if log is not None:
+                report["tasks_log"] = str(out / "lm-eval.log") if out is not None else str(log)
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
         files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)
+        if log is not None:
+            files["lm-eval.log"] = log.read_text(encoding="utf-8", errors="replace")
         write_files(out, files, replace=EVAL_FILES)
+    if out is not None and log is not None:
+        log.unlink(missing_ok=True)  # moved beside the report
     return report
 
 

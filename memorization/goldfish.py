@@ -71,6 +71,10 @@ def check_params(strategy: str, k: int, h: int, prefix: str = "goldfish") -> Non
         raise fail(f"{prefix}.k", k, "k must be an integer >= 2 (drop 1 token in k; the paper uses 4)")
     if not isinstance(h, int) or isinstance(h, bool) or h < 1:
         raise fail(f"{prefix}.h", h, "h must be an integer >= 1 (hash context width; the paper uses 13)")
+    if k > 2**62 or h > 2**20:  # int64 hash arithmetic; a context wider than any row hashes nothing more
+        name, value = ("k", k) if k > 2**62 else ("h", h)
+        raise fail(f"{prefix}.{name}", value, f"must be <= {'2**62' if name == 'k' else '2**20'}; the paper "
+                   "uses k=4, h=13")
 
 
 def _multipliers(h: int) -> list[int]:

@@ -13,7 +13,6 @@ trained model where it is, on the run's grid (evals/scoring.py): nothing gathers
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: i
     CHECKPOINTS,
     RESULT_FILES,
     check_out_dir,
+    check_out_inputs,
     effective_trainer,
     plan_run,
 )
@@ -40,6 +40,7 @@ from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
 from memorization.lora import apply_lora, export_lora, trainable_params
 from memorization.models import build_model, count_params, is_pretrained, resolve_model_dir
+from memorization.outputs import remove_entries
 from memorization.parallel import is_main_process, resolve_grid
 from memorization.prepare import PreparedData, mia_sets, prepare_data
 from memorization.privacy import OpacusPrivacy
@@ -51,11 +52,7 @@ EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_
 def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
     """Create `out` for new results (after check_out_dir), clearing old ones when overwrite is set."""
     path = Path(out)
-    taken = check_out_dir(out, overwrite)
-    if taken:
-        for name in taken:
-            target = path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    remove_entries(path, check_out_dir(out, overwrite))  # only the run's own entries; links, not targets
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -257,6 +254,7 @@ def run_training(cfg: RunConfig, out: str | Path, *, data: PreparedData | None =
     start_run's (overwrite, grid, grid_spec, resume, progress, progress_position, callbacks).
     """
     check_out_dir(out, options.get("overwrite", False) or bool(options.get("resume")))  # before the data
+    check_out_inputs(cfg, out)  # OUT must not overlap the model, corpus or tokenizer it reads
     data = data or prepare_data(cfg)
     with start_run(cfg, out, data, **options) as run:
         train(run)

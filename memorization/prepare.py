@@ -11,6 +11,7 @@ from typing import Any
 
 from data_pipelines import (
     chat_blocks,
+    check_responses,
     extraction_pairs,
     is_chat_spec,
     load_chat,
@@ -105,6 +106,7 @@ def prepare_chat(cfg: RunConfig) -> PreparedData:
     """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
     d = cfg.data
     examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
+    check_responses(examples)  # before a tokenizer is trained and cached for this corpus
     held_examples = None
     if not d.held_out and d.held_out_fraction > 0:
         examples, held_examples = split_documents(examples, d.held_out_fraction, cfg.seed)

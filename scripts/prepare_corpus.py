@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memorization.outputs import check_inputs, check_writable
 from memorize_core import ConfigError, fail
 
 
@@ -124,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise fail("--out", args.out, "write a .jsonl file (data.corpus reads it with text_field=text)")
         if (out.exists() or manifest_path.exists()) and not args.overwrite:
             raise fail("--out", args.out, "exists; choose a new name or pass --overwrite")
+        # --overwrite replaces OUT and its manifest only, never an input (memorization/outputs.py)
+        check_inputs("--out", out, {f"inputs[{i}]": p for i, p in enumerate(args.inputs)})
+        check_inputs("--out", manifest_path, {f"inputs[{i}]": p for i, p in enumerate(args.inputs)})
+        check_writable("--out", out.parent)
         docs, manifest = collect(args)
         tokens = count_tokens(docs, args.tokenizer, args.block_len) if args.tokenizer else None
     except ConfigError as e:

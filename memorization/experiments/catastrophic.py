@@ -17,6 +17,7 @@ from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+from memorization.outputs import check_name
 from memorize_core import fail
 
 
@@ -30,8 +31,7 @@ class ModelSize:
 
     def validate(self, prefix: str = "sizes") -> None:
         """A plain, non-empty name (it names the run folders)."""
-        if not self.name or "/" in self.name:
-            raise fail(f"{prefix}.name", self.name, "give every size a plain name, e.g. small")
+        check_name(f"{prefix}.name", self.name)  # it names the run folders
 
 
 def _default_sizes() -> list[ModelSize]:

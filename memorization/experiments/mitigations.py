@@ -49,6 +49,7 @@ from memorization.experiments.questions import (
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
+from memorization.outputs import check_name
 from memorization.pipeline import run_training
 from memorization.prepare import PreparedData
 from memorize_core import fail
@@ -89,8 +90,7 @@ class Config(InjectionConfig, MiaSettings):
             raise fail("arms", self.arms, "give at least one arm, e.g. [{name: none, mitigation: none}]")
         names = [a.name for a in self.arms]
         for i, a in enumerate(self.arms):
-            if not a.name or "/" in a.name:
-                raise fail(f"arms[{i}].name", a.name, "give every arm a plain name (it names its run folder)")
+            check_name(f"arms[{i}].name", a.name)  # it names its run folder, OUT/runs/NAME
             arm_config(self, a, f"arms[{i}].overrides")  # every override parses into a valid run config
         if len(set(names)) != len(names):
             raise fail("arms", names, "arm names must be distinct")

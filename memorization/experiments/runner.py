@@ -11,7 +11,6 @@ running an experiment again resumes it; a changed setting retrains only the runs
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,10 +28,10 @@ from data_pipelines import load_corpus, split_documents, tokenize_documents
 from memorization.checks import check_runs
 from memorization.config import RunConfig
 from memorization.models import load_sharded
+from memorization.outputs import check_writable, remove_entries
 from memorization.parallel import is_main_process
 from memorization.pipeline import run_training
 from memorization.prepare import PreparedData, prepare_documents
-from memorize_core import fail
 
 REPORT_FILES = ("report.json", "report.md")
 
@@ -69,6 +68,7 @@ class Experiment:
     # resolves it into the grid that fits its own model (memorization.parallel.resolve_grid)
     grid_spec: str | None = None
     overwrite: bool = False
+    prepared: bool = False  # OUT made (and cleared with overwrite): prepare_out
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -77,21 +77,21 @@ class Experiment:
         return is_main_process()
 
     def open(self) -> Experiment:
-        """Create OUT (clearing runs and reports first with overwrite); fail if OUT is a file."""
-        if self.out.exists() and not self.out.is_dir():
-            raise fail("--out", str(self.out), "exists and is not a directory; choose another path")
-        if self.is_main:
-            if self.overwrite:
-                for name in ("runs",) + REPORT_FILES:
-                    target = self.out / name
-                    if target.is_dir():
-                        shutil.rmtree(target)
-                    elif target.exists():
-                        target.unlink()
-                for png in self.out.glob("*.png") if self.out.is_dir() else []:
-                    png.unlink()
-            (self.out / "runs").mkdir(parents=True, exist_ok=True)
+        """Check OUT can be written (not a file, permission, read-only, space); write nothing yet: OUT
+        is made (cleared with overwrite) once every sub-run passed its checks (`prepare_out`)."""
+        check_writable("--out", self.out)
         return self
+
+    def prepare_out(self) -> None:
+        """Create OUT/runs (with overwrite, first removing what the experiment writes: runs/, its
+        reports and plots, by name: memorization.outputs); once, on the main rank."""
+        if self.prepared or not self.is_main:
+            self.prepared = True
+            return
+        if self.overwrite and self.out.is_dir():
+            remove_entries(self.out, ["runs", *REPORT_FILES, *(p.name for p in self.out.glob("*.png"))])
+        (self.out / "runs").mkdir(parents=True, exist_ok=True)
+        self.prepared = True
 
     @property
     def seconds(self) -> float:
@@ -102,6 +102,7 @@ class Experiment:
         """Every sub-run checked on its prepared data (PreparedData, or one per config) before the first
         trains: the row-dependent refusals (DP-SGD's delta < 1/N, ...) too (memorization.checks)."""
         check_runs(configs, data, spec=self.grid_spec)
+        self.prepare_out()  # nothing is written before every refusal had its chance
 
     def run_dir(self, name: str) -> Path:
         """Folder of sub-run `name`."""
@@ -141,6 +142,7 @@ class Experiment:
         """
         if not per_run_wandb:
             cfg = replace(cfg, wandb=replace(cfg.wandb, mode="disabled"))
+        self.prepare_out()
         d = self.run_dir(cfg.name)
         key = {"run": run_key(cfg), "extra": extra_key or {}}
         reused = self.finished(cfg.name, key)
@@ -149,8 +151,7 @@ class Experiment:
         else:
             say(f"{cfg.name}: training")
             if self.is_main:
-                if d.exists():
-                    shutil.rmtree(d)  # a half-finished or outdated run: start it clean
+                remove_entries(d.parent, [cfg.name])  # a half-finished or outdated run: start it clean
                 d.mkdir(parents=True)
                 (d / "inputs.json").write_text(json.dumps(_jsonable(key), indent=1))
             if train is not None:

@@ -19,6 +19,7 @@ from typing import Any
 from axonn.config import apply_overrides, build, load_yaml
 from memorization.config import RunConfig
 from memorization.goldfish import STRATEGIES
+from memorization.outputs import check_name
 from memorize_core import fail
 
 LOSSES = ("standard", "goldfish")
@@ -36,8 +37,7 @@ class ExperimentConfig:
 
     def validate(self, prefix: str = "") -> None:
         """Checks shared by every experiment (subclasses call super().validate())."""
-        if not self.name or "/" in self.name:
-            raise fail("name", self.name, "give the experiment a plain name, e.g. goldfish-sweep")
+        check_name("name", self.name)  # the default OUT is runs/NAME
         if self.samples < 0:
             raise fail("samples", self.samples, "must be >= 0")
 

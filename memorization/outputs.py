@@ -1,0 +1,122 @@
+"""What a command may write and what `--overwrite` removes: one rule for every command.
+
+`--overwrite` removes only the entries the command itself writes (named, inside OUT), never anything
+else in OUT, never a symlink's target (a symlinked entry loses its link, its target stays), and never
+the command's own input: an OUT that is, contains or lies inside an input is refused before any work
+(`check_inputs`). `check_writable` finds an OUT that cannot be written before any work starts.
+Every command that takes --overwrite (train, run, demo, eval, export) goes through this module.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from memorize_core import fail
+
+
+def check_name(field: str, name: object) -> str:
+    """`name` as a plain file name (it becomes a folder under OUT); ConfigError otherwise."""
+    text = name if isinstance(name, str) else str(name)
+    bad = (not isinstance(name, str) or not text or text.startswith(".") or "/" in text or "\\" in text
+           or "\0" in text or text != text.strip())
+    if bad:
+        raise fail(field, name, "must be a plain file name (not empty, no '/', no leading '.', no "
+                   "surrounding spaces): it names a folder under OUT; rename it, e.g. 'arm-1'")
+    return text
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable(field: str, out: str | Path) -> None:
+    """ConfigError unless `out` (made if missing) can take files: the nearest existing folder on its
+    path is a folder this process may write, on a read-write file system with space left."""
+    path = Path(out)
+    if os.path.lexists(path) and not path.is_dir():
+        raise fail(field, str(out), "exists and is not a directory; choose another path")
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        raise fail(field, str(out), f"cannot be created: {base} is not a directory; choose another path")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise fail(field, str(out), f"cannot be written: permission denied on {base}; choose a folder "
+                   "you can write")
+    st = os.statvfs(base)
+    if st.f_flag & os.ST_RDONLY:
+        raise fail(field, str(out), f"cannot be written: {base} is on a read-only file system; choose "
+                   "another folder")
+    if st.f_bavail == 0:
+        raise fail(field, str(out), f"cannot be written: no space left on the file system of {base}; "
+                   "free some space or choose another folder")
+
+
+def _resolve(field: str, path: str | Path) -> Path:
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise fail(field, str(path), f"cannot be resolved ({type(e).__name__}: {e}); a symlink loop? "
+                   "point it at a real file or folder") from None
+
+
+def _overlap(out: Path, src: Path) -> str | None:
+    if out == src:
+        return "is"
+    if out in src.parents:
+        return "contains"
+    if src in out.parents:
+        return "lies inside"
+    return None
+
+
+def check_inputs(field: str, out: str | Path, inputs: Mapping[str, str | Path | None], *,
+                 entries: Iterable[str] | None = None) -> None:
+    """ConfigError when OUT overlaps an input of the command (`inputs`: option name -> path; None
+    and paths that do not exist are skipped). `entries`: the names the command writes in OUT; then an
+    input is only refused inside one of them (or when OUT is or lies inside it). Without `entries`
+    the whole of OUT is the command's (export) and any overlap is refused."""
+    dest = _resolve(field, out)
+    targets = [dest / e for e in entries] if entries is not None else [dest]
+    for name, value in inputs.items():
+        if value is None or not os.path.lexists(value):
+            continue
+        src = _resolve(name, value)
+        how = _overlap(dest, src)
+        if how == "contains" and entries is not None:
+            how = "contains" if any(t == src or t in src.parents for t in targets) else None
+        if how:
+            raise fail(field, str(out), f"{how} the input {name}={str(value)!r}; the command would write "
+                       "over what it reads: choose an output path outside it")
+
+
+def existing_entries(out: str | Path, names: Iterable[str]) -> list[str]:
+    """The entries of `names` present in OUT (a dangling symlink counts: writing would follow it)."""
+    path = Path(out)
+    return [n for n in names if os.path.lexists(path / n)]
+
+
+def remove_entries(out: str | Path, names: Iterable[str]) -> list[str]:
+    """Remove the entries `names` of OUT (the command's own outputs) and nothing else; return them.
+
+    A symlinked entry is unlinked (its target is never touched; rmtree itself never follows links
+    inside a folder). Names are checked first, so no name can reach outside OUT."""
+    path = Path(out)
+    removed = []
+    for name in names:
+        check_name("output entry", name)
+        target = path / name
+        if target.is_symlink() or (os.path.lexists(target) and not target.is_dir()):
+            target.unlink()
+        elif target.is_dir():
+            shutil.rmtree(target)
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+__all__ = ["check_inputs", "check_name", "check_writable", "existing_entries", "remove_entries"]
