@@ -33,6 +33,10 @@ REFUSALS = [
     ([], "1,3,1,1", 3, "grid.y=3: must divide hidden_size=32"),
     ([], "1,1,1,3", 3, "trainer.batch_size=4"),
     ([], "1,1,1,2", 3, "x*y*z*data=2 but the job has 3"),
+    # grid auto: the planner's choice is the plan's, refused the same way
+    (["trainer.micro_batch=3"], "auto", 2, "--grid='auto': no grid of 2 processes can run this config"),
+    # data-dependent: membership inference needs held-out documents (the dry run prepares the data)
+    (["eval.mia=true", "data.held_out_fraction=0.01"], "1,1,1,1", 1, "eval.mia=True: needs at least 2"),
 ]
 
 
