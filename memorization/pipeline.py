@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from axonn.config import to_dict
 from axonn.grid import ProcessGrid
+from axonn.hooks import Callback
 from axonn.sinks import JsonlSink, MetricSink
 from axonn.state import load_pretrained
 from axonn.swap import parallelize
-from axonn.trainer import Callback, Trainer
+from axonn.trainer import Trainer
 from axonn.watchdog import Watchdog, start_watchdog
 from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
     CHECKPOINTS,
@@ -151,7 +152,7 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     `grid_spec` (the --grid text) or cfg.grid (`auto`: the planner for this config and launch), and
     the ProcessGrid is made once the plan is made (memorization.parallel).
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
-    `callbacks` are Trainer callbacks (axonn.trainer.Callback: on_fit_start, on_step_end,
+    `callbacks` are Trainer callbacks (axonn.hooks.Callback: on_fit_start, on_step_end,
     on_epoch_end), called on every rank: the hook for per-pass evaluation.
     """
     is_main = is_main_process()

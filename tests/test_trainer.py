@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from helpers import rows, tiny_model
 
 from axonn.config import TrainerConfig
+from axonn.hooks import GradientHook
 from axonn.sinks import JsonlSink
-from axonn.trainer import IGNORE_INDEX, GradientHook, Trainer, lr_lambda
+from axonn.trainer import IGNORE_INDEX, Trainer, lr_lambda
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 

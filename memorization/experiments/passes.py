@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from axonn.trainer import Callback, Trainer
+from axonn.hooks import Callback
+from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.pipeline import (

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from axonn.grid import ProcessGrid
-from axonn.trainer import Callback, Trainer
+from axonn.hooks import Callback
+from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.experiments.catastrophic import ModelSize
