@@ -230,3 +230,23 @@ def test_trainer_chunked_run_on_grid(dims: tuple) -> None:
     world = dims[0] * dims[1] * dims[2] * dims[3]
     for chunked, full in run_distributed(_trainer_rank, world, dims, timeout=300):
         _same_run(chunked, full, 1e-5)
+
+
+def test_fused_chunk_kernels_trace_whole_and_match_eager() -> None:
+    """The per-chunk element-wise functions compiled on CUDA (`_fused`) trace as one graph each
+    (fullgraph, CPU aot_eager here) and give the eager results."""
+    from axonn.layers.chunked_ce import _chunk_stats, _softmax_grad
+
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(16, 300, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 300, (16,), generator=g)
+    own = torch.rand(16, generator=g) < 0.8
+    eager = _chunk_stats(y, idx, own)
+    compiled = torch.compile(_chunk_stats, backend="aot_eager", fullgraph=True)(y, idx, own)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    lse = eager[0].log() + eager[2]
+    w = torch.rand(16, generator=g)
+    grad = _softmax_grad(y, lse, w, idx, own, torch.bfloat16)
+    assert torch.equal(grad, torch.compile(_softmax_grad, backend="aot_eager", fullgraph=True)(
+        y, lse, w, idx, own, torch.bfloat16))
+    assert grad.dtype == torch.bfloat16

@@ -12,6 +12,10 @@ softmax - one-hot scaled by the incoming per-token gradient, and runs the two GE
 backward on it: dh (all-reduced over Y once for all chunks, then all-gathered over X, mirroring the
 split of h) and dW (accumulated in fp32 over the chunks, reduce-scattered over Z once).
 
+On CUDA the per-chunk element-wise work (max, exp, sum, target pick; softmax - one-hot, the cast)
+is one torch.compile'd kernel each way (`_fused`): the [chunk, vocab] block is then read in the
+GEMM dtype once per pass instead of being cast, shifted, exponentiated and summed in fp32 passes.
+
 Precision: the GEMMs run in the compute dtype (bf16 under autocast, as the unchunked head), every
 softmax sum in fp32 or wider (fp64 stays fp64, so the fp64 tests are exact). ignore_index targets get
 loss 0 and no gradient. Cost: one extra head GEMM per step (the recompute) against never writing
@@ -19,9 +23,11 @@ or reading the [tokens, vocab] logits, their fp32 copy and their softmax.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
+from torch.utils._triton import has_triton
 
 from axonn.grid import ProcessGrid
 from axonn.layers.functions import _at_least_fp32, _gather, _reduce_weight_grad
@@ -29,10 +35,50 @@ from memorize_core import IGNORE_INDEX
 
 
 def _logits(xs: torch.Tensor, w: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
-    """One chunk's logits over this rank's vocabulary slice, at least fp32 (all-reduced over X)."""
+    """One chunk's logits over this rank's vocabulary slice in the GEMM dtype (all-reduced over X)."""
     y = xs @ w.t()
     grid.comm.all_reduce(y, "x")  # partial sums over the hidden slices, in the GEMM dtype as the head
-    return _at_least_fp32(y)
+    return y
+
+
+def _chunk_stats(y: torch.Tensor, idx: torch.Tensor, own: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of exp(logit - max), target logit - max, max) of one chunk whose vocabulary is whole (Y = 1)."""
+    lf = _at_least_fp32(y)
+    gmax = lf.max(dim=-1).values
+    shifted = lf - gmax.unsqueeze(-1)
+    pick = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * own
+    return shifted.exp().sum(dim=-1), pick, gmax
+
+
+def _softmax_grad(y: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, idx: torch.Tensor,
+                  own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """d(sum_i g_i CE_i)/d logits of one chunk: (softmax - one-hot) * g, cast to the GEMM dtype."""
+    grad = (_at_least_fp32(y) - lse.unsqueeze(-1)).exp() * g.unsqueeze(-1)
+    grad = grad.scatter_add(-1, idx.unsqueeze(-1), (-g * own).unsqueeze(-1))
+    return grad.to(dtype)
+
+
+_COMPILED: dict[Any, Any] = {}  # fn -> its torch.compile'd twin; None once a compile failed
+
+
+def _fused(fn: Any, device: torch.device) -> Any:
+    """`fn` compiled into one kernel per chunk on CUDA (the [chunk, V] block is read once in the
+    GEMM dtype instead of five fp32 passes); the eager `fn` elsewhere, or after a failed compile."""
+    if device.type != "cuda" or not has_triton() or _COMPILED.get(fn, 0) is None:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+
+    def call(*args: Any) -> Any:
+        try:
+            return _COMPILED[fn](*args)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure: run eagerly, say so once
+            warnings.warn(f"chunked cross-entropy: torch.compile of {fn.__name__} failed "
+                          f"({type(e).__name__}); running it eagerly", stacklevel=2)
+            _COMPILED[fn] = None
+            return fn(*args)
+    return call
 
 
 def _target_index(targets: torch.Tensor, start: int, n_local: int, ignore_index: int
@@ -64,15 +110,20 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             acc = _at_least_fp32(torch.empty((), dtype=dtype)).dtype
             lse = torch.empty(targets.shape[0], dtype=acc, device=h.device)
             loss = torch.empty_like(lse)
+            stats = _fused(_chunk_stats, h.device)
             for s in range(0, targets.shape[0], chunk):
                 e = min(s + chunk, targets.shape[0])
-                logits = _logits(xs[s:e], w, grid)
-                gmax = logits.max(dim=-1).values
-                comm.all_reduce(gmax, "y", op="max")
-                shifted = logits.sub_(gmax.unsqueeze(-1))
-                pick = shifted.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1) * own[s:e]
-                sums = torch.stack([shifted.exp_().sum(dim=-1), pick])
-                comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
+                if grid.y == 1:  # the whole vocabulary here: one pass over the chunk's logits
+                    sum_exp, pick, gmax = stats(_logits(xs[s:e], w, grid), idx[s:e], own[s:e])
+                    sums = torch.stack([sum_exp, pick])
+                else:
+                    logits = _at_least_fp32(_logits(xs[s:e], w, grid))
+                    gmax = logits.max(dim=-1).values
+                    comm.all_reduce(gmax, "y", op="max")
+                    shifted = logits.sub_(gmax.unsqueeze(-1))
+                    pick = shifted.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1) * own[s:e]
+                    sums = torch.stack([shifted.exp_().sum(dim=-1), pick])
+                    comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
                 log_sum = sums[0].log()
                 loss[s:e] = (log_sum - sums[1]) * valid[s:e]  # the unchunked CE's exact expression
                 lse[s:e] = log_sum + gmax
@@ -93,12 +144,10 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             dx = torch.empty(xs.shape, dtype=ctx.h_dtype, device=xs.device)
             # fp32 accumulation of dW over the chunks (fp64 stays fp64)
             dw = torch.zeros(w.shape, dtype=lse.dtype, device=xs.device)
+            softmax_grad = _fused(_softmax_grad, xs.device)
             for s in range(0, xs.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, xs.shape[0])
-                grad = _logits(xs[s:e], w, grid).sub_(lse[s:e].unsqueeze(-1)).exp_()  # softmax
-                grad.mul_(g[s:e].unsqueeze(-1))
-                grad.scatter_add_(-1, idx[s:e].unsqueeze(-1), (-g[s:e] * own[s:e]).unsqueeze(-1))
-                gd = grad.to(dtype)
+                gd = softmax_grad(_logits(xs[s:e], w, grid), lse[s:e], g[s:e], idx[s:e], own[s:e], dtype)
                 dx[s:e] = gd @ w
                 if dtype == dw.dtype:
                     dw.addmm_(gd.t(), xs[s:e])
