@@ -39,9 +39,11 @@ from bench_gpu import build
 
 import axonn
 from axonn.compile import compile_blocks
-from axonn.lm_head import LossHead
-from axonn.plan.model import model_flops
+from axonn.lm_head import LossHead, auto_chunk
+from axonn.plan.calibrate import get_hardware
+from axonn.plan.model import model_flops, predict
 from axonn.plan.shapes import load_shape
+from axonn.plan.volumes import Grid
 from axonn.schedule import EngineOptions
 
 ARMS = ("engine", "engine+chunked", "engine+compile", "engine+both", "hf", "hf+compile", "hf+liger",
@@ -96,6 +98,17 @@ def make_arm(arm: str, shape: Any, seq: int, device: str, backend: str,
     return model, hf_step
 
 
+def _predicted(args: argparse.Namespace, shape: Any, batch: int) -> float:
+    """The planner's step time for an engine arm at `batch` (with the chunked head's terms when it chunks)."""
+    chunk = 0
+    if "chunked" in args.arm or "both" in args.arm:
+        tokens = batch * (args.seq - 1)
+        chunk = auto_chunk(shape.vocab) if args.loss_chunk == "auto" else int(args.loss_chunk)
+        chunk = chunk if tokens > chunk or args.loss_chunk != "auto" else 0
+    return predict(shape, Grid(1, 1, 1, 1), args.seq, batch, get_hardware(args.hardware), gpus_per_node=1,
+                   mode="paired", loss_chunk=chunk).time_s
+
+
 def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     """Time one arm at every batch of --batches; one JSON row per batch."""
     shape = load_shape(args.model)
@@ -142,10 +155,14 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
         row.update(step_s=med, times=times, first_loss=first, tokens_per_s=b * args.seq / med,
                    mfu=flops / med / 1e12 / args.peak_tflops,
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+        if args.arm.startswith("engine"):
+            row["predicted_step_s"] = _predicted(args, shape, b)
         rows.append(row)
         print(f"{args.arm:<17} batch {b}: step {med:.4f} s, {row['tokens_per_s']:,.0f} tok/s, "
               f"MFU {100 * row['mfu']:.1f}%, peak {row['peak_gib']:.1f} GiB, "
-              f"warm-up {row['warmup_s']:.1f} s, first loss {first:.4f}", flush=True)
+              f"warm-up {row['warmup_s']:.1f} s, first loss {first:.4f}"
+              + (f", planner {row['predicted_step_s']:.4f} s" if "predicted_step_s" in row else ""),
+              flush=True)
         common.report(f"peer_{args.arm.replace('+', '_')}_b{b}_mfu", row["mfu"])
     del model, step
     return {"arm": args.arm, "model": args.model, "seq": args.seq, "device": common.machine()["device"],
@@ -180,10 +197,13 @@ def table(folder: Path) -> int:
                 cells.append(r.get("error", "not run") if r else "not run")
             else:
                 rel = f"{r['step_s'] / best[b]:.3f}" if best[b] else "-"
-                cells.append(f"{100 * r['mfu']:.1f}%, {r['peak_gib']:.1f}, {rel}")
+                pred = r.get("predicted_step_s")
+                pred = f", planner {pred / r['step_s']:.2f}x" if pred else ""
+                cells.append(f"{100 * r['mfu']:.1f}%, {r['peak_gib']:.1f}, {rel}{pred}")
         print(f"| {d['arm']} | " + " | ".join(cells) + " |")
     dev = {d.get("device") for d in data if d.get("device")}
-    print(f"(device: {', '.join(sorted(dev))}; step / best HF < 1: faster than the best HF arm)")
+    print(f"(device: {', '.join(sorted(dev))}; step / best HF < 1: faster than the best HF arm; "
+          "planner: predicted / measured step)")
     return 0
 
 
@@ -199,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--hardware", default="h100", help="planner preset for the predicted step")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of the compile arms")
     ap.add_argument("--loss-chunk", type=lambda s: s if s in ("auto", "off") else int(s), default="auto",
                     help="the chunked arms' trainer.loss_chunk (dry runs: a small number, to chunk at all)")
