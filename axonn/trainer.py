@@ -230,7 +230,9 @@ class Trainer:
         # a custom hook may watch the head as a module (DP-SGD's per-example hooks): full logits then
         plain_hook = type(self.gradient_hook) is GradientHook
         self.loss_head = LossHead(model, grid, cfg.loss_chunk, hook_ok=plain_hook)
-        self.compiled_blocks = compile_blocks(model, cfg.compile, self.device)
+        # auto never compiles under a custom hook: its module hooks (DP-SGD's) are not the compiler's
+        self.compiled_blocks = compile_blocks(model, cfg.compile if plain_hook or cfg.compile is True
+                                              else False, self.device)
         self.steps_per_epoch, self.total_steps = cfg.planned_steps(len(train_data))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import StaticCache
 
 from axonn.engine import engine_of
-from evals._model import cache_keyword, evaluating, model_device
+from evals._model import cache_keyword, model_device
 from memorize_core import fail
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: StaticDecoder}
@@ -97,5 +97,10 @@ def static_greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor, m
         raise fail("prefixes", getattr(prefixes, "shape", type(prefixes).__name__),
                    "pass a LongTensor of shape [batch, prefix_len]")
     dec = static_decoder(model, prefixes.shape[0], prefixes.shape[1] + max_new_tokens, **kw)
-    with evaluating(model):
-        return dec.generate(prefixes.to(model_device(model)), max_new_tokens)
+    was_training = model.training
+    model.eval()
+    try:  # no_grad, not inference_mode: HF's own static-cache generate runs CUDA graphs this way
+        with torch.no_grad():
+            return dec.generate(prefixes.to(model_device(model)), max_new_tokens)
+    finally:
+        model.train(was_training)
