@@ -60,13 +60,13 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   DRY=0
   PEERS="--model llama-1b --seq 2048 --batches 4,8 --steps 6 --warmup 2"
   DECODE="--model llama-1b --batch 256 --prefix 32 --new 32 --reps 3"
-  EAGER_S=75 COMPILE_S=120
+  EAGER_S=75 COMPILE_S=120 DECODE_S=110
 else
   DRY=1
   echo "no CUDA device: dry run on CPU (tiny shapes; the figures mean nothing)" | tee -a "$LOG"
   PEERS="--device cpu --model tiny --seq 64 --batches 2,4 --steps 1 --warmup 1 --backend aot_eager --loss-chunk 32"
   DECODE="--device cpu --model tiny --batch 4 --prefix 8 --new 4 --reps 1 --backend eager"
-  EAGER_S=120 COMPILE_S=240
+  EAGER_S=180 COMPILE_S=300 DECODE_S=300
   BUDGET=${DRY_BUDGET:-1500}
 fi
 
@@ -79,7 +79,7 @@ for arm in engine+both hf+compile engine hf; do
   case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
   step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
 done
-step decode 110 python3 benchmarks/bench_decode.py $DECODE --out "$OUT"
+step decode "$DECODE_S" python3 benchmarks/bench_decode.py $DECODE --out "$OUT"
 for arm in engine+chunked engine+compile hf+liger+compile hf+liger; do
   case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
   step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
