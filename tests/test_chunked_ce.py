@@ -92,6 +92,11 @@ def test_setting_refusals() -> None:
             check_loss_chunk(bad)
     check_loss_chunk("auto")
     check_loss_chunk(128)
+    from axonn.config import TrainerConfig, build
+
+    with pytest.raises(ConfigError, match=r"trainer.loss_chunk=0: tokens per chunk .* >= 1"):
+        build(TrainerConfig, {"loss_chunk": 0}, "trainer")
+    assert build(TrainerConfig, {"loss_chunk": 2048}, "trainer").loss_chunk == 2048
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ConfigError, match="does not apply"):
         LossHead(plain, ProcessGrid.serial(), 64)
