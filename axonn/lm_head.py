@@ -7,7 +7,7 @@ engine's vocab-parallel `head` layer) to `chunked_cross_entropy`, so the [tokens
 never built. It applies only where that identity holds and nothing else watches the head:
 - the model is a transformers PreTrainedModel (`base_model_prefix`) whose head has no bias and whose
   config scales or caps no logits (Gemma-2 softcapping, Cohere/Granite logit scales);
-- the trainer's gradient hook is the plain one (DP-SGD's per-example hooks need the head as a module).
+- the trainer's gradient hook is the plain one (a hook's per-example module hooks need the head as a module).
 `auto` chunks when a micro-batch's logits would exceed AUTO_ELEMENTS on this rank (a 1B Llama at
 4 x 2048 tokens: yes; the tiny CPU models: never, so their steps are unchanged) and falls back to full
 logits, silently, where the chunked path does not apply; an explicit chunk size refuses there.

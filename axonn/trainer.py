@@ -227,10 +227,10 @@ class Trainer:
         self.gradient_hook = gradient_hook if gradient_hook is not None else GradientHook()
         self.gradient_hook.attach(self.model, self.optimizer, grid)
         # the loss's forward: full logits, or hidden states through the chunked head (axonn/lm_head.py);
-        # a custom hook may watch the head as a module (DP-SGD's per-example hooks): full logits then
+        # a custom hook may watch the head as a module (per-example module hooks): full logits then
         plain_hook = type(self.gradient_hook) is GradientHook
         self.loss_head = LossHead(model, grid, cfg.loss_chunk, hook_ok=plain_hook)
-        # auto never compiles under a custom hook: its module hooks (DP-SGD's) are not the compiler's
+        # auto never compiles under a custom hook: its per-example module hooks are not the compiler's
         self.compiled_blocks = compile_blocks(model, cfg.compile if plain_hook or cfg.compile is True
                                               else False, self.device)
         self.steps_per_epoch, self.total_steps = cfg.planned_steps(len(train_data))
