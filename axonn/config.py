@@ -175,6 +175,13 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def check_loss_chunk(value: Any, field: str = "trainer.loss_chunk") -> None:
+    """Refuse anything but 'auto', 'off' or a chunk of >= 1 tokens, in one line."""
+    if isinstance(value, bool) or not (value in ("auto", "off") or (isinstance(value, int) and value >= 1)):
+        raise fail(field, value, "tokens per chunk of the LM head's cross-entropy: an integer >= 1 "
+                   "(e.g. 1024), 'auto' (chunk when the logits are large) or 'off' (full logits)")
+
+
 # -- the trainer's section (axonn.trainer.Trainer reads it; memorization's RunConfig nests a subclass) --
 
 
@@ -200,6 +207,10 @@ class TrainerConfig:
     grad_accum: int = 1
     micro_batch: int = 0  # rows per rank per micro-batch (the planner's unit); 0 = batch_size/grad_accum
     activation_checkpointing: bool = False  # recompute each decoder block's forward in backward
+    # LM head + CE a chunk of tokens at a time, never the full logits (axonn/lm_head.py): tokens per
+    # chunk, "auto" (when a micro-batch's logits are large) or "off"
+    loss_chunk: int | str = "auto"
+    compile: bool | str = "auto"  # torch.compile each transformer block; auto: on CUDA (axonn/compile.py)
     epochs: int = 1
     max_steps: int = 0  # > 0 overrides epochs
     eval_every: int = 0  # optimizer steps; 0 = only at the end
@@ -260,6 +271,10 @@ class TrainerConfig:
             raise fail(f"{prefix}.max_bad_steps", self.max_bad_steps, "must be >= 1")
         if not self.collective_timeout_s > 0:
             raise fail(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
+        check_loss_chunk(self.loss_chunk, f"{prefix}.loss_chunk")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise fail(f"{prefix}.compile", self.compile, "choose true (compile each transformer block), "
+                       "false, or auto (compile on CUDA, not on CPU)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise fail(f"{prefix}.precision", self.precision, "choose auto, fp32 or bf16")
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from axonn import checkpoint
+from axonn.compile import compile_blocks
 from axonn.config import TrainerConfig
 from axonn.engine import (
     all_reduce_sum,
@@ -33,6 +34,7 @@ from axonn.engine import (
 from axonn.grid import ProcessGrid
 from axonn.hooks import Callback, GradientHook, RowDataset
 from axonn.layers.functions import cross_entropy, token_cross_entropy
+from axonn.lm_head import HiddenStates, LossHead
 from axonn.sinks import MetricSink
 from axonn.state import save_pretrained
 from memorize_core import IGNORE_INDEX, Batch, fail
@@ -150,6 +152,13 @@ class Trainer:
         cfg.check_gradient_hook(gradient_hook)  # settings only a particular hook carries out need it
         self.gradient_hook = gradient_hook if gradient_hook is not None else GradientHook()
         self.gradient_hook.attach(self.model, self.optimizer, grid)
+        # the loss's forward: full logits, or hidden states through the chunked head (axonn/lm_head.py);
+        # a custom hook may watch the head as a module (per-example module hooks): full logits then
+        plain_hook = type(self.gradient_hook) is GradientHook
+        self.loss_head = LossHead(model, grid, cfg.loss_chunk, hook_ok=plain_hook)
+        # auto never compiles under a custom hook: its per-example module hooks are not the compiler's
+        self.compiled_blocks = compile_blocks(model, cfg.compile if plain_hook or cfg.compile is True
+                                              else False, self.device)
         self.steps_per_epoch, self.total_steps = cfg.planned_steps(len(train_data))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -207,15 +216,18 @@ class Trainer:
         return shard_batch(t, self.grid)
 
     # -- loss --------------------------------------------------------------------------------
-    def _ce_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ce_sum(self, logits: torch.Tensor | HiddenStates,
+                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of CE over non-ignored targets, their count) for this rank's rows."""
+        if isinstance(logits, HiddenStates):  # the chunked head: the same CE, never the full logits
+            return logits.token_ce(targets).sum(), (targets != IGNORE_INDEX).sum()
         if self.on_engine:
             return cross_entropy(logits, targets, self.grid, ignore_index=IGNORE_INDEX)
         flat = logits.float().reshape(-1, logits.shape[-1])
         loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, (targets != IGNORE_INDEX).sum()
 
-    def _ce_split(self, logits: torch.Tensor, targets: torch.Tensor,
+    def _ce_split(self, logits: torch.Tensor | HiddenStates, targets: torch.Tensor,
                   real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(per-token CE over `targets`, 0 elsewhere; CE sum and count over the real tokens the
         transform dropped).
@@ -223,12 +235,13 @@ class Trainer:
         One CE over every real token -- what standard loss costs -- split by mask, instead of a
         second softmax pass for the dropped-token metric.
         """
-        ce = token_cross_entropy(logits, real, self.grid, ignore_index=IGNORE_INDEX)
+        ce = logits.token_ce(real) if isinstance(logits, HiddenStates) else \
+            token_cross_entropy(logits, real, self.grid, ignore_index=IGNORE_INDEX)
         keep = (targets != IGNORE_INDEX).reshape(-1)
         dropped = (real != IGNORE_INDEX).reshape(-1) & ~keep
         return torch.where(keep, ce, 0.0), torch.where(dropped, ce.detach(), 0.0).sum(), dropped.sum()
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, base: torch.Tensor) -> tuple[
+    def _loss(self, logits: torch.Tensor | HiddenStates, targets: torch.Tensor, base: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(CE sum over `targets`, CE sum and count of the real tokens the label transform dropped, each
         token's CE or None) for this rank's rows; `base` are the micro-batch's untransformed labels.
@@ -287,7 +300,7 @@ class Trainer:
             # gradient all-reduces launched during backward wait for the last micro-batch
             with self._no_sync(m + 1 < accum):
                 with self._autocast():
-                    logits = model(input_ids=ids).logits[:, :-1]
+                    logits = self.loss_head.forward(ids)  # logits[:, :-1] or the chunked head's input
                 loss_sum, d_sum, d_cnt, token_losses = self._loss(logits, tgt, base[rows])
                 hook.objective(loss_sum, denom, token_losses, tgt).backward()
                 hook.after_backward()
@@ -325,7 +338,7 @@ class Trainer:
                 ids = torch.cat([ids, ids[:1].expand(pad, -1)])
                 lab = torch.cat([lab, torch.full_like(lab[:1], IGNORE_INDEX).expand(pad, -1)])
             with self._autocast():
-                logits = self.model(input_ids=self._shard(ids).to(self.device)).logits[:, :-1]
+                logits = self.loss_head.forward(self._shard(ids).to(self.device))
             s, c = self._ce_sum(logits, self._shard(lab)[:, 1:].to(self.device))
             total += torch.tensor([s.item(), c.item()], dtype=torch.float64)
         s, c = self._reduce(total).tolist()

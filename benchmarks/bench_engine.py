@@ -24,6 +24,7 @@ from common import alternate, ratio, report
 import axonn
 from axonn.config import TrainerConfig
 from axonn.grid import ProcessGrid
+from axonn.lm_head import LossHead, token_cross_entropy_of
 from axonn.schedule import EngineOptions
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
@@ -57,16 +58,22 @@ def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 
 
 def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-                labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None) -> torch.Tensor:
+                labels: torch.Tensor, grid: ProcessGrid, autocast: str | None = None,
+                head: LossHead | None = None) -> torch.Tensor:
     """The same step through the engine's contract (shard, vocab-aware CE, sync, global clip);
-    `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast). Returns
-    this rank's token-loss sum over the global token count (the mean loss on a 1-shard grid)."""
+    `autocast`: a device type whose forward runs under bf16 autocast (None: no autocast); `head`:
+    the Trainer's loss forward (axonn.lm_head: the chunked LM head when it chunks) instead of the
+    full logits. Returns this rank's token-loss sum over the global token count (the mean loss on a
+    1-shard grid)."""
     # every rank holds the global batch (as in the Trainer): the token count needs no collective
     count = max(int((labels[:, 1:] != -100).sum()), 1)
     ids, labels = axonn.shard_batch(ids, grid), axonn.shard_batch(labels, grid)
     with _amp(autocast):
-        logits = model(input_ids=ids).logits[:, :-1]
-    loss, _ = axonn.cross_entropy(logits, labels[:, 1:], grid)
+        logits = head.forward(ids) if head is not None else model(input_ids=ids).logits[:, :-1]
+    if head is not None:
+        loss = token_cross_entropy_of(logits, labels[:, 1:], grid).sum()
+    else:
+        loss, _ = axonn.cross_entropy(logits, labels[:, 1:], grid)
     loss = loss / count
     loss.backward()
     axonn.sync_gradients(model, grid)

@@ -11,6 +11,7 @@ autocast (fp32 master weights).  MFU uses the planner's model-flops convention
                                    [--checkpoint] [--peak-tflops 989] [--device cuda] [--profile]
     python benchmarks/bench_gpu.py --vs-torch [--model llama-1b] [--batch 4] [--reps 10]
     python benchmarks/bench_gpu.py --bf16-check [--steps 20]
+    python benchmarks/bench_gpu.py --peers [--model llama-1b] [--out DIR]
 
 Targets (the issue): MFU >= 55% on one H100; predicted peak memory within 10% of measured;
 engine / plain PyTorch <= 1.03.
@@ -21,6 +22,9 @@ engine / plain PyTorch <= 1.03.
                 autocast, fused AdamW, torch's own clip_grad_norm_), the two stepped alternately in
                 one process: `gpu_engine_1111_vs_torch` (engine / torch, the median of the per-round
                 ratios; < 1 means the engine is faster); gpu_vs_torch.json
+  --peers       the engine (as is, + chunked head, + compile, both) beside HF eager / + compile /
+                + Liger (+ compile) at batch 4 and 8: each arm of benchmarks/bench_peers.py in its own
+                process, then their table (peers_*.json in --out, default benchmarks/results)
   --bf16-check  `--steps` (20) steps of the engine and of plain PyTorch from the same init on the same
                 batches of the SMALL Llama under bf16 autocast, and plain PyTorch in fp32 for scale:
                 both loss curves and the largest differences (gpu_bf16.json)
@@ -30,9 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import common
@@ -314,6 +321,20 @@ def bf16_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def peers(args: argparse.Namespace) -> int:
+    """bench_peers.py's arms one process each (Liger patches transformers; 1B + AdamW is ~20 GB), then
+    their table."""
+    import bench_peers  # deferred: bench_peers imports `build` from this module (a cycle at import time)
+
+    here = Path(__file__).resolve().parent
+    out = Path(args.out or common.RESULTS)
+    for arm in bench_peers.ARMS:
+        cmd = [sys.executable, str(here / "bench_peers.py"), "--arm", arm, "--model", args.model,
+               "--seq", str(args.seq), "--batches", "4,8", "--device", args.device, "--out", str(out)]
+        subprocess.run(cmd, check=False)
+    return bench_peers.table(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check the device, run the chosen mode, print its table, write its JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -332,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--vs-torch", action="store_true")
     mode.add_argument("--bf16-check", action="store_true")
+    mode.add_argument("--peers", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     err = _check_cuda(args.device)
     if err:
         print(f"bench_gpu: error: {err}")
         return 2
+    if args.peers:
+        return peers(args)
     if args.bf16_check:
         args.steps = args.steps or 20
         return bf16_check(args)

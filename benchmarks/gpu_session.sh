@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Everything the GPU checks need, in one call of at most 10 minutes on a fresh single-GPU machine
-# (issue 21): throughput/MFU/memory, engine vs plain PyTorch, bf16 equality, the GPU-marked tests,
-# a torchrun (NCCL) training run with checkpoint and export, extraction vs HF generate.
+# The GPU checks of issue 32 in ONE call of at most 9 minutes (BUDGET seconds, default 530) on a
+# fresh single-GPU machine: the engine's training step at 1,1,1,1 beside the single-GPU peers
+# (engine as is / + chunked LM head / + per-block compile / both; HF eager, HF + compile, HF + Liger
+# (+ compile) when liger-kernel is carried), at batch 4 and 8 (llama-1b shape, seq 2048, bf16), one
+# table; then decoding (HF generate, HF static-cache generate, greedy_generate, the compiled
+# static-cache decode; tokens compared row by row); then the GPU-marked tests of this issue.
+# Every step is time-limited (`timeout`) and no step starts past the budget.
 #
-#   bash benchmarks/gpu_session.sh [OUT_DIR]
+#   bash benchmarks/gpu_session.sh [OUT_DIR]          # FULL=1 adds issue 21's older checks at the end
 #
-# The machine needs torch (CUDA), transformers, peft, safetensors, scikit-learn, matplotlib, pyyaml,
-# tqdm, pytest. What it lacks (gensim for the bundled corpora, rouge-score + nltk for evals.metrics,
-# smart-open for gensim) is installed from wheels in .whl/ when that folder exists:
+# Without CUDA it runs the same steps as a dry run on CPU (tiny shape, aot_eager/eager compile
+# backends, a forced small chunk): numbers meaningless, code paths end to end.
+#
+# The machine needs torch (CUDA), transformers, safetensors, pyyaml, tqdm, pytest. What it lacks is
+# installed from wheels in .whl/ when that folder exists (carry it with the run tool):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#       -d .whl gensim==4.4.0 smart-open==9.0.2 nltk==3.10.4 ; pip wheel --no-deps rouge-score==0.1.2 -w .whl
+#       -d .whl gensim==4.4.0 smart-open==9.0.2 nltk==3.10.4 liger-kernel==0.8.5
+#   pip wheel --no-deps rouge-score==0.1.2 -w .whl
+# (liger-kernel only for the two Liger arms; without it they print "skipped".)
 # W&B is switched off (WANDB_MODE=disabled): it is not on the machine and nothing here needs it.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/gpu_session}}
+BUDGET=${BUDGET:-530}
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -27,35 +36,70 @@ else
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log, record the status
+step() {  # step NAME SECONDS COMMAND...: run with a time limit (cut to the budget left), log, record
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  if [ "$left" -lt 15 ]; then
+    echo "=== $name: not started (budget of ${BUDGET}s spent)" | tee -a "$LOG"
+    SUMMARY+=("$(printf '%-22s not started (budget)' "$name")")
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | grep -v -E "it/s\]|step/s\]|req/s\]" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "it/s\]|step/s\]|req/s\]|FutureWarning|return forward_call" \
+    | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
   SUMMARY+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
 }
 SUMMARY=()
 
-step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv;
-  python3 -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
-  transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"'
-B=benchmarks/bench_gpu.py
-step mfu-b4 110 python3 $B --model llama-1b --seq 2048 --batch 4 --out "$OUT/gpu_b4.json"
-step mfu-b8-ckpt 110 python3 $B --model llama-1b --seq 2048 --batch 8 --checkpoint --out "$OUT/gpu_b8_ckpt.json"
-step vs-torch 120 python3 $B --vs-torch --model llama-1b --seq 2048 --batch 4 --reps 10 --profile \
-  --out "$OUT/gpu_vs_torch.json"
-step bf16-check 60 python3 $B --bf16-check --steps 20 --out "$OUT/gpu_bf16.json"
-step pytest-gpu 100 python3 -m pytest -m gpu -q -p no:cacheprovider $(grep -l "mark.gpu" tests/test_*.py)
-T="torchrun --nproc-per-node 1 -m memorization train configs/train/tiny-wiki.yaml --grid 1,1,1,1"
-step torchrun-train 120 bash -c "rm -rf /tmp/gpu_train && $T trainer.checkpoint_every=250 --out /tmp/gpu_train \
-  && ls /tmp/gpu_train /tmp/gpu_train/checkpoints /tmp/gpu_train/model && tail -2 /tmp/gpu_train/metrics.jsonl"
-step torchrun-resume 90 bash -c "rm -rf /tmp/gpu_resume && $T trainer.checkpoint_every=250 --out /tmp/gpu_resume \
-  --resume /tmp/gpu_train/checkpoints/step-00000500 && tail -2 /tmp/gpu_resume/metrics.jsonl"
-step extraction 80 python3 benchmarks/bench_extraction.py --device cuda --reps 5 --out "$OUT/extraction.json"
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  DRY=0
+  PEERS="--model llama-1b --seq 2048 --batches 4,8 --steps 6 --warmup 2"
+  DECODE="--model llama-1b --batch 256 --prefix 32 --new 32 --reps 3"
+  EAGER_S=75 COMPILE_S=120 DECODE_S=110
+else
+  DRY=1
+  echo "no CUDA device: dry run on CPU (tiny shapes; the figures mean nothing)" | tee -a "$LOG"
+  PEERS="--device cpu --model tiny --seq 64 --batches 2,4 --steps 1 --warmup 1 --backend aot_eager --loss-chunk 32"
+  DECODE="--device cpu --model tiny --batch 4 --prefix 8 --new 4 --reps 1 --backend eager"
+  EAGER_S=180 COMPILE_S=300 DECODE_S=300
+  BUDGET=${DRY_BUDGET:-1500}
+fi
 
-echo "=== summary" | tee -a "$LOG"
+step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null;
+  python3 -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+  transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else \"cpu\")"'
+P=benchmarks/bench_peers.py
+# the arms that decide the issue first (engine with both switches vs the best HF peer), then the rest
+for arm in engine+both hf+compile engine hf; do
+  case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
+  step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
+done
+step decode "$DECODE_S" python3 benchmarks/bench_decode.py $DECODE --out "$OUT"
+for arm in engine+chunked engine+compile hf+liger+compile hf+liger; do
+  case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
+  step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
+done
+if [ "$DRY" = 0 ]; then
+  step pytest-gpu 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_speed.py
+fi
+if [ "${FULL:-0}" = 1 ]; then  # issue 21's checks (each within the same budget)
+  B=benchmarks/bench_gpu.py
+  step vs-torch 120 python3 $B --vs-torch --model llama-1b --seq 2048 --batch 4 --reps 10 --profile \
+    --out "$OUT/gpu_vs_torch.json"
+  step bf16-check 60 python3 $B --bf16-check --steps 20 --out "$OUT/gpu_bf16.json"
+  T="torchrun --nproc-per-node 1 -m memorization train configs/train/tiny-wiki.yaml --grid 1,1,1,1"
+  step torchrun-train 120 bash -c "rm -rf /tmp/gpu_train && $T trainer.checkpoint_every=250 --out /tmp/gpu_train \
+    && ls /tmp/gpu_train /tmp/gpu_train/checkpoints /tmp/gpu_train/model && tail -2 /tmp/gpu_train/metrics.jsonl"
+  step extraction 80 python3 benchmarks/bench_extraction.py --device cuda --reps 5 --out "$OUT/extraction.json"
+fi
+
+echo "=== peer table" | tee -a "$LOG"
+python3 $P --table "$OUT" 2>&1 | tee -a "$LOG"
+echo "=== summary (${SECONDS}s of ${BUDGET}s)" | tee -a "$LOG"
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG"
-grep -h -E "^(gpu_|extraction_)[a-z_0-9]*: " "$LOG" | tee -a "$LOG"
+grep -h -E "^(peer_|decode_|gpu_|extraction_)[a-z_0-9]*: " "$LOG" | tee -a "$LOG"

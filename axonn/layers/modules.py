@@ -112,33 +112,47 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer; input/output layouts depend on the style."""
-        g, comm = self.grid, self.grid.comm
-        rows = self.spec.block_rows
-        # size-1 axes skip the slice/gather Functions outright (identity ops, one autograd node less)
-        ax_in, ax_out = self.in_axis, self.out_axis
-        split_in, split_out = g.size(ax_in) > 1, g.size(ax_out) > 1
+        g = self.grid
         sched = self.scheduler
-        if not (split_in or split_out or g.z > 1) and (sched is None or not sched.gemm.enabled):
+        local = g.size(self.in_axis) == 1 and g.size(self.out_axis) == 1 and g.z == 1
+        # inside a compiled block the compiler picks the GEMM (the tuner's layouts would break the graph)
+        untuned = sched is None or not sched.gemm.enabled or torch.compiler.is_compiling()
+        if local and untuned:
             # no tensor split and no GEMM tuning: the whole weight is here and nothing is
             # communicated in the layer, so torch's own linear (and autograd) is the fastest path
             y = F.linear(x, self.weight)
-        elif self.style == "row":  # the input arrives split over ax_in (the column layer's output)
-            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
-                                     torch.is_grad_enabled())
-            if split_out:
-                y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
-        else:
-            if split_in:
-                x = SplitLastDim.apply(x, comm, ax_in, g.coord(ax_in))
-            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
-                                     torch.is_grad_enabled())
-            if self.style == "easy" and split_out:
-                y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
+        elif torch.compiler.is_compiling():  # tracing a compiled block: a clean graph break here
+            y = self._sharded_outside_graph(x)
+        else:  # eager: no disable wrapper (it costs ~4 us a call)
+            y = self._sharded(x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)  # as nn.Linear under autocast: output in the GEMM dtype
         if self.style == "head":
             y = mark_vocab_sharded(y, g)
         return y
+
+    def _sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """The 3D matmul with this style's slices and gathers (the communicating path)."""
+        g, comm, sched = self.grid, self.grid.comm, self.scheduler
+        rows, ax_in, ax_out = self.spec.block_rows, self.in_axis, self.out_axis
+        split_in, split_out = g.size(ax_in) > 1, g.size(ax_out) > 1
+        if self.style == "row":  # the input arrives split over ax_in (the column layer's output)
+            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
+                                     torch.is_grad_enabled())
+            if split_out:
+                y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
+            return y
+        if split_in:
+            x = SplitLastDim.apply(x, comm, ax_in, g.coord(ax_in))
+        y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
+                                 torch.is_grad_enabled())
+        if self.style == "easy" and split_out:
+            y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
+        return y
+
+    # Collectives, the scheduler's prefetch/deferred reductions and the byte counters stay out of
+    # torch.compile's graph: a compiled block breaks cleanly around this call (axonn/compile.py).
+    _sharded_outside_graph = torch.compiler.disable(_sharded)
 
 
 class ParallelEmbedding(nn.Module):

@@ -75,18 +75,25 @@ def block_activation_bytes(shape: ModelShape, grid: Grid, tokens: int,
 
 
 def activation_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
-                     mode: str | None = None, precision: str | Precision = "bf16") -> float:
+                     mode: str | None = None, precision: str | Precision = "bf16",
+                     loss_chunk: int = 0) -> float:
     """Peak activation bytes of one micro-batch of `micro_batch` rows per rank.
 
     Every block's saved tensors, or with checkpointing only each block's full-width input [T, H]
     plus one re-materialised block; one more block of gradient buffers in flight; and the
-    [T, V/Y] logits with their fp32 softmax and gradient.
+    [T, V/Y] logits with their fp32 softmax and gradient -- or, with the chunked head
+    (`loss_chunk` tokens per chunk), one chunk's logits, the per-token log-sum-exp and loss (fp32)
+    and the head's fp32 weight-gradient accumulator [V/Y, H/X].
     """
     a = get_precision(precision).activation
     tokens = micro_batch * seq
     block = block_activation_bytes(shape, grid, tokens, mode, a)
     stored = shape.layers * a * tokens * shape.hidden + block if checkpoint else shape.layers * block
-    logits = (a + 8.0) * tokens * shape.vocab / grid.y
+    if loss_chunk:
+        logits = ((a + 8.0) * min(loss_chunk, tokens) * shape.vocab / grid.y + 8.0 * tokens
+                  + 4.0 * shape.vocab / grid.y * shape.hidden / grid.x)
+    else:
+        logits = (a + 8.0) * tokens * shape.vocab / grid.y
     return stored + block + logits
 
 
@@ -116,11 +123,12 @@ def z_buffer_bytes(shape: ModelShape, grid: Grid, prefetch: bool = True,
 def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                      checkpoint: bool, prefetch: bool = True,
                      mode: str | None = None, *, local: float | None = None,
-                     precision: str | Precision = "bf16") -> dict[str, float]:
+                     precision: str | Precision = "bf16", loss_chunk: int = 0) -> dict[str, float]:
     """Peak bytes per GPU by category for one micro-batch of `micro_batch` rows per rank.
 
     `local` is the parameter count of one rank (default: `local_params` of the shape); the dry run
-    passes the count of the sharded model it built.
+    passes the count of the sharded model it built. `loss_chunk`: tokens per chunk of the chunked
+    LM head (0: full logits).
     """
     mode = mode or default_mode(shape)
     p = get_precision(precision)
@@ -130,7 +138,7 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
         "gradients": p.grad * n,
         "optimizer": p.optimizer * n,
         "z_buffers": z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode),
-        "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p),
+        "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p, loss_chunk),
     }
 
 

@@ -5,7 +5,13 @@ import dataclasses
 from typing import Any
 
 from axonn.plan.collectives import collective_time, group_strides
-from axonn.plan.compute import attention_time, elementwise_time, gemm_time, optimizer_time
+from axonn.plan.compute import (
+    attention_time,
+    elementwise_time,
+    gemm_time,
+    head_recompute_time,
+    optimizer_time,
+)
 from axonn.plan.hardware import GiB, Hardware
 from axonn.plan.memory import local_params, memory_breakdown
 from axonn.plan.shapes import ModelShape
@@ -91,14 +97,15 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             gpus_per_node: int | None = None, micro_batch: int | None = None,
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
             mode: str | None = None, precision: str = "bf16",
-            local: float | None = None) -> Prediction:
+            local: float | None = None, loss_chunk: int = 0) -> Prediction:
     """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
 
     `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
     hides only counts on hardware whose collectives do not run on the compute units
     (`hw.hides_comm`; the CPU/gloo `local` profile does not). Memory counts the prefetch buffers
     whenever `overlap` is on; `local` overrides the rank's parameter count (the dry run passes the
-    count of the model it sharded) and `precision` the activation bytes (memory.PRECISIONS)."""
+    count of the model it sharded), `precision` the activation bytes (memory.PRECISIONS) and
+    `loss_chunk` > 0 the chunked LM head's tokens per chunk (trainer.loss_chunk; 0: full logits)."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     gpus = grid.size
@@ -118,9 +125,9 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
         if g.role == "wgrad":
             wgrad[g.name] = t
     a_f, a_b = attention_time(shape, grid, seq, mb, hw, checkpoint, mode)
-    e_f, e_b = elementwise_time(shape, grid, seq, mb, hw, checkpoint, mode)
+    e_f, e_b = elementwise_time(shape, grid, seq, mb, hw, checkpoint, mode, loss_chunk)
     fwd_c += a_f + e_f
-    bwd_c += a_b + e_b
+    bwd_c += a_b + e_b + head_recompute_time(shape, grid, seq, mb, hw, loss_chunk)
 
     strides = group_strides(grid.x, grid.y, grid.z, grid.data)
     by_group: dict[str, float] = {}
@@ -152,7 +159,7 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     compute = n_micro * (fwd_c + bwd_c) + optimizer_time(n_local, hw)
     time_s = compute + exposed
     mem = memory_breakdown(shape, grid, seq, mb, checkpoint, prefetch=overlap, mode=mode,
-                           local=n_local, precision=precision)
+                           local=n_local, precision=precision, loss_chunk=loss_chunk)
     mem_bytes = sum(mem.values())
     flops = model_flops(shape, seq, global_batch) / time_s
     return Prediction(

@@ -1,0 +1,201 @@
+"""The LM head fused with its cross-entropy, a chunk of tokens at a time: the full [tokens, vocab]
+logits never exist, only one [chunk, vocab/Y] block of them.
+
+`ChunkedHeadCrossEntropy` takes the final hidden states (full-width, batch-sharded: the engine's
+replicated-activation convention) and the head's weight shard (rows = vocabulary split over Y and
+then Z, columns = hidden split over X; a serial nn.Linear head is the 1x1x1x1 case) and returns each
+token's CE. Per chunk, forward: logits = h[:, x-slice] @ W^T (all-reduce over X: partial sums over
+the hidden slices), then the log-sum-exp of this rank's vocabulary slice reduced over Y (one max,
+one [sum-exp, target-logit] all-reduce, as `VocabParallelCrossEntropy`); only the per-token
+log-sum-exp (fp32, [tokens]) is kept. Backward recomputes each chunk's logits, forms
+softmax - one-hot scaled by the incoming per-token gradient, and runs the two GEMMs of the head's
+backward on it: dh (all-reduced over Y once for all chunks, then all-gathered over X, mirroring the
+split of h) and dW (accumulated in fp32 over the chunks, reduce-scattered over Z once).
+
+On CUDA the per-chunk element-wise work (max, exp, sum, target pick; softmax - one-hot, the cast)
+is one torch.compile'd kernel each way (`_fused`): the [chunk, vocab] block is then read in the
+GEMM dtype once per pass instead of being cast, shifted, exponentiated and summed in fp32 passes.
+
+Precision: the GEMMs run in the compute dtype (bf16 under autocast, as the unchunked head), every
+softmax sum in fp32 or wider (fp64 stays fp64, so the fp64 tests are exact). ignore_index targets get
+loss 0 and no gradient. Cost: one extra head GEMM per step (the recompute) against never writing
+or reading the [tokens, vocab] logits, their fp32 copy and their softmax.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._triton import has_triton
+
+from axonn.grid import ProcessGrid
+from axonn.layers.functions import _at_least_fp32, _gather, _reduce_weight_grad
+from memorize_core import IGNORE_INDEX
+
+
+def _logits(xs: torch.Tensor, w: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    """One chunk's logits over this rank's vocabulary slice in the GEMM dtype (all-reduced over X)."""
+    y = xs @ w.t()
+    grid.comm.all_reduce(y, "x")  # partial sums over the hidden slices, in the GEMM dtype as the head
+    return y
+
+
+def _chunk_stats(y: torch.Tensor, idx: torch.Tensor, own: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum of exp(logit - max), target logit - max, max) of one chunk whose vocabulary is whole (Y = 1)."""
+    lf = _at_least_fp32(y)
+    gmax = lf.max(dim=-1).values
+    shifted = lf - gmax.unsqueeze(-1)
+    pick = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * own
+    return shifted.exp().sum(dim=-1), pick, gmax
+
+
+def _softmax_grad(y: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, idx: torch.Tensor,
+                  own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """d(sum_i g_i CE_i)/d logits of one chunk: (softmax - one-hot) * g, cast to the GEMM dtype."""
+    grad = (_at_least_fp32(y) - lse.unsqueeze(-1)).exp() * g.unsqueeze(-1)
+    grad = grad.scatter_add(-1, idx.unsqueeze(-1), (-g * own).unsqueeze(-1))
+    return grad.to(dtype)
+
+
+_FP32_OUT = {"ok": True}  # whether addmm with out_dtype (bf16 GEMM, fp32 C) works on this build
+
+
+def _accumulate(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """dw += a @ b with dw in fp32 (or wider) and a, b in the GEMM dtype.
+
+    On CUDA one cuBLAS call accumulates into the fp32 C (`addmm(out_dtype=fp32)`, beta = 1); a
+    [V, chunk] x [chunk, H] product written in bf16 and added in a second pass would move the whole
+    [V, H] block three more times per chunk (~12 ms a step at 1B x 16 chunks)."""
+    if a.dtype == dw.dtype:
+        dw.addmm_(a, b)
+        return
+    if dw.is_cuda and _FP32_OUT["ok"]:
+        try:
+            torch.addmm(dw, a, b, out_dtype=dw.dtype, out=dw)
+            return
+        except (RuntimeError, TypeError):  # an older build without the dtype overload
+            _FP32_OUT["ok"] = False
+    dw.add_(a @ b)
+
+
+_COMPILED: dict[Any, Any] = {}  # fn -> its torch.compile'd twin; None once a compile failed
+
+
+def _fused(fn: Any, device: torch.device) -> Any:
+    """`fn` compiled into one kernel per chunk on CUDA (the [chunk, V] block is read once in the
+    GEMM dtype instead of five fp32 passes); the eager `fn` elsewhere, or after a failed compile."""
+    if device.type != "cuda" or not has_triton() or _COMPILED.get(fn, 0) is None:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+
+    def call(*args: Any) -> Any:
+        try:
+            return _COMPILED[fn](*args)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure: run eagerly, say so once
+            warnings.warn(f"chunked cross-entropy: torch.compile of {fn.__name__} failed "
+                          f"({type(e).__name__}); running it eagerly", stacklevel=2)
+            _COMPILED[fn] = None
+            return fn(*args)
+    return call
+
+
+def _target_index(targets: torch.Tensor, start: int, n_local: int, ignore_index: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(local index of each target, whether this rank's slice owns it, whether it is supervised)."""
+    local = targets - start
+    valid = targets != ignore_index
+    own = (local >= 0) & (local < n_local) & valid
+    return torch.where(own, local, torch.zeros_like(local)), own, valid
+
+
+class ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """Per-token CE of (h @ W^T) without the full logits: forward keeps only the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor,
+                grid: ProcessGrid, rows: int, chunk: int, dtype: torch.dtype, ignore_index: int,
+                sched: Any = None, layer: int = 0, grad_mode: bool = True) -> torch.Tensor:
+        comm = grid.comm
+        with torch.autocast(h.device.type, enabled=False):
+            w = _gather(comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
+            x = h
+            if grid.x > 1:  # this rank's slice of the hidden dim (the head's input split, SplitLastDim)
+                n = h.shape[-1] // grid.x
+                x = h[..., grid.x_rank * n:(grid.x_rank + 1) * n]
+            xs = x.to(dtype)
+            n_local = w.shape[0]
+            idx, own, valid = _target_index(targets, grid.y_rank * n_local, n_local, ignore_index)
+            acc = _at_least_fp32(torch.empty((), dtype=dtype)).dtype
+            lse = torch.empty(targets.shape[0], dtype=acc, device=h.device)
+            loss = torch.empty_like(lse)
+            stats = _fused(_chunk_stats, h.device)
+            for s in range(0, targets.shape[0], chunk):
+                e = min(s + chunk, targets.shape[0])
+                if grid.y == 1:  # the whole vocabulary here: one pass over the chunk's logits
+                    sum_exp, pick, gmax = stats(_logits(xs[s:e], w, grid), idx[s:e], own[s:e])
+                    sums = torch.stack([sum_exp, pick])
+                else:
+                    logits = _at_least_fp32(_logits(xs[s:e], w, grid))
+                    gmax = logits.max(dim=-1).values
+                    comm.all_reduce(gmax, "y", op="max")
+                    shifted = logits.sub_(gmax.unsqueeze(-1))
+                    pick = shifted.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1) * own[s:e]
+                    sums = torch.stack([shifted.exp_().sum(dim=-1), pick])
+                    comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
+                log_sum = sums[0].log()
+                loss[s:e] = (log_sum - sums[1]) * valid[s:e]  # the unchunked CE's exact expression
+                lse[s:e] = log_sum + gmax
+        keep_w = comm.size("z") == 1  # nothing to re-gather: keep the cast block, as ParallelMatmul
+        ctx.save_for_backward(xs, w_shard, w if keep_w else None, idx, own, valid, lse)
+        ctx.grid, ctx.rows, ctx.chunk, ctx.dtype = grid, rows, chunk, dtype
+        ctx.sched, ctx.layer, ctx.h_dtype, ctx.h_width = sched, layer, h.dtype, h.shape[-1]
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, dloss: torch.Tensor) -> tuple:
+        xs, w_shard, w, idx, own, valid, lse = ctx.saved_tensors
+        grid, dtype, comm = ctx.grid, ctx.dtype, ctx.grid.comm
+        with torch.autocast(xs.device.type, enabled=False):
+            if w is None:  # Z-split: re-gather instead of keeping the block alive since forward
+                w = _gather(comm, ctx.sched, ctx.layer, w_shard, ctx.rows, dtype, backward=True)
+            g = dloss.to(lse.dtype) * valid
+            dx = torch.empty(xs.shape, dtype=ctx.h_dtype, device=xs.device)
+            # fp32 accumulation of dW over the chunks (fp64 stays fp64)
+            dw = torch.zeros(w.shape, dtype=lse.dtype, device=xs.device)
+            softmax_grad = _fused(_softmax_grad, xs.device)
+            for s in range(0, xs.shape[0], ctx.chunk):
+                e = min(s + ctx.chunk, xs.shape[0])
+                gd = softmax_grad(_logits(xs[s:e], w, grid), lse[s:e], g[s:e], idx[s:e], own[s:e], dtype)
+                dx[s:e] = gd @ w
+                _accumulate(dw, gd.t(), xs[s:e])
+            comm.all_reduce(dx, "y")  # partial sums over the vocabulary slices
+            if grid.x > 1:  # mirror of the forward slice: every X rank gets the full-width gradient
+                dx = comm.all_gather(dx.contiguous(), "x", dim=-1)
+            dw_shard = _reduce_weight_grad(comm, ctx.sched, ctx.layer, dw.to(w_shard.dtype), w_shard.shape[0])
+        return dx, dw_shard, None, None, None, None, None, None, None, None, None
+
+
+def chunked_cross_entropy(h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor,
+                          grid: ProcessGrid, chunk: int, *, rows: int | None = None,
+                          dtype: torch.dtype | None = None, ignore_index: int = IGNORE_INDEX,
+                          sched: Any = None, layer: int = 0) -> torch.Tensor:
+    """Per-token CE of the head `w_shard` applied to hidden states `h` ([..., H]; targets [...],
+    already shifted), flattened to [N], `chunk` tokens at a time; 0 where the target is ignored.
+
+    `rows`: the vocab rows of the gathered weight block (default: the shard's, no Z split);
+    `dtype`: the GEMM dtype (default: the autocast dtype when autocast is on, else the weight's)."""
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}: tokens per chunk must be >= 1")
+    if h.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(h.shape)} and targets {tuple(targets.shape)} disagree; "
+                         "pass hidden[:, :-1] with labels[:, 1:]")
+    if dtype is None:
+        kind = h.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w_shard.dtype
+    flat = h.reshape(-1, h.shape[-1])
+    return ChunkedHeadCrossEntropy.apply(flat, w_shard, targets.reshape(-1), grid,
+                                         rows if rows is not None else w_shard.shape[0], chunk, dtype,
+                                         ignore_index, sched, layer, torch.is_grad_enabled())
