@@ -12,12 +12,14 @@ refuses with the same line as the run because it is the same call.
 What it checks, in order (each section a function below):
 1. `check_out`: OUT can take new results; `--resume` names a sealed checkpoint (or `auto`).
 2. `check_tokenizer` (memorization.models): a pretrained model's own tokenizer ids.
-3. `check_grid`: X*Y*Z*D equals the processes; LoRA and DP-SGD run serial or 1,1,1,D only; the
-   grid divides heads, KV heads, hidden, FFN and vocab; the batch splits over z*data shards.
+3. `check_grid`: X*Y*Z*D equals the processes; LoRA and Opacus' per-sample DP-SGD run serial or
+   1,1,1,D only; the grid divides heads, KV heads, hidden, FFN and vocab; the batch splits over
+   z*data shards.
 4. `check_model`: the model builds (a meta copy, no storage); LoRA's target_modules match modules
    peft can adapt; activation checkpointing is supported; a checkpoint to resume holds every tensor
    of this model with its shape.
-5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and, once the row count N
+5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and the model (ghost
+   clipping sees every parameter) and, once the row count N
    is known (the dry run counts rows when DP-SGD is on), batch_size <= N, delta < 1/N, a reachable
    target epsilon.
 """
@@ -103,7 +105,7 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
     check_model(cfg, model_config, checkpoint=ckpt, model=model)
-    sigma = check_dp(effective_trainer(cfg), rows, dims)
+    sigma = check_dp(effective_trainer(cfg), rows, dims, model_config)
     return CheckedRun(dims, model_config, accum, micro, checkpoint=ckpt, noise_multiplier=sigma)
 
 
@@ -192,7 +194,7 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
     (micro-batches per step, rows per rank per micro-batch)."""
     x, y, z, d = dims
     check_lora_run(cfg, dims)  # a tensor-split grid, or an adapter export without a base on disk
-    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: serial or 1,1,1,D only
+    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: per_sample serial or 1,1,1,D only
     if x * y * z * d != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
                    f"process(es); launch {x * y * z * d} (torchrun --nproc-per-node {x * y * z * d}, or "

@@ -16,6 +16,7 @@ PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")
 WANDB_MODES = ("offline", "online", "disabled")
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
+CLIPPINGS = ("ghost", "per_sample")  # trainer.dp.clipping
 
 
 @dataclass
@@ -35,6 +36,10 @@ class DPConfig:
     accountant: str = "rdp"  # rdp, prv or gdp
     poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
     secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
+    # ghost: per-row norms from activations and output gradients, then a second backward of the
+    # reweighted loss (any grid; memorization/privacy_ghost.py); per_sample: Opacus' per-sample
+    # gradients (serial or 1,1,1,D; memorization/privacy.py)
+    clipping: str = "ghost"
 
     def validate(self, prefix: str = "trainer.dp") -> None:
         """Raise ConfigError on out-of-range values (and, if enabled, unless exactly one of sigma/epsilon)."""
@@ -47,6 +52,9 @@ class DPConfig:
             raise fail(f"{p}.target_epsilon", self.target_epsilon, "must be > 0, e.g. 8 (smaller: safer)")
         if not 0 < self.delta < 1:
             raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
+        if self.clipping not in CLIPPINGS:
+            raise fail(f"{p}.clipping", self.clipping, f"choose one of {', '.join(CLIPPINGS)} (ghost: any "
+                       "grid, no per-row gradients; per_sample: Opacus, serial or data-parallel)")
         if not 0 < self.max_grad_norm < math.inf:
             raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be a finite number > 0 (the per-row "
                        "clipping bound; an infinite one makes every step non-finite), e.g. 1.0")

@@ -54,15 +54,18 @@ from typing import Any
 import torch
 
 from axonn.grid import ProcessGrid
+from axonn.layers.per_example import unsupported
 from axonn.trainer import GradientHook
 from memorization.config import RunTrainerConfig
+from memorization.models import meta_model
 from memorize_core import IGNORE_INDEX, fail
 
 _SAMPLE, _NOISE = 1, 2  # salts: the batch and the noise of a step come from different streams
 
 
 def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
-    """Refuse grids splitting weights (X, Y or Z > 1) under DP.
+    """Refuse what DP-SGD's clipping cannot do on a grid: Opacus' per-sample gradients on a tensor split
+    (X, Y or Z > 1), secure noise on several ranks with ghost clipping.
 
     `grid`: the run's ProcessGrid, or the requested X,Y,Z,D (memorization.parallel.requested_grid),
     None for `auto` (checked again once resolved)."""
@@ -70,26 +73,43 @@ def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
         return
     dims = tuple(grid.dims if isinstance(grid, ProcessGrid) else grid)
     x, y, z, data = dims
-    if x * y * z > 1:
-        raise fail("trainer.dp.enabled", True, f"DP-SGD runs serial or data-parallel (grid 1,1,1,D); grid "
-                   f"{','.join(map(str, dims))} splits weights over X/Y/Z, so no rank can clip a row's whole "
-                   f"gradient: use --grid 1,1,1,{x * y * z * data} or turn DP off")
+    text = ",".join(map(str, dims))
+    if x * y * z > 1 and dp.clipping == "per_sample":
+        raise fail("trainer.dp.clipping", dp.clipping, f"Opacus' per-sample gradients run serial or "
+                   f"data-parallel (grid 1,1,1,D); grid {text} splits weights over X/Y/Z: use "
+                   f"trainer.dp.clipping=ghost (any grid) or --grid 1,1,1,{x * y * z * data}")
+    if dp.secure_rng and dp.clipping == "ghost" and x * y * z * data > 1:
+        raise fail("trainer.dp.secure_rng", True, f"ghost clipping on {x * y * z * data} ranks draws seeded "
+                   "noise so that copies of a parameter agree; run secure noise in one process, with "
+                   "trainer.dp.clipping=per_sample at 1,1,1,D, or set it false")
+
+
+def check_dp_model(dp: Any, model_config: Any) -> None:
+    """Refuse a model whose parameters ghost clipping cannot see (a parameter shared other than by an
+    embedding and a linear layer), on a meta copy of it."""
+    if not dp.enabled or dp.clipping != "ghost" or model_config is None:
+        return
+    why = unsupported(meta_model(model_config))
+    if why is not None:
+        raise fail("trainer.dp.clipping", dp.clipping, f"ghost clipping cannot split the gradient of a "
+                   f"{why}; use trainer.dp.clipping=per_sample (serial or 1,1,1,D) or untie the parameter")
 
 
 def check_dp(cfg: RunTrainerConfig, rows: int | None,
-             grid: ProcessGrid | Sequence[int] | None) -> float | None:
+             grid: ProcessGrid | Sequence[int] | None, model_config: Any = None) -> float | None:
     """Every refusal of a DP-SGD run (memorization.checks.check_run calls it before anything is built);
     returns the noise multiplier sigma (None when DP is off or the row count N is not known yet).
 
     `cfg` is the trainer config the run trains with (goldfish's token budget stretched: planned steps
-    decide sigma for a target epsilon)."""
+    decide sigma for a target epsilon); `model_config` the HF config of the model (None: not checked)."""
     dp = cfg.dp
     if not dp.enabled:
         return None
     check_dp_grid(dp, grid)
+    check_dp_model(dp, model_config)
     if cfg.activation_checkpointing:
         raise fail("trainer.activation_checkpointing", True, "recomputed blocks run their forward twice, "
-                   "which Opacus' per-sample hooks cannot follow; turn it off with DP-SGD")
+                   "which the per-example norm and per-sample hooks cannot follow; turn it off with DP-SGD")
     if dp.secure_rng and importlib.util.find_spec("torchcsprng") is None:
         raise fail("trainer.dp.secure_rng", True, _CSPRNG_FIX)
     if rows is None:
@@ -276,4 +296,4 @@ def _below(x: float) -> str:
     return f"{10 ** math.floor(math.log10(x) - 1e-12):.0e}"
 
 
-__all__ = ["OpacusPrivacy", "check_dp", "check_dp_grid", "noise_multiplier"]
+__all__ = ["OpacusPrivacy", "check_dp", "check_dp_grid", "check_dp_model", "noise_multiplier"]
