@@ -107,9 +107,10 @@ def check_dp(cfg: RunTrainerConfig, rows: int | None,
         return None
     check_dp_grid(dp, grid)
     check_dp_model(dp, model_config)
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing and dp.clipping == "per_sample":
         raise fail("trainer.activation_checkpointing", True, "recomputed blocks run their forward twice, "
-                   "which the per-example norm and per-sample hooks cannot follow; turn it off with DP-SGD")
+                   "which Opacus' per-sample hooks cannot follow; turn it off or use "
+                   "trainer.dp.clipping=ghost")
     if dp.secure_rng and importlib.util.find_spec("torchcsprng") is None:
         raise fail("trainer.dp.secure_rng", True, _CSPRNG_FIX)
     if rows is None:

@@ -107,7 +107,11 @@ class ExampleNorms:
         self._ids: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> embedding ids, mask
         self._tied: dict[int, _Tied] = {}
         self._seen: set[int] = set()
-        self._handles = [m.register_forward_hook(self._forward) for m in model.modules() if _own(m)]
+        self._x: dict[int, torch.Tensor | None] = {}  # id(module) -> its input in this forward
+        self._waiting: dict[int, torch.Tensor] = {}  # id(module) -> output gradient awaiting the input
+        hooked = [m for m in model.modules() if _own(m)]
+        self._handles = [m.register_forward_hook(self._forward) for m in hooked] \
+            + [m.register_forward_pre_hook(self._recomputed) for m in hooked]
 
     def remove(self) -> None:
         """Take the hooks off the model."""
@@ -115,19 +119,38 @@ class ExampleNorms:
             h.remove()
 
     # -- capture ------------------------------------------------------------------------------
+    def _recomputed(self, module: nn.Module, args: tuple) -> None:
+        """Activation checkpointing recomputes a block inside backward: keep the input this module's
+        tensor hook (set in the first forward) will see. A pre-hook, as the recomputation stops
+        once the block's last saved tensor is back, before the module's forward returns."""
+        if torch._C._current_graph_task_id() != -1 and id(module) in self._seen and args \
+                and isinstance(args[0], torch.Tensor):
+            x = args[0].detach()
+            g = self._waiting.pop(id(module), None)
+            if g is None:
+                self._x[id(module)] = x
+            else:  # its output gradient came first (the block's last layers)
+                self._norm(module, x, g)
+
     def _forward(self, module: nn.Module, args: tuple, out: Any) -> None:
         if self._inside or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) \
                 or not out.requires_grad or not args or not isinstance(args[0], torch.Tensor):
             return
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation (_recomputed took its input)
+        x = args[0].detach()
         if id(module) in self._seen:
             raise RuntimeError(f"ghost norms: {type(module).__name__} ran twice in one forward; a module's "
                                "examples must be seen once per backward")
         self._seen.add(id(module))
-        x = args[0].detach()
+        # under checkpointing's forward (saved-tensor hooks active) the recomputation brings the input
+        # back; keeping it here would hold every block's inputs and undo the checkpointing
+        recomputed = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        self._x[id(module)] = None if recomputed and not isinstance(module, _EMBEDDING) else x
         if isinstance(module, _EMBEDDING):
             self._anchors.append(out)  # its input (token ids) needs no gradient: the backward goes here
             self._ids[id(module.weight)] = self._local_ids(module, x)
-        out.register_hook(lambda g, m=module, x=x: self._backward(m, x, g))
+        out.register_hook(lambda g, m=module: self._backward(m, g))
 
     def _local_ids(self, m: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row of each token in this rank's table block, whether this block holds it)."""
@@ -141,9 +164,16 @@ class ExampleNorms:
             mask = mask & (ids != m.padding_idx)
         return torch.where(mask, local, torch.zeros_like(local)), mask
 
-    def _backward(self, module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
+    def _backward(self, module: nn.Module, g: torch.Tensor) -> None:
         if not self._active:
             return
+        x = self._x.pop(id(module), None)
+        if x is None:  # a checkpointed block not recomputed yet: wait for its input
+            self._waiting[id(module)] = g.detach()
+            return
+        self._norm(module, x, g)
+
+    def _norm(self, module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
         g = g.detach()
         dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
         g, x = g.to(dtype), (x if not x.is_floating_point() else x.to(dtype))
@@ -237,10 +267,13 @@ class ExampleNorms:
             # towards the embeddings' outputs only: no parameter's .grad is touched, and the weight
             # GEMMs are skipped (the engine's Functions ask autograd whether dW is wanted)
             torch.autograd.grad(losses.sum(), anchors, retain_graph=True, allow_unused=True)
+            if self._waiting:
+                raise RuntimeError(f"ghost norms: {len(self._waiting)} module(s) got an output gradient but "
+                                   "their input was never recomputed")
         finally:
             self._active = False
             sq, self._sq = self._sq, None
-            self._anchors, self._ids, self._tied, self._seen = [], {}, {}, set()
+            self.reset()
         if sq is None:
             sq = torch.zeros(losses.shape[0], dtype=torch.float64, device=losses.device)
         for axis in ("x", "y"):
@@ -250,5 +283,6 @@ class ExampleNorms:
 
     def reset(self) -> None:
         """Forget what a forward captured (a forward whose loss is not backpropagated)."""
-        self._anchors, self._ids, self._tied, self._seen = [], {}, {}, set()
+        self._anchors, self._ids, self._tied, self._seen, self._x = [], {}, {}, set(), {}
+        self._waiting = {}
 
