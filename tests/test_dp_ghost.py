@@ -228,3 +228,26 @@ def test_activation_checkpointing_gives_the_same_norms_and_update():
     torch.testing.assert_close(hook_ck.last_norms, hook.last_norms, rtol=1e-9, atol=0)
     for a, b in zip(plain, ck):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+
+def test_a_parameter_ghost_clipping_cannot_split_is_refused_in_one_line(monkeypatch):
+    """Two linear layers sharing one weight (no embedding to pair with): refused by the run's check,
+    naming the field, the value, the parameter and the fix."""
+    from torch import nn
+
+    from memorization import privacy
+    from memorize_core import ConfigError
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+    monkeypatch.setattr(privacy, "meta_model", lambda config: Shared())
+    refusal = (r"^trainer\.dp\.clipping='ghost': ghost clipping cannot split the gradient of a parameter "
+               r"a\.weight is shared by Linear, Linear; use trainer\.dp\.clipping=per_sample")
+    with pytest.raises(ConfigError, match=refusal) as e:
+        privacy.check_dp(tcfg(), None, (1, 2, 1, 1), model_config=object())
+    assert len(str(e.value).splitlines()) == 1
+    privacy.check_dp(tcfg(clipping="per_sample"), None, (1, 1, 1, 1), model_config=object())  # Opacus' job

@@ -67,7 +67,9 @@ def _owners(model: nn.Module) -> dict[int, list[nn.Module]]:
 def unsupported(model: nn.Module) -> str | None:
     """Why ghost norms cannot handle `model` (a parameter shared other than by an embedding and a
     linear layer), or None."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # its first name, as state dicts keep it
     for pid, mods in _owners(model).items():
         if len(mods) == 1:
             continue
@@ -109,9 +111,12 @@ class ExampleNorms:
         self._seen: set[int] = set()
         self._x: dict[int, torch.Tensor | None] = {}  # id(module) -> its input in this forward
         self._waiting: dict[int, torch.Tensor] = {}  # id(module) -> output gradient awaiting the input
+        # each forward of the whole model starts afresh (one whose loss was never measured, e.g. a
+        # callback's, leaves nothing behind)
+        root = model.register_forward_pre_hook(lambda *_: None if self._inside else self.reset())
         hooked = [m for m in model.modules() if _own(m)]
         self._handles = [m.register_forward_hook(self._forward) for m in hooked] \
-            + [m.register_forward_pre_hook(self._recomputed) for m in hooked]
+            + [m.register_forward_pre_hook(self._recomputed) for m in hooked] + [root]
 
     def remove(self) -> None:
         """Take the hooks off the model."""
