@@ -1,6 +1,8 @@
-"""DP-SGD through Opacus: the Trainer's gradient hook for `trainer.dp` (memorization.config.DPConfig;
-docs/usage.md "DP-SGD"). The engine knows nothing of it: OpacusPrivacy implements
-axonn.trainer.GradientHook (draw_rows -> objective -> after_backward -> reduce -> metrics).
+"""DP-SGD through Opacus: the Trainer's gradient hook for `trainer.dp` with `clipping: per_sample`
+(memorization.config.DPConfig; docs/usage.md "DP-SGD"), and the checks and accounting both clippings
+share (ghost clipping, the default: privacy_ghost.GhostPrivacy, a subclass). The engine knows nothing
+of it: OpacusPrivacy implements axonn.trainer.GradientHook (draw_rows -> objective -> after_backward
+-> reduce -> metrics).
 
 What one step does (Abadi et al. 2016, as Opacus implements it):
 1. Sampling: every training row joins the step's batch independently with probability
@@ -28,7 +30,8 @@ What one step does (Abadi et al. 2016, as Opacus implements it):
 Data parallel (grid 1,1,1,D): the model is not handed to the engine (nothing is split). Each rank
 clips its own rows; Opacus' DistributedDPOptimizer adds the noise on rank 0 only and all-reduces
 the clipped sums, so the result is the serial step's (same rows, same noise, tested). Grids that
-split weights over X, Y or Z are refused: no rank sees a row's whole gradient, so it cannot clip it.
+split weights over X, Y or Z are refused for per-sample clipping: no rank sees a row's whole
+gradient (ghost clipping sums each row's norm over the shards instead).
 
 The global trainer.grad_clip still applies to the private gradient afterwards (post-processing:
 no privacy cost; with AdamW it barely matters; set it to 0 to turn it off).
@@ -289,7 +292,7 @@ class OpacusPrivacy(GradientHook):
         return {"epsilon": self.epsilon(steps), "delta": self.dp.delta,
                 "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.dp.max_grad_norm,
                 "sample_rate": self.sample_rate, "accountant": self.dp.accountant,
-                "poisson_sampling": self.dp.poisson_sampling}
+                "poisson_sampling": self.dp.poisson_sampling, "clipping": self.dp.clipping}
 
 
 def _below(x: float) -> str:
