@@ -84,7 +84,9 @@ class GhostPrivacy(OpacusPrivacy):
         copies of the piece, zero on the rows that pad a Z split."""
         if self._secure is not None:
             return torch.randn(p.shape, generator=self._secure, dtype=p.dtype).to(p.device)
-        coords = [self.grid.coord(d) for d in spec.shard_dims] if spec is not None else []
+        # axes of size 1 split nothing: on 1,1,1,D every piece is whole and draws the serial noise
+        coords = [self.grid.coord(d) for d in spec.shard_dims if self.grid.size(d) > 1] if spec is not None \
+            else []
         key = _seed(self.cfg.seed, step, _NOISE)
         for c in [index, *coords]:
             key = (key * 1_000_003 + c + 1) % (2 ** 63)
