@@ -251,3 +251,29 @@ def test_a_parameter_ghost_clipping_cannot_split_is_refused_in_one_line(monkeypa
         privacy.check_dp(tcfg(), None, (1, 2, 1, 1), model_config=object())
     assert len(str(e.value).splitlines()) == 1
     privacy.check_dp(tcfg(clipping="per_sample"), None, (1, 1, 1, 1), model_config=object())  # Opacus' job
+
+
+def test_the_dry_run_takes_dp_on_a_tensor_split_and_counts_the_norm_buffers(tmp_path):
+    """`--dry-run --grid 1,2,1,1` with DP-SGD exits 0 (it used to refuse every tensor split) and
+    rank 0's total includes the per-example norm buffers the planner's memory model prices."""
+    import contextlib
+    import io
+    import json
+
+    from helpers import TINY
+
+    from memorization.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    argv = ["train", str(path), "--dry-run", "--world", "2", "--grid", "1,2,1,1", "--json",
+            "trainer.dp.enabled=true", "trainer.dp.noise_multiplier=1.0", "trainer.dp.delta=1e-3"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    r0 = json.loads(out.getvalue())["rank0"]
+    assert r0["example_norm_bytes"] > 0 and r0["fits"]
+    with contextlib.redirect_stdout(io.StringIO()) as plain:
+        assert main(argv[:-3]) == 0
+    without = json.loads(plain.getvalue())["rank0"]
+    assert abs(r0["total_bytes"] - without["total_bytes"] - r0["example_norm_bytes"]) <= 1  # int() of each
