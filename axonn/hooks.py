@@ -1,7 +1,8 @@
 """The trainer's hooks: what a caller plugs into the loop (axonn/trainer.py) without touching it.
 
-`GradientHook` is the one hook into the gradient (DP-SGD is one, in the research layer); `Callback`
-the hook for evaluation during a run (per pass, every N steps); `RowDataset` what the loop reads.
+`GradientHook` is the one hook into the gradient (a per-example clipping rule plugs in there, from
+the research layer); `Callback` the hook for evaluation during a run (per pass, every N steps);
+`RowDataset` what the loop reads.
 """
 from __future__ import annotations
 

@@ -9,6 +9,12 @@ is against the `none` arm measured in the same invocation. The `dedup` arm is th
 fewer rows (its cost is fewer steps, not slower ones) and is not run.
 
     python benchmarks/bench_mitigations.py [--steps 8] [--arms none,goldfish,...] [--threads 2]
+                                           [--rounds 3] [--per-sample]
+
+`--rounds N` runs the chosen arms in turn N times (none, dp, none, dp, ...: a shared, noisy machine
+slows neighbouring runs alike) and reports each arm's median step time, its largest peak RSS and the
+median of the per-round ratios to `none`. `--per-sample` adds the DP-SGD arm again with Opacus'
+per-sample clipping (trainer.dp.clipping=per_sample) beside the default ghost clipping.
 
 Writes benchmarks/results/bench_mitigations.json and prints a table.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -67,30 +74,61 @@ def run_arm(arm: dict[str, Any], steps: int, threads: int) -> dict[str, Any]:
     return res
 
 
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm over its rounds: median step time, largest peak RSS, every round's figures kept."""
+    if len(runs) == 1 or any(r["rc"] for r in runs):
+        return next((r for r in runs if r["rc"]), runs[0])
+    out = {**runs[0], "rounds": [{"step_s": r["step_s"], "peak_rss_gib": r["peak_rss_gib"]} for r in runs]}
+    out["step_s"] = statistics.median(r["step_s"] for r in runs)
+    out["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
+    return out
+
+
+def _paired_ratios(results: list[dict[str, Any]]) -> None:
+    """Each arm's median over rounds of (its step time / none's step time in the same round)."""
+    base = next((r for r in results if r["name"] == "none" and "rounds" in r), None)
+    for r in results:
+        if base is not None and "rounds" in r:
+            r["ratio_median"] = statistics.median(a["step_s"] / b["step_s"]
+                                                  for a, b in zip(r["rounds"], base["rounds"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="steps per arm (the first 2 are not timed)")
     ap.add_argument("--arms", default=None, help="comma-separated arm names (default: all but dedup)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each arm's process")
+    ap.add_argument("--rounds", type=int, default=1, help="run the arms in turn this many times")
+    ap.add_argument("--per-sample", action="store_true",
+                    help="add each DP-SGD arm with trainer.dp.clipping=per_sample (Opacus)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.steps < 4:
         raise SystemExit(f"--steps={args.steps}: use at least 4 (2 warm-up steps + 2 timed)")
     chosen = arms(args.arms.split(",") if args.arms else None)
-    results = [run_arm(a, args.steps, args.threads) for a in chosen]
+    if args.per_sample:
+        chosen += [{**a, "name": f"{a['name']}-per-sample",
+                    "overrides": [*a.get("overrides", []), "trainer.dp.clipping=per_sample"]}
+                   for a in chosen if a["mitigation"] == "dp-sgd"]
+    rounds = [[run_arm(a, args.steps, args.threads) for a in chosen] for _ in range(args.rounds)]
+    results = [_merge([rnd[i] for rnd in rounds]) for i in range(len(chosen))]
     base = next((r for r in results if r["name"] == "none" and r["rc"] == 0), None)
+    _paired_ratios(results)
     print("\n| arm | s/step | x none | peak RSS GiB | trainable params | epsilon |")
     print("|---|---|---|---|---|---|")
     for r in results:
         if r["rc"]:
             print(f"| {r['name']} | failed | | | | |")
             continue
-        r["step_time_vs_none"] = r["step_s"] / base["step_s"] if base else None
+        r["step_time_vs_none"] = r.get("ratio_median", r["step_s"] / base["step_s"]) if base else None
+        if base:
+            r["peak_vs_none"] = r["peak_rss_gib"] / base["peak_rss_gib"]
         x = f"{r['step_time_vs_none']:.2f}" if base else "-"
         eps = f"{r['epsilon']:.2f}" if r.get("epsilon") else "-"
         print(f"| {r['name']} | {r['step_s']:.2f} | {x} | {r['peak_rss_gib']:.2f} | "
               f"{r['trainable_params']:,} | {eps} |")
-    write(args.out, "bench_mitigations.json", {"steps": args.steps, "threads": args.threads, "arms": results})
+    write(args.out, "bench_mitigations.json", {"steps": args.steps, "threads": args.threads,
+                                               "rounds": args.rounds, "arms": results})
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 

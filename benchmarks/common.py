@@ -55,7 +55,7 @@ def alternate(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2) -> 
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
     return {k: {"median_s": statistics.median(wall[k]), "min_s": min(wall[k]),
-                "cpu_median_s": statistics.median(cpu[k]), "wall_s": wall[k]} for k in fns}
+                "cpu_median_s": statistics.median(cpu[k]), "wall_s": wall[k], "cpu_s": cpu[k]} for k in fns}
 
 
 def ratio(res: dict[str, dict], a: str, b: str) -> float:

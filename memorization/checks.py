@@ -17,13 +17,14 @@ the same call.
 What `check_run` (the refusals, given the grid) checks, in order (each section a function below):
 1. `check_out`: OUT can take new results; `--resume` names a sealed checkpoint (or `auto`).
 2. `check_tokenizer` (memorization.models): a pretrained model's own tokenizer ids.
-3. `check_grid`: X*Y*Z*D equals the processes; LoRA and DP-SGD grids; the grid divides heads, KV
-   heads, hidden, FFN and vocab; the batch splits over z*data shards.
+3. `check_grid`: X*Y*Z*D equals the processes; LoRA and Opacus' per-sample DP-SGD grids; the grid
+   divides heads, KV heads, hidden, FFN and vocab; the batch splits over z*data shards.
 4. `check_model`: the model builds (a meta copy, no storage); LoRA's target_modules match modules
    peft can adapt; activation checkpointing is supported; a checkpoint to resume holds every tensor
    of this model with its shape.
-5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and, once the row count N
-   is known, batch_size <= N, delta < 1/N, a reachable target epsilon.
+5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and the model (ghost
+   clipping sees every parameter) and, once the row count N is known, batch_size <= N, delta < 1/N,
+   a reachable target epsilon.
 6. `mia_sets` (memorization.prepare): with eval.mia, at least 2 members and 2 held-out documents.
 """
 from __future__ import annotations
@@ -159,7 +160,7 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
     check_model(cfg, model_config, checkpoint=ckpt, model=model)
-    sigma = check_dp(effective_trainer(cfg), rows, dims)
+    sigma = check_dp(effective_trainer(cfg), rows, dims, model_config)
     mia = None
     if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents
         members, nonmembers = mia_sets(cfg, data)
@@ -255,7 +256,7 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
     (micro-batches per step, rows per rank per micro-batch)."""
     x, y, z, d = dims
     check_lora_run(cfg, dims)  # a tensor-split grid, or an adapter export without a base on disk
-    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: serial or 1,1,1,D only
+    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: per_sample serial or 1,1,1,D only
     if x * y * z * d != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
                    f"process(es); launch {x * y * z * d} (torchrun --nproc-per-node {x * y * z * d}, or "

@@ -23,6 +23,7 @@ MAX_EPSILON = 100.0
 # use; beyond it the BPE trainer panics and a row of ids cannot be allocated.
 MAX_TOKENS = 2**24
 ACCOUNTANTS = ("rdp", "prv", "gdp")  # Opacus' accountants
+CLIPPINGS = ("ghost", "per_sample")  # trainer.dp.clipping
 
 
 @dataclass
@@ -42,6 +43,10 @@ class DPConfig:
     accountant: str = "rdp"  # rdp, prv or gdp
     poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
     secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
+    # ghost: per-row norms from activations and output gradients, then a second backward of the
+    # reweighted loss (any grid; memorization/privacy_ghost.py); per_sample: Opacus' per-sample
+    # gradients (serial or 1,1,1,D; memorization/privacy.py)
+    clipping: str = "ghost"
 
     def validate(self, prefix: str = "trainer.dp") -> None:
         """Raise ConfigError on out-of-range values (and, if enabled, unless exactly one of sigma/epsilon)."""
@@ -57,6 +62,9 @@ class DPConfig:
                        f"e^epsilon (> {math.exp(MAX_EPSILON):.0e}) bounds nothing; use e.g. 8 or turn DP off")
         if not 0 < self.delta < 1:
             raise fail(f"{p}.delta", self.delta, "must be within (0, 1) and below 1/N for N rows, e.g. 1e-5")
+        if self.clipping not in CLIPPINGS:
+            raise fail(f"{p}.clipping", self.clipping, f"choose one of {', '.join(CLIPPINGS)} (ghost: any "
+                       "grid, no per-row gradients; per_sample: Opacus, serial or data-parallel)")
         if not 0 < self.max_grad_norm < math.inf:
             raise fail(f"{p}.max_grad_norm", self.max_grad_norm, "must be a finite number > 0 (the per-row "
                        "clipping bound; an infinite one makes every step non-finite), e.g. 1.0")

@@ -192,8 +192,9 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
 
-    mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision)
-           for ck in (False, True)}
+    ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
+    mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
+                                example_norms=ghost) for ck in (False, True)}
     used = mem[t.activation_checkpointing]
     total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
     if total > usable:
@@ -230,6 +231,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "rank0": {"params": local, "planner_params": int(local_params(shape, g, mode)),
                   "param_bytes": int(used["weights"]), "grad_bytes": int(used["gradients"]),
                   "optimizer_bytes": int(used["optimizer"]), "z_buffer_bytes": int(used["z_buffers"]),
+                  "example_norm_bytes": int(used.get("example_norms", 0)),
                   "activation_bytes": {"checkpointing": int(mem[True]["activations"]),
                                        "no_checkpointing": int(mem[False]["activations"])},
                   "total_bytes": int(total), "fits": True},
@@ -305,7 +307,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"{b['micro_batches']} micro-batch(es) of {b['micro_batch']}; {r['precision']} activations",
         f"  rank 0     parameters {k['params']:,} ({_gib(k['param_bytes'])}), gradients "
         f"{_gib(k['grad_bytes'])}, optimizer {_gib(k['optimizer_bytes'])}, Z buffers "
-        f"{_gib(k['z_buffer_bytes'])}",
+        f"{_gib(k['z_buffer_bytes'])}"
+        + (f", DP-SGD per-example norm buffers {_gib(k['example_norm_bytes'])}" if k.get("example_norm_bytes")
+           else ""),
         f"             activations {_gib(k['activation_bytes']['checkpointing'])} with checkpointing"
         f"{' (on)' if ck else ''}, {_gib(k['activation_bytes']['no_checkpointing'])} without"
         f"{'' if ck else ' (on)'}",

@@ -45,6 +45,7 @@ from memorization.outputs import remove_entries
 from memorization.parallel import is_main_process, resolve_grid
 from memorization.prepare import PreparedData, mia_sets, prepare_data
 from memorization.privacy import OpacusPrivacy
+from memorization.privacy_ghost import make_privacy
 from memorization.tracking import WandbSink
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
@@ -98,7 +99,7 @@ class Run:
     out_dir: Path
     trainer: Trainer
     checkpoint: Path | None = None  # the sealed checkpoint `train` resumes from
-    privacy: OpacusPrivacy | None = None
+    privacy: OpacusPrivacy | None = None  # or its subclass GhostPrivacy
     wandb: WandbSink | None = None
     watchdog: Watchdog | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -163,15 +164,18 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     distributed = plan.distributed
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
+    # Opacus' per-sample gradients (trainer.dp.clipping=per_sample) need the plain HF modules
+    per_sample = cfg.trainer.dp.enabled and cfg.trainer.dp.clipping == "per_sample"
     stream = distributed and not cfg.model.random_init \
-        and is_pretrained(cfg.model.name) and not lora.enabled and not cfg.trainer.dp.enabled
+        and is_pretrained(cfg.model.name) and not lora.enabled and not per_sample
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
     if lora.enabled:
         model = apply_lora(model, lora, seed=cfg.seed)
     grid = resolve_grid(cfg, plan.dims, distributed=plan.distributed, grid=grid)  # the grid from here on
     tcfg = effective_trainer(cfg)
-    privacy = OpacusPrivacy(tcfg, len(data.train), grid=grid) if cfg.trainer.dp.enabled else None
+    privacy = (make_privacy(tcfg, len(data.train), grid=grid, sigma=plan.noise_multiplier)
+               if cfg.trainer.dp.enabled else None)
     if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
         dist.barrier()
     if resume:  # keep checkpoints and metrics; later results are rewritten
@@ -182,9 +186,9 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                               json.loads((ckpt / "meta.json").read_text())["step"])
     else:
         out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
-    # A serial run keeps the plain HF model; LoRA and DP-SGD at 1,1,1,D: data-parallel, unswapped
-    # (lora.py, privacy.py)
-    if grid.distributed and not lora.enabled and privacy is None:
+    # A serial run keeps the plain HF model; LoRA and per-sample DP-SGD at 1,1,1,D: data-parallel,
+    # unswapped (lora.py, privacy.py); ghost-clipped DP-SGD runs on the engine's layers (privacy_ghost.py)
+    if grid.distributed and not lora.enabled and not per_sample:
         model = parallelize(model, grid, mode=cfg.parallel_mode)
         if stream:
             load_pretrained(model, resolve_model_dir(cfg.model.name))

@@ -1,6 +1,8 @@
-"""DP-SGD through Opacus: the Trainer's gradient hook for `trainer.dp` (memorization.config.DPConfig;
-docs/usage.md "DP-SGD"). The engine knows nothing of it: OpacusPrivacy implements
-axonn.trainer.GradientHook (draw_rows -> objective -> after_backward -> reduce -> metrics).
+"""DP-SGD through Opacus: the Trainer's gradient hook for `trainer.dp` with `clipping: per_sample`
+(memorization.config.DPConfig; docs/usage.md "DP-SGD"), and the checks and accounting both clippings
+share (ghost clipping, the default: privacy_ghost.GhostPrivacy, a subclass). The engine knows nothing
+of it: OpacusPrivacy implements axonn.hooks.GradientHook (draw_rows -> objective -> after_backward
+-> reduce -> metrics).
 
 What one step does (Abadi et al. 2016, as Opacus implements it):
 1. Sampling: every training row joins the step's batch independently with probability
@@ -28,7 +30,8 @@ What one step does (Abadi et al. 2016, as Opacus implements it):
 Data parallel (grid 1,1,1,D): the model is not handed to the engine (nothing is split). Each rank
 clips its own rows; Opacus' DistributedDPOptimizer adds the noise on rank 0 only and all-reduces
 the clipped sums, so the result is the serial step's (same rows, same noise, tested). Grids that
-split weights over X, Y or Z are refused: no rank sees a row's whole gradient, so it cannot clip it.
+split weights over X, Y or Z are refused for per-sample clipping: no rank sees a row's whole
+gradient (ghost clipping sums each row's norm over the shards instead).
 
 The global trainer.grad_clip still applies to the private gradient afterwards (post-processing:
 no privacy cost; with AdamW it barely matters; set it to 0 to turn it off).
@@ -54,15 +57,18 @@ from typing import Any
 import torch
 
 from axonn.grid import ProcessGrid
-from axonn.trainer import GradientHook
+from axonn.hooks import GradientHook
+from axonn.layers.per_example import unsupported
 from memorization.config import RunTrainerConfig
+from memorization.models import meta_model
 from memorize_core import IGNORE_INDEX, fail
 
 _SAMPLE, _NOISE = 1, 2  # salts: the batch and the noise of a step come from different streams
 
 
 def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
-    """Refuse grids splitting weights (X, Y or Z > 1) under DP.
+    """Refuse what DP-SGD's clipping cannot do on a grid: Opacus' per-sample gradients on a tensor split
+    (X, Y or Z > 1), secure noise on several ranks with ghost clipping.
 
     `grid`: the run's ProcessGrid, or the requested X,Y,Z,D (memorization.parallel.requested_grid),
     None for `auto` (checked again once resolved)."""
@@ -70,26 +76,44 @@ def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
         return
     dims = tuple(grid.dims if isinstance(grid, ProcessGrid) else grid)
     x, y, z, data = dims
-    if x * y * z > 1:
-        raise fail("trainer.dp.enabled", True, f"DP-SGD runs serial or data-parallel (grid 1,1,1,D); grid "
-                   f"{','.join(map(str, dims))} splits weights over X/Y/Z, so no rank can clip a row's whole "
-                   f"gradient: use --grid 1,1,1,{x * y * z * data} or turn DP off")
+    text = ",".join(map(str, dims))
+    if x * y * z > 1 and dp.clipping == "per_sample":
+        raise fail("trainer.dp.clipping", dp.clipping, f"Opacus' per-sample gradients run serial or "
+                   f"data-parallel (grid 1,1,1,D); grid {text} splits weights over X/Y/Z: use "
+                   f"trainer.dp.clipping=ghost (any grid) or --grid 1,1,1,{x * y * z * data}")
+    if dp.secure_rng and dp.clipping == "ghost" and x * y * z * data > 1:
+        raise fail("trainer.dp.secure_rng", True, f"ghost clipping on {x * y * z * data} ranks draws seeded "
+                   "noise so that copies of a parameter agree; run secure noise in one process, with "
+                   "trainer.dp.clipping=per_sample at 1,1,1,D, or set it false")
+
+
+def check_dp_model(dp: Any, model_config: Any) -> None:
+    """Refuse a model whose parameters ghost clipping cannot see (a parameter shared other than by an
+    embedding and a linear layer), on a meta copy of it."""
+    if not dp.enabled or dp.clipping != "ghost" or model_config is None:
+        return
+    why = unsupported(meta_model(model_config))
+    if why is not None:
+        raise fail("trainer.dp.clipping", dp.clipping, f"ghost clipping cannot split the gradient of a "
+                   f"{why}; use trainer.dp.clipping=per_sample (serial or 1,1,1,D) or untie the parameter")
 
 
 def check_dp(cfg: RunTrainerConfig, rows: int | None,
-             grid: ProcessGrid | Sequence[int] | None) -> float | None:
+             grid: ProcessGrid | Sequence[int] | None, model_config: Any = None) -> float | None:
     """Every refusal of a DP-SGD run (memorization.checks.check_run calls it before anything is built);
     returns the noise multiplier sigma (None when DP is off or the row count N is not known yet).
 
     `cfg` is the trainer config the run trains with (goldfish's token budget stretched: planned steps
-    decide sigma for a target epsilon)."""
+    decide sigma for a target epsilon); `model_config` the HF config of the model (None: not checked)."""
     dp = cfg.dp
     if not dp.enabled:
         return None
     check_dp_grid(dp, grid)
-    if cfg.activation_checkpointing:
+    check_dp_model(dp, model_config)
+    if cfg.activation_checkpointing and dp.clipping == "per_sample":
         raise fail("trainer.activation_checkpointing", True, "recomputed blocks run their forward twice, "
-                   "which Opacus' per-sample hooks cannot follow; turn it off with DP-SGD")
+                   "which Opacus' per-sample hooks cannot follow; turn it off or use "
+                   "trainer.dp.clipping=ghost")
     if dp.secure_rng and importlib.util.find_spec("torchcsprng") is None:
         raise fail("trainer.dp.secure_rng", True, _CSPRNG_FIX)
     if rows is None:
@@ -155,14 +179,15 @@ class OpacusPrivacy(GradientHook):
 
     token_losses = True  # the objective is per row: it needs each token's CE
 
-    def __init__(self, cfg: RunTrainerConfig, rows: int, *, grid: ProcessGrid | None = None):
-        # check_dp (through memorization.checks.check_run) refused every bad setting already
+    def __init__(self, cfg: RunTrainerConfig, rows: int, *, grid: ProcessGrid | None = None,
+                 sigma: float | None = None):
+        # the run's plan (memorization.checks.plan_run) refused every bad setting and solved sigma
         dp = cfg.dp
         self.cfg, self.dp, self.rows = cfg, dp, rows
         self.batch_size = cfg.batch_size
         self.sample_rate = cfg.batch_size / rows
         self.planned_steps = cfg.planned_steps(rows)[1]
-        self.noise_multiplier = noise_multiplier(cfg, rows)
+        self.noise_multiplier = noise_multiplier(cfg, rows) if sigma is None else sigma
         self._secure = _secure_generator() if dp.secure_rng else None
         self._optimizer: Any = None
         self._rdp_step: Any = None
@@ -268,7 +293,7 @@ class OpacusPrivacy(GradientHook):
         return {"epsilon": self.epsilon(steps), "delta": self.dp.delta,
                 "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.dp.max_grad_norm,
                 "sample_rate": self.sample_rate, "accountant": self.dp.accountant,
-                "poisson_sampling": self.dp.poisson_sampling}
+                "poisson_sampling": self.dp.poisson_sampling, "clipping": self.dp.clipping}
 
 
 def _below(x: float) -> str:
@@ -276,4 +301,4 @@ def _below(x: float) -> str:
     return f"{10 ** math.floor(math.log10(x) - 1e-12):.0e}"
 
 
-__all__ = ["OpacusPrivacy", "check_dp", "check_dp_grid", "noise_multiplier"]
+__all__ = ["OpacusPrivacy", "check_dp", "check_dp_grid", "check_dp_model", "noise_multiplier"]

@@ -1,5 +1,7 @@
-"""DP-SGD through Opacus: the plain step without noise or clipping, per-row clipping checked by hand,
-Opacus' own accountant, data-parallel == serial, goldfish composes, bad input refused."""
+"""DP-SGD through Opacus (trainer.dp.clipping=per_sample) and the settings both clippings share: the plain
+step without noise or clipping, per-row clipping checked by hand, Opacus' own accountant,
+data-parallel == serial (ghost, the default), goldfish composes, bad input refused. Ghost clipping on
+every grid: tests/test_dp_ghost.py."""
 from __future__ import annotations
 
 import copy
@@ -257,6 +259,9 @@ def test_goldfish_and_dp_run_end_to_end_with_epsilon_in_metrics_and_summary(tmp_
     ({"noise_multiplier": None}, r"trainer\.dp\.noise_multiplier=None: neither"),
     ({"accountant": "moments"}, r"trainer\.dp\.accountant='moments'"),
     ({"max_grad_norm": 0.0}, r"trainer\.dp\.max_grad_norm=0\.0"),
+    ({"max_grad_norm": float("inf")}, r"trainer\.dp\.max_grad_norm=inf"),
+    ({"max_grad_norm": float("nan")}, r"trainer\.dp\.max_grad_norm=nan"),
+    ({"clipping": "fast"}, r"trainer\.dp\.clipping='fast': choose one of ghost, per_sample"),
 ])
 def test_bad_dp_settings_name_the_field(override, field):
     with pytest.raises(ConfigError, match="^" + field) as e:
@@ -264,7 +269,8 @@ def test_bad_dp_settings_name_the_field(override, field):
     assert len(str(e.value).splitlines()) == 1
 
 
-def test_delta_above_one_over_n_and_tensor_grids_are_refused_before_anything_is_written(tmp_path, capsys):
+def test_delta_above_one_over_n_and_per_sample_tensor_grids_are_refused_before_anything_is_written(
+        tmp_path, capsys):
     import yaml
 
     from memorization.cli import main
@@ -272,13 +278,17 @@ def test_delta_above_one_over_n_and_tensor_grids_are_refused_before_anything_is_
 
     with pytest.raises(ConfigError, match=r"^trainer\.dp\.delta=0\.1: must be < 1/N = 0\.0625 for N=16"):
         run_training(_run_cfg(delta=0.1), tmp_path / "o", progress=False)
-    for grid in ("2,1,1,1", "1,1,2,1"):
-        cfg = _run_cfg()
+    for grid in ("2,1,1,1", "1,1,2,1"):  # Opacus' per-sample gradients need whole layers
+        cfg = _run_cfg(clipping="per_sample")
         cfg.grid = grid
-        refusal = r"^trainer\.dp\.enabled=True: DP-SGD runs serial or data-parallel \(grid 1,1,1,D\).*1,1,1,2"
+        refusal = (r"^trainer\.dp\.clipping='per_sample': Opacus' per-sample gradients run serial or "
+                   r"data-parallel \(grid 1,1,1,D\).*trainer\.dp\.clipping=ghost.*1,1,1,2")
         with pytest.raises(ConfigError, match=refusal):
             run_training(cfg, tmp_path / "o", progress=False)
-    check_dp_grid(DPConfig(enabled=True), (1, 1, 1, 4))  # data-parallel is fine
+    check_dp_grid(DPConfig(enabled=True, clipping="per_sample"), (1, 1, 1, 4))  # data-parallel is fine
+    check_dp_grid(DPConfig(enabled=True), (2, 2, 2, 1))  # ghost clipping: any grid
+    with pytest.raises(ConfigError, match=r"^trainer\.dp\.secure_rng=True: ghost clipping on 2 ranks"):
+        check_dp_grid(DPConfig(enabled=True, secure_rng=True), (1, 2, 1, 1))
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(RUN))
     capsys.readouterr()

@@ -51,6 +51,16 @@ def scatter_weight_grad(comm: Comm, dw: torch.Tensor, local_rows: int) -> Any:
     return comm.reduce_scatter(dw, "z", async_op=True)
 
 
+def wants_grad(ctx: Any, i: int) -> bool:
+    """Whether this backward must produce the gradient of input `i`: needed at forward, and wanted by
+    the running backward (an autograd.grad towards activations only, e.g. a pass that measures
+    per-example norms, skips the weight GEMM and its Z reduce-scatter)."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    return node is None or torch._C._will_engine_execute_node(node)
+
+
 class SplitLastDim(torch.autograd.Function):
     """Keep this rank's slice of the last dim (no communication); backward all-gathers."""
 
@@ -156,7 +166,7 @@ class ParallelMatmul(torch.autograd.Function):
             # async: the all-reduce runs behind the dW GEMM below
             work = comm.all_reduce(dx, ctx.out_group, async_op=overlap_dx)
         dw_shard = None
-        if ctx.needs_input_grad[1]:
+        if wants_grad(ctx, 1):
             dw = gemm.mm(dy.reshape(-1, dy.shape[-1]).t(), xs.reshape(-1, xs.shape[-1])).to(w_shard.dtype)
             dw_shard = _reduce_weight_grad(comm, sched, ctx.layer, dw, w_shard.shape[0])
         if work is not None:
@@ -196,6 +206,8 @@ class VocabEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        if not wants_grad(ctx, 1):
+            return (None,) * 10
         local, mask = ctx.saved_tensors
         dw = dy.new_zeros(ctx.w_shape)
         if ctx.whole:

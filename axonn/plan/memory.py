@@ -120,26 +120,48 @@ def z_buffer_bytes(shape: ModelShape, grid: Grid, prefetch: bool = True,
     return gathered * (p.activation * (2 if prefetch else 1) + p.grad)
 
 
+def example_norm_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
+                       mode: str | None = None) -> float:
+    """Per-example gradient norm buffers (axonn/layers/per_example.py, for per-example clipping)
+    of one micro-batch on one rank: the largest layer's transient per-row pair of fp32 [T, T] Gram
+    matrices (or its [out, in] per-row gradient block when smaller), plus a tied table's [T, T] cross
+    term and one more [T, T] token-equality matrix held to the embedding's backward.  The captured
+    inputs are tensors autograd saves anyway; the graph kept for the second backward is the
+    activations already counted."""
+    mode = mode or default_mode(shape)
+    t2 = float(seq) * seq
+    blocks = [(lin.out // grid.dim(lin.out_axis)) * (lin.inp // grid.dim(lin.in_axis))
+              for lin in block_linears(shape, grid, mode)]
+    blocks.append((shape.vocab // grid.y) * (shape.hidden // grid.x))
+    largest = max(min(2 * t2, float(b)) for b in blocks)
+    return 4.0 * micro_batch * (largest + 2 * t2)
+
+
 def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                      checkpoint: bool, prefetch: bool = True,
                      mode: str | None = None, *, local: float | None = None,
-                     precision: str | Precision = "bf16", loss_chunk: int = 0) -> dict[str, float]:
+                     precision: str | Precision = "bf16", loss_chunk: int = 0,
+                     example_norms: bool = False) -> dict[str, float]:
     """Peak bytes per GPU by category for one micro-batch of `micro_batch` rows per rank.
 
     `local` is the parameter count of one rank (default: `local_params` of the shape); the dry run
     passes the count of the sharded model it built. `loss_chunk`: tokens per chunk of the chunked
-    LM head (0: full logits).
+    LM head (0: full logits). `example_norms` adds the per-example norm buffers
+    (`example_norm_bytes`: per-example clipping).
     """
     mode = mode or default_mode(shape)
     p = get_precision(precision)
     n = local_params(shape, grid, mode) if local is None else float(local)
-    return {
+    out = {
         "weights": p.weight * n,
         "gradients": p.grad * n,
         "optimizer": p.optimizer * n,
         "z_buffers": z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode),
         "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p, loss_chunk),
     }
+    if example_norms:
+        out["example_norms"] = example_norm_bytes(shape, grid, seq, micro_batch, mode)
+    return out
 
 
 def memory_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,

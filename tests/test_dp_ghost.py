@@ -1,0 +1,279 @@
+"""DP-SGD with ghost clipping (memorization/privacy_ghost.py, axonn/layers/per_example.py): per-row norms
+equal per-row backward passes and Opacus' per-sample clipping, the update equals Opacus' on the same
+rows, every grid equals the serial run, noise lands once per coordinate, bad input is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from axonn.spawn import run_distributed
+from axonn.trainer import IGNORE_INDEX, Trainer
+from memorization.config import DPConfig, RunTrainerConfig
+from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.privacy import OpacusPrivacy
+from memorization.privacy_ghost import GhostPrivacy
+
+V = 64
+
+
+class Rows:
+    """A minimal RowDataset."""
+
+    def __init__(self, ids, labels):
+        self.ids, self.labels = ids, labels
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, idx):
+        return {"input_ids": self.ids[idx], "labels": self.labels[idx]}
+
+
+def tiny_model(seed=0, vocab=V, hidden=32, tie=True):
+    """A seeded 2-layer fp64 Llama with tied embeddings (the LM head shares the table)."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=tie)).double()
+
+
+def rows(n=16, t=16):
+    """Seeded rows; rows 1 and 2 end in ignored labels, row 3 has none supervised (a padded row)."""
+    ids = torch.randint(0, V, (n, t), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[1, -6:] = labels[2, -3:] = IGNORE_INDEX
+    labels[3] = IGNORE_INDEX
+    return Rows(ids, labels)
+
+
+def tcfg(**dp):
+    base = {"enabled": True, "delta": 1e-3, "poisson_sampling": False, "noise_multiplier": 0.0}
+    return RunTrainerConfig(lr=1e-2, warmup_steps=0, batch_size=8, max_steps=2, grad_clip=0.0, progress=False,
+                            seed=3, dp=DPConfig(**{**base, **dp}))
+
+
+def row_norms(labels, ids):
+    """Each row's gradient norm of its own mean CE, one plain backward per row (fp64)."""
+    out = []
+    for i in range(len(labels)):
+        model = tiny_model()
+        logits = model(input_ids=ids[i:i + 1]).logits[:, :-1]
+        target = labels[i:i + 1, 1:].reshape(-1)
+        if not (target != IGNORE_INDEX).any():
+            out.append(0.0)
+            continue
+        F.cross_entropy(logits.reshape(-1, V), target, ignore_index=IGNORE_INDEX).backward()
+        out.append(float(torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def stepped(hook_cls, cfg, data, batch, transform=None):
+    """(gradients the optimizer steps with, the hook) after one train_step on `batch`."""
+    trainer = Trainer(tiny_model(), cfg, data, label_transform=transform,
+                      gradient_hook=hook_cls(cfg, len(data)))
+    seen = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: seen.extend(p.grad.clone() for p in trainer.model.parameters()))
+    trainer.train_step(batch)
+    return seen, trainer.gradient_hook
+
+
+@pytest.mark.parametrize("goldfish,grad_accum", [(False, 1), (True, 2)])
+def test_ghost_norms_and_update_equal_per_row_backward_and_opacus_per_sample(goldfish, grad_accum):
+    """Ghost norms == per-row backward norms (1e-6, fp64; tied embeddings, a padded row, goldfish -100
+    labels); the clipped update == Opacus' per-sample clipping on the same rows (1e-6)."""
+    data = rows()
+    batch = data[torch.arange(8)]
+    transform = GoldfishTransform(GoldfishConfig(enabled=True, k=2, h=3)) if goldfish else None
+    labels = transform(batch) if goldfish else batch["labels"]
+    ref = row_norms(labels, batch["input_ids"])
+    assert ref[3] == 0
+    c = float(ref[ref > 0].median())  # clipping bites on half the rows
+    cfg = tcfg(max_grad_norm=c)
+    cfg.grad_accum = grad_accum
+    ghost, hook = stepped(GhostPrivacy, cfg, data, batch, transform)
+    per_sample, _ = stepped(OpacusPrivacy, cfg, data, batch, transform)
+    micro = 8 // grad_accum
+    torch.testing.assert_close(hook.last_norms, ref[-micro:], rtol=1e-6, atol=1e-9)
+    assert len(ghost) == len(per_sample)
+    scale = max(float(g.abs().max()) for g in per_sample)
+    for a, b in zip(ghost, per_sample):  # within 1e-6 of the largest entry (Opacus clips in fp32)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * scale)
+
+
+def _steps(model, cfg, data, grid=None, steps=2):
+    """Train `steps` fixed batches of 8 rows; (per step: this rank's rows' norms), the trainer."""
+    hook = GhostPrivacy(cfg, len(data), grid=grid)
+    trainer = Trainer(model, cfg, data, grid=grid, gradient_hook=hook)
+    norms = []
+    for step in range(steps):
+        trainer.train_step(data[torch.arange(8 * step, 8 * step + 8)])
+        trainer.state.step += 1
+        norms.append(hook.last_norms.clone())
+    return norms, trainer
+
+
+def _grid_rank(rank, world, dims, mode, c):
+    import axonn
+
+    grid = axonn.ProcessGrid(*dims)
+    model = axonn.parallelize(tiny_model(), grid, mode=mode)
+    norms, _ = _steps(model, tcfg(max_grad_norm=c), rows(), grid=grid)
+    full = {k: v.tolist() for k, v in axonn.full_state_dict(model).items()}  # plain values: no shared fds
+    return {"shard": grid.batch_shard_index, "norms": [n.tolist() for n in norms],
+            "state": full if rank == 0 else None}
+
+
+GRIDS = [((2, 1, 1, 1), "easy"), ((1, 2, 1, 1), "paired"), ((1, 1, 2, 1), "easy"), ((2, 2, 2, 1), "paired"),
+         ((1, 2, 1, 2), "easy")]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dims,mode", GRIDS, ids=[",".join(map(str, g)) for g, _ in GRIDS])
+def test_ghost_dp_on_a_grid_equals_serial(dims, mode):
+    """sigma = 0, a clip norm that bites: every rank's row norms equal the serial ones (1e-6) and the
+    parameters after two steps equal the serial run's (1e-6), vocab-parallel head tied to the table,
+    padded rows, column/row (paired) and easy layers, Z and data batch shards."""
+    c = 0.5 * float(row_norms(rows().labels[:8], rows().ids[:8]).median())
+    serial_norms, trainer = _steps(tiny_model(), tcfg(max_grad_norm=c), rows())
+    want = trainer.model.state_dict()
+    world = dims[0] * dims[1] * dims[2] * dims[3]
+    per_rank = run_distributed(_grid_rank, world, dims, mode, c, timeout=300)
+    shards = dims[2] * dims[3]
+    for r in per_rank:
+        for step, got in enumerate(r["norms"]):
+            n = 8 // shards
+            want_norms = serial_norms[step].view(shards, n)[r["shard"]]
+            got = torch.tensor(got, dtype=torch.float64)
+            torch.testing.assert_close(got, want_norms, rtol=1e-6, atol=1e-9)
+    for key, value in per_rank[0]["state"].items():
+        torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), want[key], rtol=1e-6, atol=1e-9,
+                                   msg=key)
+
+
+def _noise_grads(grid=None, step=5):
+    """The gradient DP-SGD steps with when every row's gradient is zero: noise / B, per parameter
+    (full tensors: gathered from the shards on a grid), from a 1.3M-parameter model."""
+    import axonn
+
+    model = tiny_model(vocab=8192, hidden=128)
+    if grid is not None and grid.distributed:
+        model = axonn.parallelize(model, grid, mode="paired")
+    cfg = tcfg(noise_multiplier=2.0, max_grad_norm=0.5)
+    hook = GhostPrivacy(cfg, 64, grid=grid)
+    Trainer(model, cfg, rows(64), grid=grid, gradient_hook=hook)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    hook.reduce(step)
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (axonn.full_grad_dict(model) if grid is not None and grid.distributed else local), local, hook
+
+
+def _noise_std_ok(grads, want):
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    assert flat.numel() >= 1_000_000
+    assert abs(float(flat.std()) / want - 1) < 0.02 and abs(float(flat.mean())) < 0.01 * want
+
+
+def test_noise_is_seeded_and_lands_once_per_coordinate_serially():
+    """sigma C / B per coordinate (2% on 1.3M coordinates), the same draw for the same (seed, step)."""
+    grads, _, hook = _noise_grads()
+    _noise_std_ok(grads, 2.0 * 0.5 / 8)
+    again, _, _ = _noise_grads()
+    other, _, _ = _noise_grads(step=6)
+    for key in grads:
+        assert torch.equal(grads[key], again[key]) and not torch.equal(grads[key], other[key])
+
+
+def _noise_rank(rank, world, dims):
+    import axonn
+
+    grid = axonn.ProcessGrid(*dims)
+    full, local, hook = _noise_grads(grid)
+    twice, _, _ = _noise_grads(grid)
+    flat = torch.cat([g.reshape(-1) for g in full.values()])
+    norm = {k: v.tolist() for k, v in local.items() if "norm" in k}  # replicated on every rank
+    return {"std": float(flat.std()), "mean": float(flat.mean()), "n": flat.numel(), "norm": norm,
+            "same": all(torch.equal(full[k], twice[k]) for k in full), "epsilon": hook.epsilon(40)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dims", [(1, 2, 1, 1), (1, 1, 2, 1)], ids=["1,2,1,1", "1,1,2,1"])
+def test_noise_on_a_grid_lands_once_per_coordinate_and_epsilon_equals_serial(dims):
+    """On a tensor split every coordinate of the assembled gradient gets one draw of std sigma C / B
+    (2%, 1.3M coordinates; a replicated parameter holds the same draw on every rank, the rows padding
+    a Z split none), reproducibly; epsilon is the serial run's."""
+    _, _, serial = _noise_grads()
+    per_rank = run_distributed(_noise_rank, 2, dims, timeout=300)
+    want = 2.0 * 0.5 / 8
+    for r in per_rank:
+        assert r["n"] >= 1_000_000 and abs(r["std"] / want - 1) < 0.02 and abs(r["mean"]) < 0.01 * want
+        assert r["same"] and r["epsilon"] == serial.epsilon(40)
+        assert r["norm"] == per_rank[0]["norm"]
+
+
+def test_activation_checkpointing_gives_the_same_norms_and_update():
+    """Recomputed blocks (non-reentrant checkpointing) feed the norms the same inputs: same norms, same
+    update as without (1e-9 relative, fp64)."""
+    data = rows()
+    batch = data[torch.arange(8)]
+    out = []
+    for ck in (False, True):
+        cfg = tcfg(max_grad_norm=0.05)
+        cfg.activation_checkpointing = ck
+        out.append(stepped(GhostPrivacy, cfg, data, batch))
+    (plain, hook), (ck, hook_ck) = out
+    torch.testing.assert_close(hook_ck.last_norms, hook.last_norms, rtol=1e-9, atol=0)
+    for a, b in zip(plain, ck):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+
+def test_a_parameter_ghost_clipping_cannot_split_is_refused_in_one_line(monkeypatch):
+    """Two linear layers sharing one weight (no embedding to pair with): refused by the run's check,
+    naming the field, the value, the parameter and the fix."""
+    from torch import nn
+
+    from memorization import privacy
+    from memorize_core import ConfigError
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+    monkeypatch.setattr(privacy, "meta_model", lambda config: Shared())
+    refusal = (r"^trainer\.dp\.clipping='ghost': ghost clipping cannot split the gradient of a parameter "
+               r"a\.weight is shared by Linear, Linear; use trainer\.dp\.clipping=per_sample")
+    with pytest.raises(ConfigError, match=refusal) as e:
+        privacy.check_dp(tcfg(), None, (1, 2, 1, 1), model_config=object())
+    assert len(str(e.value).splitlines()) == 1
+    privacy.check_dp(tcfg(clipping="per_sample"), None, (1, 1, 1, 1), model_config=object())  # Opacus' job
+
+
+def test_the_dry_run_takes_dp_on_a_tensor_split_and_counts_the_norm_buffers(tmp_path):
+    """`--dry-run --grid 1,2,1,1` with DP-SGD exits 0 (it used to refuse every tensor split) and
+    rank 0's total includes the per-example norm buffers the planner's memory model prices."""
+    import contextlib
+    import io
+    import json
+
+    from helpers import TINY
+
+    from memorization.cli import main
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    argv = ["train", str(path), "--dry-run", "--world", "2", "--grid", "1,2,1,1", "--json",
+            "trainer.dp.enabled=true", "trainer.dp.noise_multiplier=1.0", "trainer.dp.delta=1e-3"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    r0 = json.loads(out.getvalue())["rank0"]
+    assert r0["example_norm_bytes"] > 0 and r0["fits"]
+    with contextlib.redirect_stdout(io.StringIO()) as plain:
+        assert main(argv[:-3]) == 0
+    without = json.loads(plain.getvalue())["rank0"]
+    assert abs(r0["total_bytes"] - without["total_bytes"] - r0["example_norm_bytes"]) <= 1  # int() of each
