@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from axonn.config import to_dict
+from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
 from axonn.sinks import JsonlSink, MetricSink
 from axonn.state import load_pretrained
@@ -38,8 +39,22 @@ from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: i
 )
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
-from memorization.lora import apply_lora, export_lora, trainable_params
-from memorization.models import build_model, count_params, is_pretrained, model_config, resolve_model_dir
+from memorization.lora import (
+    apply_lora,
+    apply_sharded_lora,
+    export_lora,
+    lora_targets,
+    tensor_split,
+    trainable_params,
+)
+from memorization.models import (
+    build_model,
+    count_params,
+    is_pretrained,
+    meta_model,
+    model_config,
+    resolve_model_dir,
+)
 from memorization.parallel import grid_spec as parallel_grid_spec
 from memorization.parallel import is_main_process, resolve_grid, run_dims, run_world, wants_grid
 from memorization.prepare import PreparedData, prepare_data
@@ -171,11 +186,13 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     distributed = grid.distributed if grid is not None else wants_grid(parallel_grid_spec(grid_spec, cfg))
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
-    stream = distributed and not cfg.model.random_init \
-        and is_pretrained(cfg.model.name) and not lora.enabled and not cfg.trainer.dp.enabled
+    # LoRA on a tensor-split grid adapts the engine's sharded layers (lora.py); at 1,1,1,D it is peft's
+    sharded_lora = lora.enabled and tensor_split(checked.dims)
+    stream = distributed and not cfg.model.random_init and is_pretrained(cfg.model.name) \
+        and (not lora.enabled or sharded_lora) and not cfg.trainer.dp.enabled
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
-    if lora.enabled:
+    if lora.enabled and not sharded_lora:
         model = apply_lora(model, lora, seed=cfg.seed)
     grid = resolve_grid(cfg, checked.dims, spec=grid_spec, grid=grid)  # the run's grid, from here on
     tcfg = effective_trainer(cfg)
@@ -190,12 +207,15 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                               json.loads((ckpt / "meta.json").read_text())["step"])
     else:
         out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
-    # A serial run keeps the plain HF model; LoRA and DP-SGD at 1,1,1,D: data-parallel, unswapped
-    # (lora.py, privacy.py)
-    if grid.distributed and not lora.enabled and privacy is None:
+    # A serial run keeps the plain HF model; peft's LoRA and DP-SGD at 1,1,1,D: data-parallel,
+    # unswapped (lora.py, privacy.py)
+    if grid.distributed and (not lora.enabled or sharded_lora) and privacy is None:
+        targets = lora_targets(meta_model(hf_config), lora) if sharded_lora else []
         model = parallelize(model, grid, mode=cfg.parallel_mode)
         if stream:
             load_pretrained(model, resolve_model_dir(cfg.model.name))
+        if sharded_lora:  # after the load: the base's names are still the serial model's there
+            model = apply_sharded_lora(model, lora, targets, seed=cfg.seed)
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
     sinks: list[MetricSink] = []
     wb = None
@@ -274,7 +294,7 @@ def export(run: Run) -> Path:
     cfg, path = run.cfg, run.out_dir / "model"
     if not cfg.model.lora.enabled:
         return run.trainer.export(path, run.data.tokenizer)
-    if run.is_main:
+    if run.is_main or is_parallel(run.trainer.model):  # a sharded model exports on every rank
         export_lora(run.trainer.model, path, cfg.model.lora, tokenizer=run.data.tokenizer,
                     base_dir=resolve_model_dir(cfg.model.name), base_name=cfg.model.name)
     return path
