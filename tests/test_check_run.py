@@ -20,8 +20,8 @@ LORA = ["model.lora.enabled=true"]
 # (overrides, --grid, processes, a phrase of the refusal): TINY has 4 heads, hidden 32, batch 4 and
 # 12 documents (about 11 rows)
 REFUSALS = [
-    (LORA, "1,2,1,1", 2, "data-parallel only"),
-    (LORA, "2,1,1,1", 2, "data-parallel only"),
+    (LORA + ["model.lora.dropout=0.1"], "1,2,1,1", 2, "model.lora.dropout=0.1: adapter dropout runs"),
+    (LORA + ["model.lora.r=0"], "2,1,1,1", 2, "model.lora.r=0: must be >= 1"),
     (DP, "1,1,2,1", 2, "DP-SGD runs serial or data-parallel"),
     (DP, "1,2,1,1", 2, "DP-SGD runs serial or data-parallel"),
     (DP + ["trainer.activation_checkpointing=true"], "1,1,1,1", 1, "trainer.activation_checkpointing"),
