@@ -28,7 +28,7 @@ from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
 from axonn.plan import get_hardware, load_shape, plan, predict, valid_grids
 from axonn.plan.evaluation import eval_memory, eval_time
-from axonn.plan.memory import local_params, memory_breakdown
+from axonn.plan.memory import Adapters, local_params, memory_breakdown
 from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
 from axonn.state import SafetensorsSlices
@@ -36,6 +36,7 @@ from axonn.swap import parallelize, trainable
 from memorization.checks import check_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
+from memorization.lora import apply_sharded_lora, lora_targets, planner_adapters
 from memorization.models import meta_model
 from memorization.parallel import SERIAL, grid_spec
 from memorization.prepare import prepare_data
@@ -67,8 +68,9 @@ def precision_for(trainer_precision: str, hw: Any) -> str:
 
 def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int, hw: Any,
                 headroom: float, precision: str) -> tuple[int, int, int, int]:
-    """The predicted-fastest grid that runs this config as written (micro-batch, checkpointing)."""
+    """The predicted-fastest grid that runs this config as written (micro-batch, checkpointing, LoRA)."""
     t, mode = cfg.trainer, cfg.parallel_mode
+    adapters = _adapters(cfg, hf_config, precision)
     best, least, reasons = None, None, []
     for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
         try:
@@ -79,10 +81,11 @@ def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int
             continue
         p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                     checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                    precision=precision)
+                    precision=precision, adapters=adapters)
         if least is None or p.memory_gb < least.memory_gb:
             least = p
-        if p.fits and (best is None or p.time_s < best.time_s):
+        if p.fits and _scores_in_place(cfg, shape, g, hw, mode, precision, headroom, adapters) \
+                and (best is None or p.time_s < best.time_s):
             best = p
     if best is not None:
         return best.grid
@@ -92,6 +95,25 @@ def choose_grid(shape: Any, hf_config: Any, cfg: RunConfig, world: int, gpn: int
         raise fail("--grid", "auto", f"no grid of {world} GPUs can run this config: {why}")
     raise fail("--grid", "auto", f"no grid of {world} GPUs fits {shape.name} in {hw.name} memory; the "
                f"smallest needs {least.memory_gb:.1f} GiB at {least.grid} ({_fix(t)})")
+
+
+def _scores_in_place(cfg: RunConfig, shape: Any, g: Grid, hw: Any, mode: str, precision: str,
+                     headroom: float, adapters: Adapters | None) -> bool:
+    """Whether the run's own evaluation (extraction, MIA) fits on grid `g` at eval.batch_size, so that
+    `auto` never picks a grid whose end-of-run scoring the dry run would then refuse."""
+    e = cfg.eval
+    if not (e.extraction or e.mia):
+        return True
+    need = eval_memory(shape, g, batch=e.batch_size, context=e.prefix, new=e.suffix,
+                       seq=cfg.data.block_len if e.mia else e.suffix, mode=mode, precision=precision,
+                       adapters=adapters)
+    return sum(need.values()) <= hw.memory_bytes * (1.0 - headroom)
+
+
+def _adapters(cfg: RunConfig, hf_config: Any, precision: str) -> Adapters | None:
+    """The planner's view of the run's LoRA adapters (None without LoRA): memorization.lora."""
+    lora = cfg.model.lora
+    return planner_adapters(lora, meta_model(hf_config), precision) if lora.enabled else None
 
 
 def _fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
@@ -206,8 +228,13 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
+    adapters, trained = _adapters(cfg, hf_config, precision), None
+    if adapters is not None:  # the run's adapters on this grid's shards: what the rank trains
+        targets = lora_targets(meta_model(hf_config), cfg.model.lora)
+        trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora, targets)))
 
-    mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision)
+    mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
+                                adapters=adapters, trained=trained)
            for ck in (False, True)}
     used = mem[t.activation_checkpointing]
     total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
@@ -218,7 +245,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                    f"{_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                precision=precision, local=local)
+                precision=precision, local=local, adapters=adapters)
     try:
         top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
                    precision=precision)[0]
@@ -227,7 +254,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     except ConfigError:
         best = None
     tokens = t.batch_size * seq
-    evaluation = _evaluation(cfg, shape, g, hw, gpn, mode, precision, local, usable)
+    evaluation = _evaluation(cfg, shape, g, hw, gpn, mode, precision, local, usable, adapters, trained)
     return {
         "command": command, "config": config_path, "name": cfg.name,
         "model": {"name": cfg.model.name, "params": shape.params, "layers": shape.layers,
@@ -245,6 +272,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "rank0": {"params": local, "planner_params": int(local_params(shape, g, mode)),
                   "param_bytes": int(used["weights"]), "grad_bytes": int(used["gradients"]),
                   "optimizer_bytes": int(used["optimizer"]), "z_buffer_bytes": int(used["z_buffers"]),
+                  "trained_params": local if trained is None else trained,
                   "activation_bytes": {"checkpointing": int(mem[True]["activations"]),
                                        "no_checkpointing": int(mem[False]["activations"])},
                   "total_bytes": int(total), "fits": True},
@@ -262,7 +290,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
 
 
 def _evaluation(cfg: RunConfig, shape: Any, g: Grid, hw: Any, gpn: int, mode: str, precision: str,
-                local: int, usable: float) -> dict[str, Any] | None:
+                local: int, usable: float, adapters: Adapters | None = None,
+                trained: int | None = None) -> dict[str, Any] | None:
     """Rank 0 while the run scores its model in place (axonn.plan.evaluation): memory of the weight
     shards, AdamW state, KV cache at eval.batch_size, gathered buffers, logits; decode time. A batch
     that does not fit is refused with the largest that does."""
@@ -271,7 +300,7 @@ def _evaluation(cfg: RunConfig, shape: Any, g: Grid, hw: Any, gpn: int, mode: st
         return None
     # full-sequence fp32 logits: MIA scores whole blocks, extraction's verify pass only the suffix
     kw = dict(context=e.prefix, new=e.suffix, seq=cfg.data.block_len if e.mia else e.suffix, mode=mode,
-              precision=precision, local=local)
+              precision=precision, local=local, adapters=adapters, trained=trained)
 
     def need(batch: int, keep: bool = False) -> float:
         return sum(eval_memory(shape, g, batch=batch, keep_gathered=keep, **kw).values())

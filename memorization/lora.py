@@ -43,6 +43,7 @@ from axonn import checkpoint
 from axonn.engine import is_parallel, layouts_of, model_grid
 from axonn.grid import ProcessGrid
 from axonn.lora import adapter_layouts, add_lora, lora_modules, merged_layouts
+from axonn.plan.memory import Adapters
 from axonn.state import save_pretrained
 from memorization.models import is_pretrained
 from memorize_core import fail
@@ -214,6 +215,23 @@ def apply_sharded_lora(model: torch.nn.Module, settings: LoraSettings, targets: 
     return add_lora(model, targets, settings.r, settings.alpha, dropout=settings.dropout, seed=seed)
 
 
+def frozen_dtype(precision: str, device_type: str) -> torch.dtype | None:
+    """The dtype a LoRA run loads its frozen base in: bf16 where the run computes in bf16 (trainer
+    precision bf16, or auto on a GPU), else None (as built: fp32)."""
+    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
+    return torch.bfloat16 if bf16 else None
+
+
+def planner_adapters(settings: LoraSettings, serial: torch.nn.Module, precision: str) -> Adapters:
+    """The planner's view of a LoRA run (axonn.plan.memory.Adapters) on `serial` (a meta model):
+    rank, the block Linears adapted (all of them when a name is not one the planner knows) and the
+    frozen base's bytes per weight (`precision` is the run's activation precision, bf16 or fp32)."""
+    leaves = tuple(sorted({t.rpartition(".")[2] for t in lora_targets(serial, settings)}))
+    known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    return Adapters(rank=settings.r, targets=leaves if set(leaves) <= known else (),
+                    frozen_bytes=2 if precision == "bf16" else 4)
+
+
 def trainable_params(model: torch.nn.Module) -> int:
     """Number of distinct parameters the optimizer updates (requires_grad), counted at their full
     (serial) size on a sharded model."""
@@ -299,4 +317,5 @@ def _write_note(model: torch.nn.Module, out: Path, settings: LoraSettings, token
 
 
 __all__ = ["LoraSettings", "apply_lora", "apply_sharded_lora", "check_lora_resume", "check_lora_run",
-           "export_lora", "linear_names", "lora_targets", "tensor_split", "trainable_params"]
+           "export_lora", "frozen_dtype", "linear_names", "lora_targets", "planner_adapters", "tensor_split",
+           "trainable_params"]

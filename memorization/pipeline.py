@@ -43,6 +43,7 @@ from memorization.lora import (
     apply_lora,
     apply_sharded_lora,
     export_lora,
+    frozen_dtype,
     lora_targets,
     tensor_split,
     trainable_params,
@@ -192,9 +193,12 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
         and (not lora.enabled or sharded_lora) and not cfg.trainer.dp.enabled
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
-    if lora.enabled and not sharded_lora:
-        model = apply_lora(model, lora, seed=cfg.seed)
     grid = resolve_grid(cfg, checked.dims, spec=grid_spec, grid=grid)  # the run's grid, from here on
+    if lora.enabled:  # the frozen base in its load dtype: bf16 where the run computes in bf16
+        dtype = frozen_dtype(cfg.trainer.precision, grid.device.type)
+        model = model.to(dtype) if dtype is not None else model
+    if lora.enabled and not sharded_lora:
+        model = apply_lora(model, lora, seed=cfg.seed)  # peft keeps its adapters in fp32 over a bf16 base
     tcfg = effective_trainer(cfg)
     privacy = OpacusPrivacy(tcfg, len(data.train), grid=grid) if cfg.trainer.dp.enabled else None
     if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there

@@ -62,7 +62,10 @@ class LoraLinear(nn.Module):
         self.base_layer = base
         self.r, self.alpha, self.scale = r, alpha, alpha / r
         dtype = adapter_dtype(base.weight.dtype)
-        if lora_a is None or lora_b is None:
+        if base.weight.is_meta:  # a model without storage (sized, not run): empty factors, no draws
+            lora_a = torch.empty(r, base.in_features, device="meta")
+            lora_b = torch.empty(base.out_features, r, device="meta")
+        elif lora_a is None or lora_b is None:
             lora_a, lora_b = peft_init(base.in_features, base.out_features, r, dtype)
         pair = (base.in_axis, base.out_axis)
         self.lora_A = ParallelLinear(base.grid, base.in_features, r, bias=False, style="down", weight=lora_a,
