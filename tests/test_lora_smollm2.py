@@ -1,5 +1,9 @@
 """The real pretrained SmolLM2-135M with LoRA at a grid that splits its heads (1,3,1,1 paired: 9 heads
-and 3 KV heads over Y) equals the serial peft run: losses and trained adapters, fp32 (slow)."""
+and 3 KV heads over Y) equals the serial peft run: losses and trained adapters, in fp64 (slow).
+
+fp64 because Adam turns rounding noise into full-size steps wherever a gradient coordinate is ~0:
+in fp32 the losses agree to 2.9e-7 but single adapter coordinates whose gradient is pure noise took
+opposite signs (max 0.39 of the tensor's largest entry after 4 steps), in either run alike."""
 from __future__ import annotations
 
 import pytest
@@ -60,10 +64,10 @@ def _grid(rank, world, model_dir):
     from memorization.lora import apply_sharded_lora, lora_targets
 
     grid = axonn.ProcessGrid(1, 3, 1, 1)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, attn_implementation="eager")
     with torch.device("meta"):
-        serial = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-        targets = lora_targets(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32),
+        serial = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64)
+        targets = lora_targets(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float64),
                                _settings())
     model = axonn.parallelize(serial, grid, mode="paired")
     axonn.load_pretrained(model, model_dir)
@@ -80,7 +84,7 @@ def test_smollm2_lora_at_a_head_splitting_grid_equals_serial_peft(model_dir):
     from axonn.trainer import Trainer
     from memorization.lora import apply_lora
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
     model = apply_lora(base, _settings(), seed=0)
     want = [h["loss"] for h in Trainer(model, _cfg(), _data()).fit()]
     losses, adapters = run_distributed(_grid, 3, model_dir, timeout=900)[0]
@@ -92,4 +96,4 @@ def test_smollm2_lora_at_a_head_splitting_grid_equals_serial_peft(model_dir):
                       for k in theirs)
     print(f"\nSmolLM2-135M LoRA 1,3,1,1 vs serial peft: loss rel err {loss_err:.1e}, "
           f"adapter rel err {adapter_err:.1e}")
-    assert loss_err <= 1e-5 and adapter_err <= 1e-3
+    assert loss_err <= 1e-10 and adapter_err <= 1e-6

@@ -152,15 +152,18 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
     p = get_precision(precision)
     n = local_params(shape, grid, mode) if local is None else float(local)
     weights = p.weight * n
+    z_buffers = z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode)
     if adapters is not None:
         frozen = n
         n = adapter_params(shape, grid, adapters, mode) if trained is None else float(trained)
         weights = adapters.frozen_bytes * frozen + p.weight * n
+        if grid.z == 1 and adapters.frozen_bytes <= p.activation:
+            z_buffers = 0.0  # a base already in the compute dtype is used as it is: no cast copy kept
     return {
         "weights": weights,
         "gradients": p.grad * n,
         "optimizer": p.optimizer * n,
-        "z_buffers": z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode),
+        "z_buffers": z_buffers,
         "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p),
     }
 
