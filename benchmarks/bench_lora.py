@@ -1,15 +1,16 @@
 """LoRA on a tensor split: per-rank memory of the frozen base, the adapters and their gradient and AdamW
 state against the planner's model, and step time against serial (peft) LoRA.
 
-The model is common.SMALL (4 layers, hidden 256, vocab 4096) with its base loaded in bf16 (the load
-dtype a GPU LoRA run keeps it in) and rank-8 adapters on every linear layer, trained with bf16
-autocast.  Memory is counted from the tensors each rank holds after two steps (parameters, gradients,
-optimizer state: what the planner's weights/gradients/optimizer categories model; activations are
-not counted); the planner's figures are axonn.plan.memory.memory_breakdown with the run's Adapters.
+The model is common.SMALL (4 layers, hidden 256, vocab 4096) in fp32 (the load dtype on a CPU; a GPU
+run keeps its base in bf16, which the planner's Adapters.frozen_bytes models) with rank-8 adapters
+on every linear layer.  Memory is counted from the tensors each rank holds after the run
+(parameters, gradients, optimizer state: what the planner's weights/gradients/optimizer categories
+model; activations are not counted); the planner's figures are axonn.plan.memory.memory_breakdown
+with the run's Adapters.
 Step time is the median of steps 3..N on each world (gloo on this machine's cores: an N-way split
 runs N processes on the same 2 cores, so the ratio shows overhead, not speed-up).
 
-    python benchmarks/bench_lora.py [--steps 8] [--grids 1,1,1,1 1,2,1,1 2,1,1,1 1,1,2,1 1,4,1,1]
+    python benchmarks/bench_lora.py [--steps 6] [--grids 1,1,1,1 1,2,1,1 2,1,1,1 1,1,2,1]
 
 Writes benchmarks/results/bench_lora.json and prints a table.
 """
@@ -25,6 +26,7 @@ import torch
 from common import SMALL, batch, llama, write
 from transformers import LlamaConfig
 
+import axonn
 from axonn.config import TrainerConfig
 from axonn.plan import load_shape
 from axonn.plan.memory import adapter_params, local_params, memory_breakdown
@@ -60,7 +62,7 @@ class _Clock:
 
 def _cfg(steps: int) -> TrainerConfig:
     return TrainerConfig(lr=1e-3, warmup_steps=0, batch_size=8, max_steps=steps, progress=False, seed=0,
-                         device="cpu", precision="bf16")
+                         device="cpu", precision="fp32")
 
 
 def _bytes(ts: Any) -> int:
@@ -81,14 +83,12 @@ def _measure(model: torch.nn.Module, trainer: Trainer, clock: _Clock) -> dict[st
 
 
 def _grid_run(rank: int, world: int, dims: tuple[int, ...], steps: int) -> dict[str, Any]:
-    import axonn
-
     torch.set_num_threads(1)
     grid = axonn.ProcessGrid(*dims)
-    model = axonn.parallelize(llama().to(torch.bfloat16), grid, mode="paired")
+    model = axonn.parallelize(llama(), grid, mode="paired")
     model = apply_sharded_lora(model, SETTINGS, lora_targets(llama(), SETTINGS), seed=0)
     clock = _Clock()
-    trainer = Trainer(model, _cfg(steps), _Rows(batch(64, 128, SMALL["vocab_size"])), grid=grid,
+    trainer = Trainer(model, _cfg(steps), _Rows(batch(64, 64, SMALL["vocab_size"])), grid=grid,
                       callbacks=[clock])
     trainer.fit()
     return _measure(model, trainer, clock)
@@ -96,17 +96,17 @@ def _grid_run(rank: int, world: int, dims: tuple[int, ...], steps: int) -> dict[
 
 def _serial(steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    model = apply_lora(llama().to(torch.bfloat16), SETTINGS, seed=0)
+    model = apply_lora(llama(), SETTINGS, seed=0)
     clock = _Clock()
-    trainer = Trainer(model, _cfg(steps), _Rows(batch(64, 128, SMALL["vocab_size"])), callbacks=[clock])
+    trainer = Trainer(model, _cfg(steps), _Rows(batch(64, 64, SMALL["vocab_size"])), callbacks=[clock])
     trainer.fit()
     return _measure(model, trainer, clock)
 
 
 def _planner(dims: tuple[int, ...]) -> dict[str, float]:
     shape, g = load_shape(LlamaConfig(**SMALL)), Grid(*dims)
-    adapters = planner_adapters(SETTINGS, llama(), "bf16")
-    mem = memory_breakdown(shape, g, 128, 8, False, mode="paired", adapters=adapters)
+    adapters = planner_adapters(SETTINGS, llama(), "fp32")
+    mem = memory_breakdown(shape, g, 64, 8, False, mode="paired", adapters=adapters, precision="fp32")
     return {"frozen_params": local_params(shape, g, "paired"),
             "adapter_params": adapter_params(shape, g, adapters, "paired"),
             "weights_bytes": mem["weights"], "grad_bytes": mem["gradients"],
@@ -115,8 +115,8 @@ def _planner(dims: tuple[int, ...]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--grids", nargs="+", default=["1,1,1,1", "1,2,1,1", "2,1,1,1", "1,1,2,1", "1,4,1,1"])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--grids", nargs="+", default=["1,1,1,1", "1,2,1,1", "2,1,1,1", "1,1,2,1"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     serial = _serial(args.steps)
