@@ -192,9 +192,10 @@ def test_an_experiment_refuses_its_third_arm_before_the_first_trains(capsys, tmp
 
 def test_an_experiment_dry_run_refuses_its_arms_grids(capsys, monkeypatch, tmp_path, pretrained):
     path = tmp_path / "mit.yaml"
-    path.write_text(EXPERIMENT.format(third="[model.lora.enabled=true]", model=pretrained))
+    path.write_text(EXPERIMENT.format(third="[model.lora.enabled=true, model.lora.dropout=0.1]",
+                                      model=pretrained))
     dry = _refusal(capsys, ["run", path, "--dry-run", "--world", 2, "--grid", "1,1,2,1"])
     _launched(monkeypatch, 2)
     ran = _refusal(capsys, ["run", path, "--grid", "1,1,2,1", "--out", tmp_path / "out"])
-    assert ran == dry and "LoRA" in ran
+    assert ran == dry and "model.lora.dropout=0.1: adapter dropout" in ran
     assert not (tmp_path / "out").exists()
