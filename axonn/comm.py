@@ -77,16 +77,16 @@ class Comm:
         self._sizes = dict(sizes)
         self.stats = CommStats()
 
-    def size(self, group: str) -> int:
-        """Number of ranks in the named group."""
-        return self._sizes[group]
+    def size(self, group: str | None) -> int:
+        """Number of ranks in the named group (None: no group, one rank -- an unsplit side of a layer)."""
+        return 1 if group is None else self._sizes[group]
 
     def _group(self, group: str) -> Any:
         return self._groups[group]
 
-    def all_reduce(self, t: torch.Tensor, group: str, op: str = "sum", async_op: bool = False) -> Any:
-        """In-place all-reduce of `t` over `group`; returns a work handle when `async_op`."""
-        if self._sizes[group] == 1:
+    def all_reduce(self, t: torch.Tensor, group: str | None, op: str = "sum", async_op: bool = False) -> Any:
+        """In-place all-reduce of `t` over `group` (None: nothing to sum); a work handle when `async_op`."""
+        if self.size(group) == 1:
             return _Done() if async_op else None
         self.stats.record(group, "all_reduce", _nbytes(t))
         work = dist.all_reduce(t, op=_OPS[op], group=self._group(group), async_op=async_op)

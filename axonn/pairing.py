@@ -22,12 +22,18 @@ def pair_axes(x: int, y: int, sizes: dict[str, int] | None = None) -> PairAxes:
     return ("x", "y") if sizes["hidden_size"] % y else ("y", "x")
 
 
-def layer_axes(style: str, pair: PairAxes = ("x", "y")) -> PairAxes:
+def layer_axes(style: str, pair: PairAxes = ("x", "y")) -> tuple[str | None, str | None]:
     """(axis splitting a layer's input features, axis splitting its output features) for a style:
     `pair` for a paired block's first (column) layer, reversed for its second (row) layer, and
-    (x, y) for easy layers, the LM head and the embedding."""
+    (x, y) for easy layers, the LM head and the embedding.  The low-rank factors of an adapter take
+    their base layer's (input axis, output axis) as `pair`: `down` ([r, in]) keeps the input split
+    and the rank unsplit, `up` ([out, r]) the reverse (None: not split)."""
     if style == "column":
         return pair
     if style == "row":
         return pair[1], pair[0]
+    if style == "down":
+        return pair[0], None
+    if style == "up":
+        return None, pair[1]
     return "x", "y"

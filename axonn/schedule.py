@@ -257,6 +257,12 @@ class Bucketer:
             if id(p) in self._of and id(p) not in deferred:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self.ready))
 
+    def unhook(self) -> None:
+        """Remove the hooks (before the model's trainable parameters change and buckets are rebuilt)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def ready(self, p: nn.Parameter) -> None:
         """One gradient is final for this backward: launch its bucket once all of it is."""
         if not self.enabled:

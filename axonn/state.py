@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -180,11 +180,14 @@ def serial_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) 
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
-                    max_shard_bytes: int = 2 * 2**30) -> None:
+                    max_shard_bytes: int = 2 * 2**30,
+                    tensors: Iterable[tuple[str, torch.Tensor, ParamSpec | None]] | None = None) -> None:
     """Write a parallelized HF model as a serial safetensors checkpoint (rank 0 writes; a collective).
 
     Streams: parameters are gathered one at a time and written in shards of at most
-    `max_shard_bytes`, so rank 0 never holds more than one shard.  Tied duplicates are written once."""
+    `max_shard_bytes`, so rank 0 never holds more than one shard.  Tied duplicates are written once.
+    `tensors` replaces the model's own (name, local piece, layout) stream, e.g. adapters merged
+    (axonn.lora.merged_layouts); the config is still the model's."""
     writer = model_grid(model).rank == 0
     out = Path(out_dir)
     shard: dict[str, torch.Tensor] = {}
@@ -200,7 +203,7 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,
 
     if writer:
         out.mkdir(parents=True, exist_ok=True)
-    for key, t, spec in named_layouts(model):  # tied duplicates once
+    for key, t, spec in named_layouts(model) if tensors is None else tensors:  # tied duplicates once
         full = spec.full_from_local(t.detach()) if spec is not None else t.detach()
         if writer:
             shard[key] = full.cpu().contiguous()

@@ -71,6 +71,15 @@ def _enrol(model: nn.Module, sched: Scheduler, grid: ProcessGrid, options: Engin
     for m in model.modules():
         if isinstance(m, (ParallelLinear, ParallelEmbedding)) and m.scheduler is sched:
             sched.register(m, m.weight, m.spec.block_rows)
+    enrol_buckets(model, sched, grid, options)
+
+
+def enrol_buckets(model: nn.Module, sched: Scheduler, grid: ProcessGrid, options: EngineOptions) -> None:
+    """(Re)build the gradient buckets and their hooks over the model's trainable parameters (again after
+    they change, e.g. adapters added and the base frozen)."""
+    if sched.bucketer is not None:
+        sched.bucketer.unhook()
+        sched.bucketer = None
     if options.bucket_grads:
         params = trainable(model)
         groups = grad_groups(model)

@@ -223,7 +223,8 @@ class Trainer:
             return logits.token_ce(targets).sum(), (targets != IGNORE_INDEX).sum()
         if self.on_engine:
             return cross_entropy(logits, targets, self.grid, ignore_index=IGNORE_INDEX)
-        flat = logits.float().reshape(-1, logits.shape[-1])
+        # fp32 at least (bf16 would lose the loss); an fp64 model keeps fp64, as the engine's CE does
+        flat = (logits if logits.dtype == torch.float64 else logits.float()).reshape(-1, logits.shape[-1])
         loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, (targets != IGNORE_INDEX).sum()
 

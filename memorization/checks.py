@@ -17,11 +17,11 @@ the same call.
 What `check_run` (the refusals, given the grid) checks, in order (each section a function below):
 1. `check_out`: OUT can take new results; `--resume` names a sealed checkpoint (or `auto`).
 2. `check_tokenizer` (memorization.models): a pretrained model's own tokenizer ids.
-3. `check_grid`: X*Y*Z*D equals the processes; LoRA and Opacus' per-sample DP-SGD grids; the grid
+3. `check_grid`: X*Y*Z*D equals the processes; LoRA's and Opacus' per-sample DP-SGD grids; the grid
    divides heads, KV heads, hidden, FFN and vocab; the batch splits over z*data shards.
 4. `check_model`: the model builds (a meta copy, no storage); LoRA's target_modules match modules
    peft can adapt; activation checkpointing is supported; a checkpoint to resume holds every tensor
-   of this model with its shape.
+   of this model with its shape (a LoRA one, saved at a grid of this run's kind: lora.py).
 5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and the model (ghost
    clipping sees every parameter) and, once the row count N is known, batch_size <= N, delta < 1/N,
    a reachable target epsilon.
@@ -44,7 +44,7 @@ from axonn.grid import validate_grid_for_model
 from data_pipelines import load_tokenizer
 from memorization.config import RunConfig
 from memorization.fits import check_shape
-from memorization.lora import apply_lora, check_lora_run
+from memorization.lora import apply_lora, check_lora_resume, check_lora_run
 from memorization.models import (
     check_tokenizer,
     meta_model,
@@ -159,7 +159,7 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
-    check_model(cfg, model_config, checkpoint=ckpt, model=model)
+    check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims)
     sigma = check_dp(effective_trainer(cfg), rows, dims, model_config)
     mia = None
     if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents
@@ -255,7 +255,7 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
     """X*Y*Z*D = the processes, LoRA / DP-SGD grids, the model's shapes, the batch split; returns
     (micro-batches per step, rows per rank per micro-batch)."""
     x, y, z, d = dims
-    check_lora_run(cfg, dims)  # a tensor-split grid, or an adapter export without a base on disk
+    check_lora_run(cfg, dims)  # dropout on a tensor split, or an adapter export without a base on disk
     check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: per_sample serial or 1,1,1,D only
     if x * y * z * d != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
@@ -267,8 +267,9 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
 
 # -- 4. the model ----------------------------------------------------------------------------------
 def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = None,
-                model: torch.nn.Module | None = None) -> None:
-    """What only the model's structure answers (on a meta copy: no weights, no storage)."""
+                model: torch.nn.Module | None = None, dims: Dims | None = None) -> None:
+    """What only the model's structure answers (on a meta copy: no weights, no storage); `dims` is the
+    run's grid (a LoRA checkpoint resumes at a grid of its own kind)."""
     lora, t = cfg.model.lora, cfg.trainer
     check_shape("model.name", cfg.model.name, model_config)  # before a meta build of 10^9 layers
     if model is None:
@@ -281,7 +282,7 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
             warnings.simplefilter("ignore", FutureWarning)
             model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
     if checkpoint is not None:
-        check_resume_fits(checkpoint, model)
+        check_resume_fits(checkpoint, model, dims=dims if lora.enabled else None)
 
 
 def _meta(cfg: RunConfig, model_config: Any) -> torch.nn.Module:
@@ -292,9 +293,10 @@ def _meta(cfg: RunConfig, model_config: Any) -> torch.nn.Module:
                    f"({reason(e)}); fix or drop the override") from None
 
 
-def check_resume_fits(ckpt: Path, model: torch.nn.Module) -> None:
+def check_resume_fits(ckpt: Path, model: torch.nn.Module, dims: Dims | None = None) -> None:
     """ConfigError when the checkpoint is of another model (shapes, or LoRA on / off): every tensor the
-    trainer will load is in it with its shape, the refusal axonn.checkpoint.load would make later."""
+    trainer will load is in it with its shape, the refusal axonn.checkpoint.load would make later.
+    With `dims` (a LoRA run's grid; `model` its meta peft copy) the LoRA rules: check_lora_resume."""
     meta = checkpoint.read_meta(ckpt, verify=False)
     saved = meta.get("model_config") or {}
     mine = model.config.to_dict()
@@ -302,7 +304,10 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module) -> None:
         if key in saved and saved[key] != mine.get(key):
             raise fail("--resume", str(ckpt), f"was saved from a model with {key}={saved[key]}, this run "
                        f"builds {key}={mine.get(key)}; resume with the same model and data config")
-    checkpoint.check_fits(ckpt, meta, model)
+    if dims is not None:
+        check_lora_resume(ckpt, meta, model, dims)
+    else:
+        checkpoint.check_fits(ckpt, meta, model)
 
 
 __all__ = ["CheckedRun", "RunPlan", "check_grid", "check_model", "check_out", "check_out_dir",

@@ -28,7 +28,7 @@ from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid
 from axonn.plan import get_hardware, load_shape, plan, predict
 from axonn.plan.evaluation import eval_memory, eval_time
-from axonn.plan.memory import local_params, memory_breakdown
+from axonn.plan.memory import Adapters, local_params, memory_breakdown
 from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
 from axonn.state import SafetensorsSlices
@@ -37,9 +37,10 @@ from data_pipelines.corpora import CORPORA
 from memorization.checks import plan_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
+from memorization.lora import apply_sharded_lora, lora_targets
 from memorization.models import meta_model, resolve_model_dir
 from memorization.models import model_config as hf_model_config
-from memorization.parallel import Launch, memory_fix, precision_for
+from memorization.parallel import Launch, memory_fix, precision_for, run_adapters
 from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
 
@@ -191,10 +192,15 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
     weights_info = _check_weights(model, weights) if weights is not None else None
+    adapters, trained = run_adapters(cfg, hf_config, precision), None
+    if adapters is not None:  # the run's adapters on this grid's shards: what the rank trains
+        targets = lora_targets(meta_model(hf_config), cfg.model.lora)
+        trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora, targets)))
 
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
-                                example_norms=ghost) for ck in (False, True)}
+                                example_norms=ghost, adapters=adapters, trained=trained)
+           for ck in (False, True)}
     used = mem[t.activation_checkpointing]
     total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
     if total > usable:
@@ -204,7 +210,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                    f"{memory_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                precision=precision, local=local)
+                precision=precision, local=local, adapters=adapters)
     try:
         top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
                    precision=precision)[0]
@@ -213,7 +219,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     except ConfigError:
         best = None
     tokens = t.batch_size * seq
-    evaluation = _evaluation(cfg, shape, g, hw, gpn, mode, precision, local, usable)
+    evaluation = _evaluation(cfg, shape, g, hw, gpn, mode, precision, local, usable, adapters, trained)
     return {
         "command": command, "config": config_path, "name": cfg.name,
         "model": {"name": cfg.model.name, "params": shape.params, "layers": shape.layers,
@@ -232,6 +238,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                   "param_bytes": int(used["weights"]), "grad_bytes": int(used["gradients"]),
                   "optimizer_bytes": int(used["optimizer"]), "z_buffer_bytes": int(used["z_buffers"]),
                   "example_norm_bytes": int(used.get("example_norms", 0)),
+                  "trained_params": local if trained is None else trained,
                   "activation_bytes": {"checkpointing": int(mem[True]["activations"]),
                                        "no_checkpointing": int(mem[False]["activations"])},
                   "total_bytes": int(total), "fits": True},
@@ -249,7 +256,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
 
 
 def _evaluation(cfg: RunConfig, shape: Any, g: Grid, hw: Any, gpn: int, mode: str, precision: str,
-                local: int, usable: float) -> dict[str, Any] | None:
+                local: int, usable: float, adapters: Adapters | None = None,
+                trained: int | None = None) -> dict[str, Any] | None:
     """Rank 0 while the run scores its model in place (axonn.plan.evaluation): memory of the weight
     shards, AdamW state, KV cache at eval.batch_size, gathered buffers, logits; decode time. A batch
     that does not fit is refused with the largest that does."""
@@ -258,7 +266,7 @@ def _evaluation(cfg: RunConfig, shape: Any, g: Grid, hw: Any, gpn: int, mode: st
         return None
     # full-sequence fp32 logits: MIA scores whole blocks, extraction's verify pass only the suffix
     kw = dict(context=e.prefix, new=e.suffix, seq=cfg.data.block_len if e.mia else e.suffix, mode=mode,
-              precision=precision, local=local)
+              precision=precision, local=local, adapters=adapters, trained=trained)
 
     def need(batch: int, keep: bool = False) -> float:
         return sum(eval_memory(shape, g, batch=batch, keep_gathered=keep, **kw).values())

@@ -4,22 +4,32 @@
 every base weight is frozen and only the adapters (A: [r, in], B: [out, r], delta W = B A * alpha/r)
 train; the Trainer's optimizer takes only `requires_grad` parameters, so the base stays bit-identical.
 
-Grids: serial and data-parallel (1,1,1,D). At 1,1,1,D the model is not handed to
-`axonn.parallelize` (nothing is split, and its swapped layers would not keep the base frozen); the
-Trainer still shards the batch over the data ranks and `axonn.sync_gradients` sums the gradients of
-the trainable parameters -- only the adapters -- so the run equals the serial one. Grids that split
-weights over X, Y or Z are refused: peft's layers are not sharded by the engine.
+Grids: every grid.  Serial and data-parallel (1,1,1,D) runs keep peft's model: it is not handed to
+`axonn.parallelize` (nothing is split); the Trainer shards the batch over the data ranks and
+`axonn.sync_gradients` sums the gradients of the trainable parameters -- only the adapters -- so the
+run equals the serial one.  On a grid that splits weights over X, Y or Z the base model is
+parallelized (pretrained weights streamed into the shards) and `axonn.lora.add_lora` puts the
+adapters on the engine's sharded layers (axonn/layers/lora.py: A split like its base's input, B like
+its output); the modules adapted are exactly the ones peft would adapt (`lora_targets`, peft's own
+matching on a meta copy) and the adapters start from peft's numbers for the same seed, so the run
+equals the serial peft run.  Its checkpoints use the engine's names (`q_proj.lora_A.weight`), peft's
+use peft's: a LoRA checkpoint resumes at any grid of the same kind (tensor-split or not; the engine
+reshards it) and is refused in one line across kinds (`check_lora_resume`).  Adapter dropout on a
+tensor-split grid is refused: its mask would be drawn per shard, not once for the full activation.
 
 Export (`model.lora.export`): `merged` (default) folds the adapters into the base weights
 (`merge_and_unload` on a copy) and writes a plain Hugging Face folder, which every evaluator loads
 with AutoModelForCausalLM; `adapter` writes peft's adapter folder (adapter_config.json naming the
 base model folder, adapter_model.safetensors), which AutoModelForCausalLM (or PeftModel) loads on
 top of that base -- so it needs a base that exists on disk: a pretrained model without overrides.
+A sharded model exports from its shards (a collective): merged weights streamed one tensor at a
+time (`axonn.lora.merged_layouts`), adapters gathered into peft's adapter file.
 """
 from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,14 +37,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
+from axonn import checkpoint
+from axonn.engine import is_parallel, layouts_of, model_grid
 from axonn.grid import ProcessGrid
+from axonn.lora import adapter_layouts, add_lora, lora_modules, merged_layouts
+from axonn.plan.memory import Adapters
+from axonn.state import save_pretrained
 from memorization.models import is_pretrained
 from memorize_core import fail
 
 EXPORTS = ("merged", "adapter")
 ALL_LINEAR = "all-linear"
 NOTE = "lora.json"  # what the adapter was trained on, next to the exported model
+PEFT_PREFIX = "base_model.model."  # peft's wrapper modules, in front of every name of a peft model
 
 
 @dataclass
@@ -77,17 +94,24 @@ class LoraSettings:
         return self.alpha / self.r
 
 
-def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
-    """ConfigError before any work when LoRA cannot run as configured (grid, adapter export).
+def tensor_split(dims: Sequence[int] | ProcessGrid) -> bool:
+    """True when the grid splits weights (X, Y or Z > 1): LoRA runs on the engine's sharded layers."""
+    x, y, z, _ = tuple(dims.dims if isinstance(dims, ProcessGrid) else dims)
+    return x * y * z > 1
 
-    `dims` is the requested X,Y,Z,D (memorization.parallel.requested_grid), None for `auto`: that
-    grid is checked once resolved (check_lora_grid).
-    """
+
+def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
+    """ConfigError before any work when LoRA cannot run as configured (dropout on a tensor split,
+    adapter export without a base on disk).
+
+    `dims` is the requested X,Y,Z,D (memorization.parallel.requested_grid), None for `auto`."""
     lora = cfg.model.lora
     if not lora.enabled:
         return
-    if dims:
-        check_lora_grid(dims)
+    if dims and tensor_split(dims) and lora.dropout > 0:
+        raise fail("model.lora.dropout", lora.dropout, f"adapter dropout runs on serial or 1,1,1,D grids "
+                   f"only (on grid {','.join(map(str, dims))} its mask would be drawn per shard); set "
+                   "model.lora.dropout=0 or use a grid without a tensor split")
     if lora.export == "adapter":
         m = cfg.model
         why = ("model.random_init builds fresh weights that are not on disk" if m.random_init
@@ -99,15 +123,34 @@ def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
                        f"but {why}; use model.lora.export=merged")
 
 
-def check_lora_grid(grid: ProcessGrid | Sequence[int]) -> None:
-    """Refuse grids that split weights (X, Y or Z > 1): LoRA runs serial or data-parallel only."""
-    dims = tuple(grid.dims if isinstance(grid, ProcessGrid) else grid)
-    x, y, z, data = dims
-    if x * y * z > 1:
-        spec = ",".join(map(str, dims))
-        raise fail("--grid", spec, f"LoRA (model.lora.enabled) runs serial or data-parallel only, its "
-                   "adapters are not sharded over X/Y/Z; "
-                   f"use --grid 1,1,1,{x * y * z * data} or turn LoRA off")
+def _engine_name(peft_name: str) -> str:
+    """A peft state-dict name as the engine's adapted model spells it."""
+    return peft_name.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+
+
+def check_lora_resume(path: Path, meta: dict, peft_model: torch.nn.Module, dims: Sequence[int]) -> None:
+    """ConfigError unless a LoRA checkpoint fits this run: saved at a grid of the same kind (peft's
+    names without a tensor split, the engine's with one; the engine reshards within a kind) and
+    holding every tensor of `peft_model` (a meta peft copy of this run's model) with its shape."""
+    saved = tuple(meta.get("grid") or (1, 1, 1, 1))
+    if tensor_split(saved) != tensor_split(dims):
+        kind = "a tensor-split grid" if tensor_split(saved) else "a grid without a tensor split"
+        raise fail("--resume", str(path), f"is a LoRA checkpoint saved at grid {','.join(map(str, saved))}, "
+                   f"{kind}; this run's grid {','.join(map(str, dims))} keeps its adapters in the other "
+                   f"form: resume at {kind} (e.g. --grid {','.join(map(str, saved))})")
+    if not tensor_split(dims):
+        checkpoint.check_fits(path, meta, peft_model)
+        return
+    seen: set[int] = set()
+    for name, t in peft_model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        info = meta["tensors"].get(f"param/{_engine_name(name)}")
+        if info is None or list(info["shape"]) != list(t.shape):
+            raise fail("--resume", str(path), f"has no tensor {_engine_name(name)} of shape "
+                       f"{tuple(t.shape)}; it was saved from another model or LoRA config: resume with the "
+                       "same config")
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -157,9 +200,77 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int = 0)
                        f"target linear layers: {', '.join(linear_names(model))}") from None
 
 
+def lora_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
+    """Names of the modules peft adapts in `model` (a serial model, e.g. a meta copy: peft wraps it),
+    in module order: the layers `axonn.lora.add_lora` adapts on a grid."""
+    peft_model = apply_lora(model, settings)
+    return [name.removeprefix(PEFT_PREFIX) for name, m in peft_model.named_modules()
+            if name.startswith(PEFT_PREFIX) and hasattr(m, "lora_A")]
+
+
+def apply_sharded_lora(model: torch.nn.Module, settings: LoraSettings, targets: Sequence[str], *,
+                       seed: int = 0) -> torch.nn.Module:
+    """Freeze a parallelized `model` and adapt `targets` (lora_targets) on its sharded layers, starting
+    from the adapters peft would draw for `seed`."""
+    return add_lora(model, targets, settings.r, settings.alpha, dropout=settings.dropout, seed=seed)
+
+
+def frozen_dtype(precision: str, device_type: str) -> torch.dtype | None:
+    """The dtype a LoRA run loads its frozen base in: bf16 where the run computes in bf16 (trainer
+    precision bf16, or auto on a GPU), else None (as built: fp32)."""
+    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
+    return torch.bfloat16 if bf16 else None
+
+
+def planner_adapters(settings: LoraSettings, serial: torch.nn.Module, precision: str) -> Adapters:
+    """The planner's view of a LoRA run (axonn.plan.memory.Adapters) on `serial` (a meta model):
+    rank, the block Linears adapted (all of them when a name is not one the planner knows) and the
+    frozen base's bytes per weight (`precision` is the run's activation precision, bf16 or fp32)."""
+    leaves = tuple(sorted({t.rpartition(".")[2] for t in lora_targets(serial, settings)}))
+    known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    return Adapters(rank=settings.r, targets=leaves if set(leaves) <= known else (),
+                    frozen_bytes=2 if precision == "bf16" else 4)
+
+
 def trainable_params(model: torch.nn.Module) -> int:
-    """Number of distinct parameters the optimizer updates (requires_grad)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+    """Number of distinct parameters the optimizer updates (requires_grad), counted at their full
+    (serial) size on a sharded model."""
+    layouts = layouts_of(model)
+    total, seen = 0, set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            spec = layouts.get(name)
+            total += math.prod(spec.serial_shape) if spec is not None else p.numel()
+    return total
+
+
+def _peft_config(settings: LoraSettings, targets: list[str], base_dir: str | Path) -> Any:
+    """peft's LoraConfig of an adapter trained on the engine's layers (what peft would have saved)."""
+    from peft import LoraConfig  # deferred: peft +2.7 s, LoRA runs only
+
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                      base_model_name_or_path=str(Path(base_dir).resolve()))
+
+
+def _export_sharded(model: torch.nn.Module, out: Path, settings: LoraSettings,
+                    base_dir: str | Path | None) -> list[str]:
+    """A sharded LoRA model's export from its shards (a collective; rank 0 writes); the target leaves."""
+    targets = sorted({name.rpartition(".")[2] for name in lora_modules(model)})  # leaves, as peft records
+    if settings.export == "merged":
+        save_pretrained(model, out, tensors=merged_layouts(model))
+        return targets
+    if base_dir is None:
+        raise fail("model.lora.export", "adapter", "the base model has no folder on disk; use merged")
+    main = model_grid(model).rank == 0
+    tensors = {key: spec.full_from_local(t).cpu().contiguous() if spec is not None else t.cpu().contiguous()
+               for key, t, spec in adapter_layouts(model, PEFT_PREFIX)}
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        _peft_config(settings, targets, base_dir).save_pretrained(str(out))
+    return targets
 
 
 def export_lora(model: torch.nn.Module, out: str | Path, settings: LoraSettings, *, tokenizer: Any = None,
@@ -170,6 +281,11 @@ def export_lora(model: torch.nn.Module, out: str | Path, settings: LoraSettings,
     still sees the adapters unmerged and the base weights bit-identical.
     """
     out = Path(out)
+    if is_parallel(model):  # on a tensor-split grid: from the shards, every rank taking part
+        targets = _export_sharded(model, out, settings, base_dir)
+        if model_grid(model).rank == 0:
+            _write_note(model, out, settings, tokenizer, base_dir, base_name, targets)
+        return out
     if settings.export == "merged":
         merged = copy.deepcopy(model).merge_and_unload(safe_merge=True)
         merged.save_pretrained(out, safe_serialization=True)
@@ -183,16 +299,23 @@ def export_lora(model: torch.nn.Module, out: str | Path, settings: LoraSettings,
             model.save_pretrained(out, safe_serialization=True)
         finally:
             config.base_model_name_or_path = saved
+    _write_note(model, out, settings, tokenizer, base_dir, base_name,
+                model.peft_config["default"].target_modules)
+    return out
+
+
+def _write_note(model: torch.nn.Module, out: Path, settings: LoraSettings, tokenizer: Any,
+                base_dir: str | Path | None, base_name: str, targets: Any) -> None:
+    """The tokenizer and lora.json (what the adapter was trained on) next to the exported model."""
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    targets = model.peft_config["default"].target_modules
     note = {"base_model": base_name, "base_model_dir": str(Path(base_dir).resolve()) if base_dir else None,
             "export": settings.export, "r": settings.r, "alpha": settings.alpha, "dropout": settings.dropout,
             "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
             "trainable_params": trainable_params(model)}
     (out / NOTE).write_text(json.dumps(note, indent=1))
-    return out
 
 
-__all__ = ["LoraSettings", "apply_lora", "check_lora_grid", "check_lora_run", "export_lora", "linear_names",
+__all__ = ["LoraSettings", "apply_lora", "apply_sharded_lora", "check_lora_resume", "check_lora_run",
+           "export_lora", "frozen_dtype", "linear_names", "lora_targets", "planner_adapters", "tensor_split",
            "trainable_params"]

@@ -27,6 +27,8 @@ from axonn.plan import get_hardware, load_shape, predict, valid_grids
 from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
 from axonn.trainer import resolve_device
+from memorization.lora import planner_adapters
+from memorization.models import meta_model
 from memorize_core import ConfigError, fail
 
 if TYPE_CHECKING:
@@ -119,8 +121,14 @@ def memory_fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
     return "lower trainer.micro_batch, add nodes, or pick a grid with a larger z"
 
 
-def eval_bytes(cfg: RunConfig, shape: Any, g: Any, mode: str, precision: str, local: float | None = None
-               ) -> float:
+def run_adapters(cfg: RunConfig, model_config: Any, precision: str) -> Any:
+    """The planner's view of the run's LoRA adapters (axonn.plan.memory.Adapters; None without LoRA)."""
+    lora = cfg.model.lora
+    return planner_adapters(lora, meta_model(model_config), precision) if lora.enabled else None
+
+
+def eval_bytes(cfg: RunConfig, shape: Any, g: Any, mode: str, precision: str, local: float | None = None,
+               adapters: Any = None) -> float:
     """Peak bytes per rank while the run scores its model in place (axonn.plan.evaluation): 0 when it
     scores nothing. MIA scores whole blocks (full-sequence logits), extraction's verify pass the suffix."""
     e = cfg.eval
@@ -128,7 +136,7 @@ def eval_bytes(cfg: RunConfig, shape: Any, g: Any, mode: str, precision: str, lo
         return 0.0
     return sum(eval_memory(shape, g, batch=e.batch_size, context=e.prefix, new=e.suffix,
                            seq=cfg.data.block_len if e.mia else e.suffix, mode=mode, precision=precision,
-                           local=local).values())
+                           local=local, adapters=adapters).values())
 
 
 def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
@@ -138,6 +146,7 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     hw = launch.hw()
     shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
+    adapters = run_adapters(cfg, model_config, precision)
     best, least, reasons = None, None, []
     for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
         try:
@@ -148,8 +157,9 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
             continue
         p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=launch.gpus_per_node,
                     micro_batch=mb, checkpoint=t.activation_checkpointing, headroom=launch.headroom,
-                    mode=mode, precision=precision)
-        if p.fits and eval_bytes(cfg, shape, g, mode, precision) > hw.memory_bytes * (1 - launch.headroom):
+                    mode=mode, precision=precision, adapters=adapters)
+        if p.fits and eval_bytes(cfg, shape, g, mode, precision, adapters=adapters) \
+                > hw.memory_bytes * (1 - launch.headroom):
             reasons.append(f"eval.batch_size={cfg.eval.batch_size}: scoring in place does not fit at {g}")
             continue  # the run scores its model where it trained: that must fit too
         if least is None or p.memory_gb < least.memory_gb:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from axonn.config import to_dict
+from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
 from axonn.hooks import Callback
 from axonn.sinks import JsonlSink, MetricSink
@@ -39,8 +40,16 @@ from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: i
 )
 from memorization.config import RunConfig
 from memorization.goldfish import GoldfishTransform
-from memorization.lora import apply_lora, export_lora, trainable_params
-from memorization.models import build_model, count_params, is_pretrained, resolve_model_dir
+from memorization.lora import (
+    apply_lora,
+    apply_sharded_lora,
+    export_lora,
+    frozen_dtype,
+    lora_targets,
+    tensor_split,
+    trainable_params,
+)
+from memorization.models import build_model, count_params, is_pretrained, meta_model, resolve_model_dir
 from memorization.outputs import remove_entries
 from memorization.parallel import is_main_process, resolve_grid
 from memorization.prepare import PreparedData, mia_sets, prepare_data
@@ -164,15 +173,20 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     distributed = plan.distributed
     # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
     # model is built on the meta device, so no rank ever holds the whole model.
-    # Opacus' per-sample gradients (trainer.dp.clipping=per_sample) need the plain HF modules
+    # Opacus' per-sample gradients (trainer.dp.clipping=per_sample) need the plain HF modules; LoRA on
+    # a tensor-split grid adapts the engine's sharded layers (lora.py), at 1,1,1,D it is peft's
     per_sample = cfg.trainer.dp.enabled and cfg.trainer.dp.clipping == "per_sample"
-    stream = distributed and not cfg.model.random_init \
-        and is_pretrained(cfg.model.name) and not lora.enabled and not per_sample
+    sharded_lora = lora.enabled and tensor_split(plan.dims)
+    stream = distributed and not cfg.model.random_init and is_pretrained(cfg.model.name) \
+        and (not lora.enabled or sharded_lora) and not per_sample
     model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
-    if lora.enabled:
-        model = apply_lora(model, lora, seed=cfg.seed)
     grid = resolve_grid(cfg, plan.dims, distributed=plan.distributed, grid=grid)  # the grid from here on
+    if lora.enabled:  # the frozen base in its load dtype: bf16 where the run computes in bf16
+        dtype = frozen_dtype(cfg.trainer.precision, grid.device.type)
+        model = model.to(dtype) if dtype is not None else model
+    if lora.enabled and not sharded_lora:
+        model = apply_lora(model, lora, seed=cfg.seed)  # peft keeps its adapters in fp32 over a bf16 base
     tcfg = effective_trainer(cfg)
     privacy = (make_privacy(tcfg, len(data.train), grid=grid, sigma=plan.noise_multiplier)
                if cfg.trainer.dp.enabled else None)
@@ -186,12 +200,15 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                               json.loads((ckpt / "meta.json").read_text())["step"])
     else:
         out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
-    # A serial run keeps the plain HF model; LoRA and per-sample DP-SGD at 1,1,1,D: data-parallel,
+    # A serial run keeps the plain HF model; peft's LoRA and per-sample DP-SGD at 1,1,1,D: data-parallel,
     # unswapped (lora.py, privacy.py); ghost-clipped DP-SGD runs on the engine's layers (privacy_ghost.py)
-    if grid.distributed and not lora.enabled and not per_sample:
+    if grid.distributed and (not lora.enabled or sharded_lora) and not per_sample:
+        targets = lora_targets(meta_model(plan.model_config), lora) if sharded_lora else []
         model = parallelize(model, grid, mode=cfg.parallel_mode)
         if stream:
             load_pretrained(model, resolve_model_dir(cfg.model.name))
+        if sharded_lora:  # after the load: the base's names are still the serial model's there
+            model = apply_sharded_lora(model, lora, targets, seed=cfg.seed)
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
     sinks: list[MetricSink] = []
     wb = None
@@ -271,7 +288,7 @@ def export(run: Run) -> Path:
     cfg, path = run.cfg, run.out_dir / "model"
     if not cfg.model.lora.enabled:
         return run.trainer.export(path, run.data.tokenizer)
-    if run.is_main:
+    if run.is_main or is_parallel(run.trainer.model):  # a sharded model exports on every rank
         export_lora(run.trainer.model, path, cfg.model.lora, tokenizer=run.data.tokenizer,
                     base_dir=resolve_model_dir(cfg.model.name), base_name=cfg.model.name)
     return path

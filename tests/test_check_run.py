@@ -20,8 +20,8 @@ LORA = ["model.lora.enabled=true"]
 # (overrides, --grid, processes, a phrase of the refusal): TINY has 4 heads, hidden 32, batch 4 and
 # 12 documents (about 11 rows)
 REFUSALS = [
-    (LORA, "1,2,1,1", 2, "data-parallel only"),
-    (LORA, "2,1,1,1", 2, "data-parallel only"),
+    (LORA + ["model.lora.dropout=0.1"], "1,2,1,1", 2, "model.lora.dropout=0.1: adapter dropout runs"),
+    (LORA + ["model.lora.r=0"], "2,1,1,1", 2, "model.lora.r=0: must be >= 1"),
     (DP + ["trainer.dp.clipping=per_sample"], "1,1,2,1", 2, "per-sample gradients run serial"),
     (DP + ["trainer.dp.clipping=per_sample"], "1,2,1,1", 2, "per-sample gradients run serial"),
     (DP + ["trainer.dp.secure_rng=true"], "1,2,1,1", 2, "trainer.dp.secure_rng=True: ghost clipping on 2"),
@@ -199,9 +199,10 @@ def test_an_experiment_refuses_its_third_arm_before_the_first_trains(capsys, tmp
 
 def test_an_experiment_dry_run_refuses_its_arms_grids(capsys, monkeypatch, tmp_path, pretrained):
     path = tmp_path / "mit.yaml"
-    path.write_text(EXPERIMENT.format(third="[model.lora.enabled=true]", model=pretrained))
+    path.write_text(EXPERIMENT.format(third="[model.lora.enabled=true, model.lora.dropout=0.1]",
+                                      model=pretrained))
     dry = _refusal(capsys, ["run", path, "--dry-run", "--world", 2, "--grid", "1,1,2,1"])
     _launched(monkeypatch, 2)
     ran = _refusal(capsys, ["run", path, "--grid", "1,1,2,1", "--out", tmp_path / "out"])
-    assert ran == dry and "LoRA" in ran
+    assert ran == dry and "model.lora.dropout=0.1: adapter dropout" in ran
     assert not (tmp_path / "out").exists()

@@ -39,8 +39,8 @@ def test_extraction_time_halves_with_twice_the_batch_shards():
 
 def test_the_dry_run_refuses_an_evaluation_batch_that_does_not_fit():
     cfg = load_run_config(CONFIGS / "llama-70b-finetune.yaml", ["eval.batch_size=32"])
-    with pytest.raises(ConfigError) as e:
-        dry_run(cfg, world=64, hardware="alps-h100")
+    with pytest.raises(ConfigError) as e:  # a grid given (`auto` picks one where the scoring fits)
+        dry_run(cfg, world=64, hardware="alps-h100", grid="1,2,16,2")
     msg = str(e.value)
     assert msg.startswith("eval.batch_size=32: ") and "lower it to 16" in msg and "\n" not in msg
     ok = dry_run(load_run_config(CONFIGS / "llama-70b-finetune.yaml"), world=64, hardware="alps-h100")

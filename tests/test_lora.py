@@ -1,4 +1,5 @@
-"""LoRA through peft: only adapters train, exports are exact, bad input and grids refused, DP == serial."""
+"""LoRA through peft: only adapters train, exports are exact, bad input refused, DP == serial (the
+tensor-split grids: test_lora_grid.py and test_lora_run.py)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from safetensors.torch import load_file
 from axonn.config import TrainerConfig, build
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
-from memorization.lora import LoraSettings, apply_lora, check_lora_grid, export_lora, trainable_params
+from memorization.lora import LoraSettings, apply_lora, export_lora, trainable_params
 from memorize_core import ConfigError
 
 CFG = {"name": "l", "seed": 0,
@@ -151,16 +152,15 @@ def test_target_modules_that_match_nothing_are_refused_before_anything_is_writte
         _config(pretrained, {"r": 0})
 
 
-def test_tensor_split_grids_and_baseless_adapters_are_refused(pretrained, tmp_path):
+def test_baseless_adapters_and_sharded_dropout_are_refused(pretrained, tmp_path):
     from memorization.pipeline import run_training
 
-    for grid in ("2,1,1,1", "1,2,1,1", "1,1,2,1"):
-        with pytest.raises(ConfigError, match=r"^--grid=.*data-parallel only.*--grid 1,1,1,2") as e:
-            run_training(_config(pretrained, grid=grid), tmp_path / "o", progress=False)
-        assert len(str(e.value).splitlines()) == 1
-    check_lora_grid((1, 1, 1, 4))  # data-parallel is fine
     with pytest.raises(ConfigError, match=r"^model\.lora\.export='adapter'.*random-init.*merged"):
         run_training(_config("tiny", {"export": "adapter"}), tmp_path / "o", progress=False)
+    for grid in ("2,1,1,1", "1,2,1,1", "1,1,2,1"):  # the grid is checked before the processes are
+        with pytest.raises(ConfigError, match=r"^model\.lora\.dropout=0\.1: .*model\.lora\.dropout=0") as e:
+            run_training(_config(pretrained, {"dropout": 0.1}, grid=grid), tmp_path / "o", progress=False)
+        assert len(str(e.value).splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 

@@ -11,6 +11,9 @@ Styles (which collectives wrap the 3D matmul; docs/engine.md):
   row     input split over b, full-width out: matmul with the transposed layout, all-gather over a
   head    the LM head: like column over (X, Y); logits stay vocab-split over Y (see
           functions.VocabShardedLogits)
+  down    an adapter's A [r, in] (axonn/layers/lora.py): input arrives split like its base layer's,
+          rank-r output summed over that axis (the base's partial-sum all-reduce), left unsplit
+  up      an adapter's B [out, r]: unsplit rank-r input, output left split like its base layer's
 
 ParallelEmbedding is a vocab-parallel nn.Embedding: table [vocab, hidden] cut like an LM-head
 weight (so they can tie).  Rows (vocab) are split over Y and then Z, columns (hidden) over X.
@@ -36,7 +39,7 @@ from axonn.layers.functions import (
 from axonn.layers.layout import ParamSpec
 from axonn.pairing import PairAxes, layer_axes
 
-STYLES = ("easy", "column", "row", "head")
+STYLES = ("easy", "column", "row", "head", "down", "up")
 
 
 def weight_spec(grid: ProcessGrid, out_features: int, in_features: int, style: str,
@@ -110,49 +113,64 @@ class ParallelLinear(nn.Module):
         return (f"in={self.in_features}, out={self.out_features}, style={self.style}, "
                 f"bias={self.bias is not None}, local={tuple(self.weight.shape)}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer; input/output layouts depend on the style."""
-        g = self.grid
-        sched = self.scheduler
-        local = g.size(self.in_axis) == 1 and g.size(self.out_axis) == 1 and g.z == 1
-        # inside a compiled block the compiler picks the GEMM (the tuner's layouts would break the graph)
+    def _plain(self) -> bool:
+        """No tensor split and no GEMM tuning: the whole weight is here and nothing is communicated
+        in the layer, so torch's own linear (and autograd) is the fastest path. Inside a compiled
+        block the compiler picks the GEMM (the tuner's layouts would break the graph)."""
+        g, sched = self.grid, self.scheduler
+        split = g.comm.size(self.in_axis) > 1 or g.comm.size(self.out_axis) > 1 or g.z > 1
         untuned = sched is None or not sched.gemm.enabled or torch.compiler.is_compiling()
-        if local and untuned:
-            # no tensor split and no GEMM tuning: the whole weight is here and nothing is
-            # communicated in the layer, so torch's own linear (and autograd) is the fastest path
-            y = F.linear(x, self.weight)
-        elif torch.compiler.is_compiling():  # tracing a compiled block: a clean graph break here
-            y = self._sharded_outside_graph(x)
-        else:  # eager: no disable wrapper (it costs ~4 us a call)
-            y = self._sharded(x)
+        return not split and untuned
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as this rank's GEMM takes it: split over the input axis (a row or down layer's input
+        arrives split; an up layer's is unsplit)."""
+        g = self.grid
+        if self.style in ("row", "down") or g.comm.size(self.in_axis) == 1:
+            return x
+        return SplitLastDim.apply(x, g.comm, self.in_axis, g.coord(self.in_axis))
+
+    def local_output(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's GEMM on a local input: the output split over the output axis, summed over the input
+        axis (before the style's gather, bias and vocab marker: `finish`)."""
+        if self._plain():
+            return F.linear(x, self.weight)
+        return ParallelMatmul.apply(x, self.weight, self.grid.comm, self.in_axis, self.out_axis,
+                                    self.spec.block_rows, self.scheduler, id(self), torch.is_grad_enabled())
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """A local output gathered over the output axis where the style is full-width out."""
+        g = self.grid
+        if self.style in ("easy", "row") and g.comm.size(self.out_axis) > 1:
+            y = GatherLastDim.apply(y, g.comm, self.out_axis, g.coord(self.out_axis))
+        return y
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from a local one: gathered where the style is full-width out, plus bias."""
+        return self._epilogue(self.gather(y))
+
+    def _epilogue(self, y: torch.Tensor) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)  # as nn.Linear under autocast: output in the GEMM dtype
         if self.style == "head":
-            y = mark_vocab_sharded(y, g)
+            y = mark_vocab_sharded(y, self.grid)
         return y
 
     def _sharded(self, x: torch.Tensor) -> torch.Tensor:
-        """The 3D matmul with this style's slices and gathers (the communicating path)."""
-        g, comm, sched = self.grid, self.grid.comm, self.scheduler
-        rows, ax_in, ax_out = self.spec.block_rows, self.in_axis, self.out_axis
-        split_in, split_out = g.size(ax_in) > 1, g.size(ax_out) > 1
-        if self.style == "row":  # the input arrives split over ax_in (the column layer's output)
-            y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
-                                     torch.is_grad_enabled())
-            if split_out:
-                y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
-            return y
-        if split_in:
-            x = SplitLastDim.apply(x, comm, ax_in, g.coord(ax_in))
-        y = ParallelMatmul.apply(x, self.weight, comm, ax_in, ax_out, rows, sched, id(self),
-                                 torch.is_grad_enabled())
-        if self.style == "easy" and split_out:
-            y = GatherLastDim.apply(y, comm, ax_out, g.coord(ax_out))
-        return y
+        """The communicating path: this style's slice of the input, the 3D matmul, its gather."""
+        return self.gather(self.local_output(self.local_input(x)))
 
     # Collectives, the scheduler's prefetch/deferred reductions and the byte counters stay out of
     # torch.compile's graph: a compiled block breaks cleanly around this call (axonn/compile.py).
     _sharded_outside_graph = torch.compiler.disable(_sharded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer; input/output layouts depend on the style (module docstring)."""
+        if self._plain():
+            return self._epilogue(F.linear(x, self.weight))
+        if torch.compiler.is_compiling():  # tracing a compiled block: a clean graph break here
+            return self._epilogue(self._sharded_outside_graph(x))
+        return self._epilogue(self._sharded(x))  # eager: no disable wrapper (it costs ~4 us a call)
 
 
 class ParallelEmbedding(nn.Module):

@@ -22,18 +22,25 @@ import math
 
 from axonn.plan.compute import head_split
 from axonn.plan.hardware import Hardware
-from axonn.plan.memory import get_precision, local_params
+from axonn.plan.memory import Adapters, adapter_params, get_precision, local_params
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Grid, default_mode, step_ops
 
 
 def eval_memory(shape: ModelShape, grid: Grid, *, batch: int, context: int, new: int, seq: int,
                 mode: str | None = None, precision: str = "bf16", local: float | None = None,
-                keep_gathered: bool = False, optimizer_state: bool = True) -> dict[str, float]:
-    """Peak bytes per rank while scoring, by category (see the module docstring)."""
+                keep_gathered: bool = False, optimizer_state: bool = True,
+                adapters: Adapters | None = None, trained: float | None = None) -> dict[str, float]:
+    """Peak bytes per rank while scoring, by category (see the module docstring); with `adapters` (a
+    LoRA run: memory.Adapters) the `local` weights are frozen in their load dtype and only the
+    `trained` adapter parameters (default memory.adapter_params) carry optimizer state."""
     mode = mode or default_mode(shape)
     p = get_precision(precision)
     n = local_params(shape, grid, mode) if local is None else float(local)
+    weights, state = p.weight * n, p.optimizer * n
+    if adapters is not None:
+        trained = adapter_params(shape, grid, adapters, mode) if trained is None else float(trained)
+        weights, state = adapters.frozen_bytes * n + p.weight * trained, p.optimizer * trained
     split = head_split(shape, grid, mode)
     act = p.activation
     kv = 2.0 * shape.layers * batch * (context + new) * shape.kv_dim / split * act
@@ -47,8 +54,8 @@ def eval_memory(shape: ModelShape, grid: Grid, *, batch: int, context: int, new:
     tokens = batch * max(seq, context + new)
     stream = 4.0 * shape.hidden + (3 if shape.gated_mlp else 2) * shape.ffn / split
     return {
-        "weights": p.weight * n,
-        "optimizer": p.optimizer * n if optimizer_state else 0.0,
+        "weights": weights,
+        "optimizer": state if optimizer_state else 0.0,
         "kv_cache": kv,
         "z_buffers": z_buffers,
         "logits": 3.0 * 4.0 * batch * seq * shape.vocab / grid.y,

@@ -45,6 +45,29 @@ def get_precision(name: str | Precision) -> Precision:
     return PRECISIONS[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """A frozen base with rank-r adapters on some of each block's Linears (axonn/layers/lora.py): only
+    the adapters have gradients and optimizer state; the base weights keep their load dtype."""
+
+    rank: int
+    targets: tuple[str, ...] = ()  # block-Linear names (q_proj, ..., down_proj); empty: every one
+    frozen_bytes: int = 4  # bytes per frozen weight: 2 when the base is loaded in bf16, 4 in fp32
+
+
+def adapter_params(shape: ModelShape, grid: Grid, adapters: Adapters, mode: str | None = None) -> float:
+    """Adapter parameters one rank stores: per targeted Linear, A [r, in] split like its input (rows
+    over Z) and B [out, r] like its output (then Z)."""
+    mode = mode or default_mode(shape)
+    r, total = adapters.rank, 0
+    for lin in block_linears(shape, grid, mode):
+        if adapters.targets and lin.name not in adapters.targets:
+            continue
+        total += -(-r // grid.z) * (lin.inp // grid.dim(lin.in_axis))
+        total += -(-(lin.out // grid.dim(lin.out_axis)) // grid.z) * r
+    return float(total * shape.layers)
+
+
 def local_params(shape: ModelShape, grid: Grid, mode: str | None = None) -> float:
     """Parameters one rank stores: 1/(x*y*z) of every matrix (rows padded) plus full copies of
     norms, biases and positions."""
@@ -141,22 +164,33 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                      checkpoint: bool, prefetch: bool = True,
                      mode: str | None = None, *, local: float | None = None,
                      precision: str | Precision = "bf16", loss_chunk: int = 0,
-                     example_norms: bool = False) -> dict[str, float]:
+                     example_norms: bool = False, adapters: Adapters | None = None,
+                     trained: float | None = None) -> dict[str, float]:
     """Peak bytes per GPU by category for one micro-batch of `micro_batch` rows per rank.
 
     `local` is the parameter count of one rank (default: `local_params` of the shape); the dry run
     passes the count of the sharded model it built. `loss_chunk`: tokens per chunk of the chunked
     LM head (0: full logits). `example_norms` adds the per-example norm buffers
-    (`example_norm_bytes`: per-example clipping).
+    (`example_norm_bytes`: per-example clipping). With `adapters` those `local` parameters are
+    frozen (their load dtype, no gradient or optimizer state) and only the adapters' -- `trained`,
+    default `adapter_params` -- have all three.
     """
     mode = mode or default_mode(shape)
     p = get_precision(precision)
     n = local_params(shape, grid, mode) if local is None else float(local)
+    weights = p.weight * n
+    z_buffers = z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode)
+    if adapters is not None:
+        frozen = n
+        n = adapter_params(shape, grid, adapters, mode) if trained is None else float(trained)
+        weights = adapters.frozen_bytes * frozen + p.weight * n
+        if grid.z == 1 and adapters.frozen_bytes <= p.activation:
+            z_buffers = 0.0  # a base already in the compute dtype is used as it is: no cast copy kept
     out = {
-        "weights": p.weight * n,
+        "weights": weights,
         "gradients": p.grad * n,
         "optimizer": p.optimizer * n,
-        "z_buffers": z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode),
+        "z_buffers": z_buffers,
         "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p, loss_chunk),
     }
     if example_norms:

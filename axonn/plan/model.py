@@ -13,7 +13,7 @@ from axonn.plan.compute import (
     optimizer_time,
 )
 from axonn.plan.hardware import GiB, Hardware
-from axonn.plan.memory import local_params, memory_breakdown
+from axonn.plan.memory import Adapters, adapter_params, local_params, memory_breakdown
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Comm, Grid, default_mode, rows_per_rank, step_ops
 
@@ -97,15 +97,16 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             gpus_per_node: int | None = None, micro_batch: int | None = None,
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
             mode: str | None = None, precision: str = "bf16",
-            local: float | None = None, loss_chunk: int = 0) -> Prediction:
+            local: float | None = None, loss_chunk: int = 0, adapters: Adapters | None = None) -> Prediction:
     """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
 
     `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
     hides only counts on hardware whose collectives do not run on the compute units
     (`hw.hides_comm`; the CPU/gloo `local` profile does not). Memory counts the prefetch buffers
     whenever `overlap` is on; `local` overrides the rank's parameter count (the dry run passes the
-    count of the model it sharded), `precision` the activation bytes (memory.PRECISIONS) and
-    `loss_chunk` > 0 the chunked LM head's tokens per chunk (trainer.loss_chunk; 0: full logits)."""
+    count of the model it sharded), `precision` the activation bytes (memory.PRECISIONS),
+    `loss_chunk` > 0 the chunked LM head's tokens per chunk (trainer.loss_chunk; 0: full logits) and
+    `adapters` a LoRA run (a frozen base: only the adapters have gradients and optimizer state)."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     gpus = grid.size
@@ -156,10 +157,11 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
         exposed = comm_total
 
     n_local = local_params(shape, grid, mode) if local is None else local
-    compute = n_micro * (fwd_c + bwd_c) + optimizer_time(n_local, hw)
+    n_trained = n_local if adapters is None else adapter_params(shape, grid, adapters, mode)
+    compute = n_micro * (fwd_c + bwd_c) + optimizer_time(n_trained, hw)
     time_s = compute + exposed
     mem = memory_breakdown(shape, grid, seq, mb, checkpoint, prefetch=overlap, mode=mode,
-                           local=n_local, precision=precision, loss_chunk=loss_chunk)
+                           local=n_local, precision=precision, loss_chunk=loss_chunk, adapters=adapters)
     mem_bytes = sum(mem.values())
     flops = model_flops(shape, seq, global_batch) / time_s
     return Prediction(
