@@ -52,6 +52,7 @@ from memorization.models import (
     reason,
     resolve_model_dir,
     run_tokenizer,
+    run_vocab,
     zoo_config,
 )
 from memorization.models import model_config as memorization_model_config
@@ -115,8 +116,10 @@ def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, 
         launch = replace(launch, world=grid.world_size)
     if model_config is None:
         _, tok = _rows(data)
+        vocab = None if tok is None else run_vocab(cfg.model.name, cfg.data.tokenizer, cfg.data.vocab_size,
+                                                   len(tok))
         model_config = (planned_model_config(cfg)[0] if tok is None else
-                        memorization_model_config(cfg.model.name, vocab_size=len(tok),
+                        memorization_model_config(cfg.model.name, vocab_size=vocab,
                                                   overrides=cfg.model.overrides))
     dims, chosen_by = run_dims(cfg, model_config, spec=spec, grid=grid, launch=launch)
     checked = check_run(cfg, data, dims, world=launch.world, model_config=model_config, out=out,
@@ -180,7 +183,7 @@ def planned_model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
     local = resolve_model_dir(name)
     if local is None:
         if spec in ("auto", "bpe"):  # trained on the corpus at run time: its target size is known
-            vocab, source = cfg.data.vocab_size, "data.vocab_size: the corpus BPE's target size"
+            vocab, source = cfg.data.vocab_size, "data.vocab_size: the corpus BPE's rows (run_vocab)"
         else:
             vocab, source = len(load_tokenizer(spec)), f"tokenizer {spec}"
         return zoo_config(name, vocab, cfg.model.overrides), None, source

@@ -38,8 +38,7 @@ from memorization.checks import plan_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
 from memorization.lora import apply_sharded_lora, lora_targets
-from memorization.models import meta_model, resolve_model_dir
-from memorization.models import model_config as hf_model_config
+from memorization.models import meta_model
 from memorization.parallel import Launch, memory_fix, precision_for, run_adapters
 from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
@@ -109,11 +108,6 @@ def _launch(command: str, config_path: str, dims: Sequence[int], overrides: Sequ
     return out
 
 
-def _vocab_from_corpus(cfg: RunConfig) -> bool:
-    """A zoo shape whose tokenizer is trained on the corpus: its vocabulary is known only from the data."""
-    return resolve_model_dir(cfg.model.name) is None and cfg.data.tokenizer in ("auto", "bpe")
-
-
 def _not_here(cfg: RunConfig) -> str | None:
     """Why the run's data cannot be read on this machine (None: it can)."""
     for field, spec in (("data.corpus", cfg.data.corpus), ("data.held_out", cfg.data.held_out)):
@@ -136,10 +130,9 @@ def _prepared(cfg: RunConfig) -> Any:
 def plan_data(cfg: RunConfig, data: Any = None) -> tuple[Any, str]:
     """(the run's prepared data, or None; what the dry run says of it). The data is prepared as the run
     prepares it when the plan depends on it and it is on this machine: DP-SGD (delta < 1/N, batch <= N,
-    the noise for a target epsilon), eval.mia (at least 2 members and 2 held-out documents) and a
-    vocabulary trained on the corpus (the grid must divide it; `auto` weighs its LM head)."""
-    needs = [why for why, on in (("DP-SGD", cfg.trainer.dp.enabled), ("eval.mia", cfg.eval.mia),
-                                 ("the corpus vocabulary", _vocab_from_corpus(cfg))) if on]
+    the noise for a target epsilon) and eval.mia (at least 2 members and 2 held-out documents). A zoo
+    shape's vocabulary needs no data: a corpus BPE's model has data.vocab_size rows (models.run_vocab)."""
+    needs = [why for why, on in (("DP-SGD", cfg.trainer.dp.enabled), ("eval.mia", cfg.eval.mia)) if on]
     if not needs:
         return None, "not needed"
     if data is not None:
@@ -171,10 +164,6 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     _check_corpus("data.held_out", cfg.data.held_out)
     data, data_note = plan_data(cfg, data)
     hf_config, weights, vocab_source = model_config(cfg)
-    if data is not None and _vocab_from_corpus(cfg):  # the vocabulary the run will have
-        hf_config = hf_model_config(cfg.model.name, vocab_size=len(data.tokenizer),
-                                    overrides=cfg.model.overrides)
-        vocab_source = f"the corpus BPE: {len(data.tokenizer)} ids, padded to a multiple of 128"
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
     serial = meta_model(hf_config)

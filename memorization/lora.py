@@ -31,6 +31,7 @@ import copy
 import json
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,7 +204,9 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int = 0)
 def lora_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """Names of the modules peft adapts in `model` (a serial model, e.g. a meta copy: peft wraps it),
     in module order: the layers `axonn.lora.add_lora` adapts on a grid."""
-    peft_model = apply_lora(model, settings)
+    with warnings.catch_warnings():  # a throwaway copy: transformers' FutureWarnings would precede our lines
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = apply_lora(model, settings)
     return [name.removeprefix(PEFT_PREFIX) for name, m in peft_model.named_modules()
             if name.startswith(PEFT_PREFIX) and hasattr(m, "lora_A")]
 

@@ -32,19 +32,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("MEMORIZE_CACHE", Path.home() / ".cache" / "memorize"))
 
 
-VOCAB_MULTIPLE = 128  # a zoo shape's embedding rows: the tokenizer's ids rounded up to a multiple of this
-
-
-def padded_vocab(ids: int) -> int:
-    """A zoo shape's vocabulary for a tokenizer of `ids` ids: rounded up to a multiple of 128 (as
-    Megatron's --make-vocab-size-divisible-by), so a corpus BPE that stops short of its target size
-    (28,637 ids on Shakespeare for a 128,256 target) still splits over the grids the planner offers;
-    the extra rows are never a label and decode to nothing."""
-    return -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+def run_vocab(name: str, tokenizer_spec: str, target: int, ids: int) -> int:
+    """The vocabulary a run's model has for a tokenizer of `ids` ids: a zoo shape with a corpus BPE
+    (`data.tokenizer` auto/bpe, trained to at most `target` = data.vocab_size ids) keeps `target` rows,
+    so the model (and every grid that splits it) is the same whether the corpus reached the target or
+    stopped short (Shakespeare gives ~29K of the Llama configs' 128,256): the rows no id reaches are
+    never a label and decode to nothing. Any other tokenizer's model has exactly its ids."""
+    if resolve_model_dir(name) is None and tokenizer_spec in ("auto", "bpe"):
+        return max(ids, target)
+    return ids
 
 
 def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None = None):
-    """A transformers config for a zoo name (vocab follows the tokenizer when given, padded_vocab)."""
+    """A transformers config for a zoo name (vocab follows the tokenizer when given: run_vocab)."""
     path = ZOO_DIR / f"{name}.yaml"
     if not path.is_file():
         raise fail("model.name", name, f"unknown model; choose one of {', '.join(zoo_names())} "
@@ -52,7 +52,7 @@ def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None 
     fields = load_yaml(path)
     fields.update(overrides or {})
     if vocab_size is not None:
-        fields["vocab_size"] = padded_vocab(vocab_size)
+        fields["vocab_size"] = vocab_size
     model_type = fields.pop("model_type", "llama")
     try:
         return AutoConfig.for_model(model_type, **fields)

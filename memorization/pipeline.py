@@ -179,7 +179,7 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     sharded_lora = lora.enabled and tensor_split(plan.dims)
     stream = distributed and not cfg.model.random_init and is_pretrained(cfg.model.name) \
         and (not lora.enabled or sharded_lora) and not per_sample
-    model = build_model(cfg.model.name, vocab_size=len(data.tokenizer), seed=cfg.seed,
+    model = build_model(cfg.model.name, vocab_size=plan.model_config.vocab_size, seed=cfg.seed,
                         overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
     grid = resolve_grid(cfg, plan.dims, distributed=plan.distributed, grid=grid)  # the grid from here on
     if lora.enabled:  # the frozen base in its load dtype: bf16 where the run computes in bf16
