@@ -24,8 +24,9 @@ every rank draws the serial run's noise (same run, same bits); on a tensor split
 another partition of the same distribution (reproducible from the seed on that grid).
 
 Cost (docs/benchmarks.md): forward, a backward without weight GEMMs, the norms (two [T, T] Gram
-matrices per linear layer and row, or G^T A when T^2 > in*out), a full backward: about 1.3-1.5x a
-plain step, memory O(rows x T^2) per layer for the Gram matrices instead of Opacus' rows x params.
+matrices per linear layer and row, or G^T A when T^2 > in*out), a full backward: on SmolLM2-135M
+1.58x a plain step (wall; 1.67x CPU time, a heavily loaded 2-core machine) at 1.00x its peak memory
+(Opacus: 2.57x): O(rows x T^2) per layer for the Gram matrices instead of Opacus' rows x params.
 """
 from __future__ import annotations
 
