@@ -127,6 +127,7 @@ class Trainer:
         name: str = "",
         progress_position: int = 0,
         gradient_hook: GradientHook | None = None,
+        micro_batches: int | None = None,
     ):
         cfg.validate()
         self.name, self.progress_position = name, progress_position  # progress bar label and row
@@ -144,7 +145,8 @@ class Trainer:
         # checkpoint_files(dir) lets the caller add files (a tokenizer) to each checkpoint on rank 0
         self.checkpoint_dir, self.checkpoint_files = checkpoint_dir, checkpoint_files
         self.device = grid.device
-        self.grad_accum, _ = cfg.accumulation(grid.batch_shards)
+        # micro-batches per step: as the caller's plan decided (memorization.checks.plan_run), else here
+        self.grad_accum = micro_batches or cfg.accumulation(grid.batch_shards)[0]
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)
         self.model.to(self.device)

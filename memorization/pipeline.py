@@ -222,7 +222,7 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                       grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
                       name=cfg.name, progress_position=progress_position, callbacks=callbacks,
-                      gradient_hook=privacy)
+                      gradient_hook=privacy, micro_batches=plan.micro_batches)
     return Run(cfg, data, out_dir, trainer, checkpoint=ckpt, privacy=privacy, wandb=wb,
                watchdog=start_watchdog(grid, tcfg.collective_timeout_s))  # None for one process
 
