@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 import torch
-from common import alternate, peak_rss, ratio, write
+from common import TokenRows, alternate, peak_rss, ratio, write
 
 from axonn.trainer import Trainer
 from memorization.config import DPConfig, RunTrainerConfig
@@ -33,23 +33,13 @@ ARMS = ("plain", "ghost", "per_sample")
 ROWS, SEQ = 8, 64
 
 
-class _Rows:
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
 
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[idx], "labels": self.ids[idx]}
-
-
-def _data() -> _Rows:
+def _data() -> TokenRows:
     """64 rows of the leads' token ids would do as well as any: random ids of SmolLM2's vocabulary."""
-    return _Rows(torch.randint(0, 49152, (64, SEQ), generator=torch.Generator().manual_seed(0)))
+    return TokenRows(torch.randint(0, 49152, (64, SEQ), generator=torch.Generator().manual_seed(0)))
 
 
-def trainer(arm: str, model: torch.nn.Module, data: _Rows) -> Trainer:
+def trainer(arm: str, model: torch.nn.Module, data: TokenRows) -> Trainer:
     """The smollm2-wiki trainer settings, with DP-SGD as `arm` says."""
     dp = DPConfig() if arm == "plain" else DPConfig(
         enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-3, poisson_sampling=False,
@@ -60,7 +50,7 @@ def trainer(arm: str, model: torch.nn.Module, data: _Rows) -> Trainer:
     return Trainer(model, cfg, data, gradient_hook=hook)
 
 
-def stepper(t: Trainer, data: _Rows) -> Any:
+def stepper(t: Trainer, data: TokenRows) -> Any:
     """One train_step per call, on the next fixed batch."""
     state = {"i": 0}
 

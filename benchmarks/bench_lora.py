@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import torch
-from common import SMALL, batch, llama, write
+from common import SMALL, TokenRows, batch, llama, write
 from transformers import LlamaConfig
 
 import axonn
@@ -38,16 +38,6 @@ from memorization.lora import LoraSettings, apply_lora, apply_sharded_lora, lora
 SETTINGS = LoraSettings(enabled=True, r=8, alpha=16.0, target_modules="all-linear")
 MiB = 2**20
 
-
-class _Rows:
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[idx], "labels": self.ids[idx]}
 
 
 class _Clock:
@@ -88,7 +78,7 @@ def _grid_run(rank: int, world: int, dims: tuple[int, ...], steps: int) -> dict[
     model = axonn.parallelize(llama(), grid, mode="paired")
     model = apply_sharded_lora(model, SETTINGS, lora_targets(llama(), SETTINGS), seed=0)
     clock = _Clock()
-    trainer = Trainer(model, _cfg(steps), _Rows(batch(64, 64, SMALL["vocab_size"])), grid=grid,
+    trainer = Trainer(model, _cfg(steps), TokenRows(batch(64, 64, SMALL["vocab_size"])), grid=grid,
                       callbacks=[clock])
     trainer.fit()
     return _measure(model, trainer, clock)
@@ -98,7 +88,7 @@ def _serial(steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = apply_lora(llama(), SETTINGS, seed=0)
     clock = _Clock()
-    trainer = Trainer(model, _cfg(steps), _Rows(batch(64, 64, SMALL["vocab_size"])), callbacks=[clock])
+    trainer = Trainer(model, _cfg(steps), TokenRows(batch(64, 64, SMALL["vocab_size"])), callbacks=[clock])
     trainer.fit()
     return _measure(model, trainer, clock)
 

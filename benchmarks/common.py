@@ -130,3 +130,16 @@ def peak_rss(cmd: list[str], threads: int) -> dict[str, Any]:
         print(f"  FAILED (rc {proc.returncode}): {out['cmd']}\n{out['log_tail']}", file=sys.stderr,
               flush=True)
     return out
+
+
+class TokenRows:
+    """A RowDataset of token rows trained on themselves (labels = input_ids)."""
+
+    def __init__(self, ids: Any) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, idx: Any) -> dict[str, Any]:
+        return {"input_ids": self.ids[idx], "labels": self.ids[idx]}

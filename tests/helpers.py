@@ -102,3 +102,20 @@ def grid_trainer(grid, root=None):
                         seed=3, device="cpu", checkpoint_every=CHECKPOINT_HALF, keep_last=0, weight_decay=0.1)
     transform = GoldfishTransform(GoldfishConfig(enabled=True, k=3, h=2), seed=1)
     return Trainer(model, cfg, rows(n=12), label_transform=transform, grid=grid, checkpoint_dir=root)
+
+
+def tiny_pretrained(tmp_path_factory) -> str:
+    """A tiny 'pretrained' HF folder (seeded weights, its own 320-id BPE; 4 heads, 2 KV heads, tied),
+    in safetensors: what the LoRA, adapter-export and pretrained-grid tests fine-tune."""
+    from data_pipelines import load_corpus, load_tokenizer
+
+    texts = [d.text for d in load_corpus("wiki-leads", limit=30)]
+    tok = load_tokenizer("bpe", texts=texts, vocab_size=320, cache_dir=tmp_path_factory.mktemp("c"))
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True))
+    out = tmp_path_factory.mktemp("pretrained")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Rows
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from axonn.spawn import run_distributed
@@ -17,18 +18,6 @@ from memorization.privacy_ghost import GhostPrivacy
 
 V = 64
 
-
-class Rows:
-    """A minimal RowDataset."""
-
-    def __init__(self, ids, labels):
-        self.ids, self.labels = ids, labels
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, idx):
-        return {"input_ids": self.ids[idx], "labels": self.labels[idx]}
 
 
 def tiny_model(seed=0, vocab=V, hidden=32, tie=True):

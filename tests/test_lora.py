@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_pretrained
 from safetensors.torch import load_file
 
 from axonn.config import TrainerConfig, build
@@ -25,20 +26,7 @@ LORA = {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["q_proj", "v_pro
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny 'pretrained' HF folder (seeded weights, own tokenizer): adapter exports need a base on disk."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from data_pipelines import load_corpus, load_tokenizer
-
-    texts = [d.text for d in load_corpus("wiki-leads", limit=30)]
-    tok = load_tokenizer("bpe", texts=texts, vocab_size=320, cache_dir=tmp_path_factory.mktemp("c"))
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         tie_word_embeddings=True))
-    out = tmp_path_factory.mktemp("pretrained")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return tiny_pretrained(tmp_path_factory)
 
 
 def _config(model_dir, lora=None, **sections):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_pretrained
 from safetensors.torch import load_file
 
 from axonn.config import build
@@ -24,20 +25,7 @@ LORA = {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny 'pretrained' HF folder (seeded weights, own tokenizer; 4 heads, 2 KV heads, tied)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from data_pipelines import load_corpus, load_tokenizer
-
-    texts = [d.text for d in load_corpus("wiki-leads", limit=30)]
-    tok = load_tokenizer("bpe", texts=texts, vocab_size=320, cache_dir=tmp_path_factory.mktemp("c"))
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         tie_word_embeddings=True))
-    out = tmp_path_factory.mktemp("pretrained")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    return tiny_pretrained(tmp_path_factory)
 
 
 def _config(model_dir, **lora):
