@@ -92,8 +92,6 @@ class RunPlan:
     distributed: bool = False  # through the engine: several processes, a grid that splits, or a given one
 
 
-CheckedRun = RunPlan  # the name of the plan before it held the grid's choice
-
 
 def run_files(cfg: RunConfig) -> tuple[str, ...]:
     """The entries a run writes under OUT (what --overwrite replaces)."""
@@ -313,6 +311,6 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module, dims: Dims | None = No
         checkpoint.check_fits(ckpt, meta, model)
 
 
-__all__ = ["CheckedRun", "RunPlan", "check_grid", "check_model", "check_out", "check_out_dir",
+__all__ = ["RunPlan", "check_grid", "check_model", "check_out", "check_out_dir",
            "check_out_inputs", "check_resume_fits", "check_run", "check_runs", "effective_trainer",
            "plan_run", "planned_model_config", "resolve_resume", "run_files"]

@@ -53,11 +53,6 @@ def grid_spec(arg: str | None, cfg: RunConfig) -> str:
     return cfg.grid if arg is None else arg
 
 
-def run_world(grid: ProcessGrid | None = None) -> int:
-    """The processes a run trains on: the given grid's, else the launch's (1 for a plain process)."""
-    return grid.world_size if isinstance(grid, ProcessGrid) else launched_world_size()
-
-
 Dims = tuple[int, int, int, int]
 
 
