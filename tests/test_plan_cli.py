@@ -109,3 +109,19 @@ def test_overlap_hides_nothing_where_collectives_share_the_compute_cores():
     exposed = predict(shape, grid, 2048, 8, cpu_like)
     assert hidden.exposed_comm_s < hidden.comm_s
     assert exposed.exposed_comm_s == exposed.comm_s and exposed.time_s > hidden.time_s
+
+
+def test_runnable_grids_rank_first_and_a_hint_when_none(capsys):
+    """Grids the engine runs as is (z*data divides the batch) come before faster uneven ones; with none
+    runnable one line names a global batch that gives some (README's headline example runs)."""
+    argv = ["--model", "llama-405b", "--gpus", "6144", "--gpus-per-node", "4", "--hardware", "alps-h100",
+            "--seq", "4096"]
+    assert main(argv + ["--global-batch", "1024", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "none of these grids runs as is" in out and "--global-batch 1152 with --strict" in out
+    assert main(argv + ["--global-batch", "1152", "--strict", "--top", "1"]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--global-batch", "1536", "--json", "--top", "400"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    even = [r["even_batch"] for r in rows if r["fits"]]
+    assert even == sorted(even, reverse=True) and even[0]

@@ -8,7 +8,7 @@ import sys
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.hardware import hardware_choices
 from axonn.plan.model import Prediction
-from axonn.plan.search import plan
+from axonn.plan.search import plan, runnable_batch
 from axonn.plan.shapes import load_shape
 from memorize_core import ConfigError
 
@@ -61,7 +61,7 @@ def _sec(v: float, width: int) -> str:
     return f"{v:>{width}.3f}" if v >= 0.01 or v == 0 else f"{v:>{width}.3g}"
 
 
-def format_table(rows: list[Prediction], peak_note: str = "") -> str:
+def format_table(rows: list[Prediction], peak_note: str = "", global_batch: int | None = None) -> str:
     """A fixed-width table of predictions (* = uneven batch split over Z, see --strict)."""
     head = (f"{'#':>3} {'x':>4} {'y':>4} {'z':>4} {'data':>5} {'mb':>4} {'ckpt':>4} "
             f"{'time_s':>9} {'exposed_s':>9} {'mem_GB':>7} {'TF/s/gpu':>9} {'%peak':>6} "
@@ -77,6 +77,9 @@ def format_table(rows: list[Prediction], peak_note: str = "") -> str:
     if any(not r.even_batch for r in rows):
         lines.append("* z*data does not divide the global batch: the busiest Z rank gets "
                      "ceil(batch/data/z) rows (the engine's shard_batch needs --strict grids)")
+    if rows and global_batch and not any(r.even_batch for r in rows):
+        lines.append(f"none of these grids runs as is (z*data must divide the global batch): try "
+                     f"--global-batch {runnable_batch(rows, global_batch)} with --strict")
     if peak_note:
         lines.append(peak_note)
     return "\n".join(lines)
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r.fits for r in rows)} configurations fit")
     print(format_table(top, f"peak {hw.peak_flops / 1e12:.4g} TF/s per GPU; "
                             f"memory {hw.memory_bytes / 2**30:.0f} GB, headroom "
-                            f"{args.headroom:.0%}"))
+                            f"{args.headroom:.0%}", args.global_batch))
     return 0
 
 

@@ -73,7 +73,8 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
     fits; the micro-batch is the largest divisor of the rows per rank that fits (or `micro_batch`).
     `strict` keeps only grids with no Z padding and an even batch split (volumes.grid_problems);
     `precision` is the trainer's (bf16 autocast on GPUs, fp32 on CPU: memory.PRECISIONS).
-    Raises ConfigError when nothing is valid or nothing fits.
+    Ranked: grids that fit first, among them those the engine runs as is (z*data divides the batch),
+    each group by step time. Raises ConfigError when nothing is valid or nothing fits.
     """
     shape = load_shape(model)
     mode = mode or default_mode(shape)
@@ -121,8 +122,14 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
             f"({hw.name}, headroom {headroom:.0%}); the smallest needs {need / GiB:.1f} GiB at "
             f"(x, y, z, data)={g.x, g.y, g.z, g.data}; add GPUs, enable checkpointing, or lower "
             "--seq / --global-batch")
-    results.sort(key=lambda p: (not p.fits, p.time_s))
+    # runnable first: a grid whose z*data does not divide the batch is a prediction the engine refuses
+    results.sort(key=lambda p: (not p.fits, not p.even_batch, p.time_s))
     return results
+
+
+def runnable_batch(rows: list[Prediction], global_batch: int) -> int:
+    """The smallest global batch >= `global_batch` that some listed grid's z*data divides."""
+    return min(-(-global_batch // (r.z * r.data)) * r.z * r.data for r in rows)
 
 
 def auto_grid(hf_config_or_shape: Any, world_size: int, gpus_per_node: int | None, seq: int,
