@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,9 +98,10 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
     rows = sc.rows(len(keep))
     mine: list[ExtractionResult] = []
     batches = range(0, len(rows), batch_size)
-    with evaluating(model):
-        for b in tqdm(batches, desc=desc, disable=not (progress and sc.is_main),
-                      total=math.ceil(len(rows) / batch_size)):
+    # counted in documents (docs/s), not batches: the rate reads the same at any batch size
+    bar = tqdm(total=len(rows), desc=desc, unit="doc", disable=not (progress and sc.is_main))
+    with evaluating(model), bar:
+        for b in batches:
             chunk = [keep[r] for r in rows[b:b + batch_size]]
             prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk],
                                     dtype=torch.long, device=sc.device)
@@ -114,6 +114,7 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
             for i, g, target in zip(chunk, gen.tolist(), targets):
                 mine.append(_result(ids[i], [int(t) for t in documents[i][start:target_start]], target, g,
                                     lambda x: _text(x, tokenizer)))
+            bar.update(len(chunk))
         return sc.collect(rows, mine, len(keep))
 
 
@@ -170,13 +171,15 @@ def extract_pairs(model: torch.nn.Module, prompts: list[list[int]], targets: lis
         groups.setdefault((len(prompts[i]), len(targets[i])), []).append(i)
     chunks = [idx[b:b + batch_size] for idx in groups.values() for b in range(0, len(idx), batch_size)]
     mine: dict[int, ExtractionResult] = {}
-    with evaluating(model):
-        for chunk in tqdm(chunks, desc="extract pairs", disable=not (progress and sc.is_main)):
+    bar = tqdm(total=len(rows), desc="extract pairs", unit="pair", disable=not (progress and sc.is_main))
+    with evaluating(model), bar:
+        for chunk in chunks:
             p = torch.tensor([prompts[i] for i in chunk], dtype=torch.long, device=sc.device)
             t = torch.tensor([targets[i] for i in chunk], dtype=torch.long, device=sc.device)
             gen = verified_local(sc, p, t)
             for i, g in zip(chunk, gen.tolist()):
                 mine[i] = _result(ids[i], prompts[i], targets[i], g, lambda x: _response_text(x, tokenizer))
+            bar.update(len(chunk))
         return sc.collect(rows, [mine[i] for i in rows], len(prompts))
 
 

@@ -201,12 +201,20 @@ def run_tasks(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str], *, n
         dist.broadcast_object_list(box, src=0)
         out = box[0]
     groups = set(out.get("groups", {}))
-    return {"tasks": {name: _metrics(res, out.get("n-samples", {}).get(name))
-                      for name, res in out["results"].items() if name not in groups},
-            "groups": {name: _metrics(res, None) for name, res in out.get("groups", {}).items()},
+    rows = {name: _metrics(res, out.get("n-samples", {}).get(name))
+            for name, res in out["results"].items() if name not in groups}
+    return {"tasks": rows,
+            "groups": {name: {**_metrics(res, None), "n": _group_n(name, rows, out.get("group_subtasks", {}))}
+                       for name, res in out.get("groups", {}).items()},
             "n_shot": out.get("n-shot", {}), "versions": out.get("versions", {}),
             "num_fewshot": num_fewshot, "limit": limit or None, "seed": seed,
             "tokens": lm.tokens_scored, "seconds": time.perf_counter() - start}
+
+
+def _group_n(name: str, rows: dict[str, Any], subtasks: dict[str, list[str]]) -> int:
+    """Documents scored under a group: its tasks' n, through nested groups."""
+    return sum(rows[t].get("n", 0) if t in rows else _group_n(t, rows, subtasks)
+               for t in subtasks.get(name, []))
 
 
 def _metrics(res: dict[str, Any], samples: dict[str, int] | None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score, roc_curve
+from tqdm.auto import tqdm
 
 from axonn.grid import ProcessGrid
 from evals._model import evaluating, pad_right
@@ -52,22 +53,27 @@ def _batch_stats(sc: Scorer, batch: list[list[int]],
 
 
 def _per_sequence(model: torch.nn.Module, seqs: list[list[int]], batch_size: int, full: bool,
-                  grid: ProcessGrid | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """_batch_stats of every sequence, each batch shard scoring its share; input order, every rank."""
+                  grid: ProcessGrid | None = None,
+                  progress: str | None = None) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """_batch_stats of every sequence, each batch shard scoring its share; input order, every rank.
+    `progress` names a tqdm bar (sequences/s) on the main rank."""
     sc = Scorer(model, grid)
     # Sorting by length keeps padding (wasted compute) small; every shard gets a spread of lengths.
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     rows = [order[r] for r in sc.rows(len(order))]
     mine: list = []
-    with evaluating(model):
+    bar = tqdm(total=len(rows), desc=progress, unit="seq", disable=not (progress and sc.is_main))
+    with evaluating(model), bar:
         for b in range(0, len(rows), batch_size):
             mine += _batch_stats(sc, [seqs[i] for i in rows[b:b + batch_size]], full)
+            bar.update(len(rows[b:b + batch_size]))
         return sc.collect(rows, mine, len(seqs))
 
 
 def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, tokenizer: Any = None,
                     ref_model: torch.nn.Module | None = None, k: float = 0.2,
-                    batch_size: int = 8, grid: ProcessGrid | None = None) -> dict[str, np.ndarray]:
+                    batch_size: int = 8, grid: ProcessGrid | None = None,
+                    progress: str | None = None) -> dict[str, np.ndarray]:
     """Per-sequence membership scores (higher = member) for each method; ref_ratio needs ref_model.
 
     A sharded model (and reference) is scored on its grid, on every rank (evals/scoring.py). zlib
@@ -84,7 +90,7 @@ def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, to
         raise fail("k", k, "pass a fraction in (0, 1], e.g. 0.2")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise fail("batch_size", batch_size, "pass an integer >= 1")
-    stats = _per_sequence(model, seqs, batch_size, True, grid)
+    stats = _per_sequence(model, seqs, batch_size, True, grid, progress)
     nll = np.array([-lp.mean() for lp, _ in stats])
     zlen = np.array([len(zlib.compress((tokenizer.decode(s) if tokenizer is not None
                                         else ids_text(s)).encode("utf-8"))) for s in seqs])
@@ -95,7 +101,7 @@ def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, to
         "min_k_plus_plus": np.array([min_k_mean(z, k) for _, z in stats]),
     }
     if ref_model is not None:
-        ref = _per_sequence(ref_model, seqs, batch_size, False, grid)
+        ref = _per_sequence(ref_model, seqs, batch_size, False, grid, progress and f"{progress} (reference)")
         scores["ref_ratio"] = np.array([-lp.mean() for lp, _ in ref]) - nll
     return scores
 
@@ -189,7 +195,8 @@ def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]
                          nonmembers: Sequence[Sequence[int]], *, tokenizer: Any = None,
                          ref_model: torch.nn.Module | None = None, k: float = 0.2,
                          batch_size: int = 8, bootstrap: int = 0, seed: int = 0,
-                         grid: ProcessGrid | None = None) -> dict[str, dict[str, Any]]:
+                         grid: ProcessGrid | None = None,
+                         progress: bool = False) -> dict[str, dict[str, Any]]:
     """Score members and non-members with every method: {method: roc_metrics (+ bootstrap CIs)}.
 
     bootstrap=B > 0 adds `auc_ci` and `tpr_at_1pct_fpr_ci` (95% percentile intervals of B
@@ -202,8 +209,8 @@ def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
         raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
     kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size, grid=grid)
-    m = score_sequences(model, members, **kw)
-    n = score_sequences(model, nonmembers, **kw)
+    m = score_sequences(model, members, **kw, progress="MIA members" if progress else None)
+    n = score_sequences(model, nonmembers, **kw, progress="MIA non-members" if progress else None)
     out: dict[str, dict[str, Any]] = {}
     for method in m:
         out[method] = roc_metrics(m[method], n[method])

@@ -89,14 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write into a non-empty OUT, replacing only the files export writes")
 
     e = sub.add_parser("eval", help="extraction, membership inference and perplexity of a saved model")
-    e.add_argument("--model", required=True, help="a Hugging Face model dir (e.g. OUT/model)")
+    e.add_argument("--model", required=True,
+                   help="a Hugging Face model dir (e.g. OUT/model) or a pretrained name (smollm2-135m)")
     e.add_argument("--corpus", default=None,
                    help="extraction corpus: name or file (see data_pipelines.CORPORA)")
-    e.add_argument("--mia", action="store_true", help="membership inference: --members vs --non-members")
+    e.add_argument("--mia", action="store_true",
+                   help="membership inference: --members vs --non-members, or (neither given) the training "
+                        "run's own documents vs its held-out split (run.json beside --model)")
     e.add_argument("--members", default=None, metavar="CORPUS", help="documents the model was trained on")
-    e.add_argument("--non-members", default=None, metavar="CORPUS", help="documents it never saw")
+    e.add_argument("--non-members", default=None, metavar="CORPUS",
+                   help="documents it never saw, from the members' distribution (a blind baseline "
+                        "flags a shift)")
     e.add_argument("--reference", default=None, metavar="DIR",
-                   help="reference model folder (same tokenizer) for the ref_ratio attack")
+                   help="reference model folder or pretrained name (same tokenizer) for the ref_ratio attack")
     e.add_argument("--mia-k", type=float, default=0.2, help="Min-K%% fraction k in (0, 1] (default 0.2)")
     e.add_argument("--bootstrap", type=int, default=1000,
                    help="bootstrap resamples for 95%% CIs of AUC and TPR@1%%FPR (default 1000, 0 = none)")
@@ -186,6 +191,9 @@ def cmd_eval(args) -> int:
     report = run_eval(EvalOptions(**{f.name: getattr(args, f.name) for f in fields(EvalOptions)}))
     if is_main_process():
         print(json.dumps(report, indent=2))
+        warning = (report.get("mia") or {}).get("warning")
+        if warning:  # last, so it is not lost above the JSON
+            print(warning, file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,13 @@ def write_files(out: Path, files: dict[str, str], *, replace: tuple[str, ...] = 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+BLIND_NOTE = ("The blind baseline is a text classifier with no model (word and character n-grams, "
+              "logistic regression, cross-validated): it measures how different the two sets are, not "
+              "membership. Near 0.5 the sets are alike and the attacks' AUCs are about membership; when "
+              "its interval lies above {threshold} the sets differ in distribution and an attack's AUC "
+              "can come from that shift alone (Das et al. 2024; Duan et al. 2024).")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -57,8 +64,10 @@ def _ci(point: float, ci: list[float] | None) -> str:
 
 def markdown_report(report: dict[str, Any]) -> str:
     """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks."""
-    parts = [f"# memorize eval: `{report['model']}`",
-             f"Documents cut to their first {report['max_tokens']} tokens; {report['seconds']:.1f} s in all."]
+    # the cut is said only where documents were scored (a tasks-only report has none)
+    docs = [k for k in ("extraction", "mia", "perplexity") if report.get(k)]
+    cut = f"Documents cut to their first {report['max_tokens']} tokens; " if docs else ""
+    parts = [f"# memorize eval: `{report['model']}`", f"{cut}{report['seconds']:.1f} s in all."]
     ex = report.get("extraction")
     if ex:
         how = "Greedy" if ex["beams"] == 1 else f"Beam search ({ex['beams']} beams)"
@@ -74,14 +83,23 @@ def markdown_report(report: dict[str, Any]) -> str:
         level = " [95% CI]" if mia["bootstrap"] else ""
         note = (f"95% percentile intervals from {mia['bootstrap']} stratified bootstrap resamples "
                 f"(seed {mia['seed']})." if mia["bootstrap"] else "No bootstrap intervals (--bootstrap 0).")
+        methods = dict(mia["methods"])
+        if mia.get("blind"):
+            methods["blind baseline (no model)"] = mia["blind"]
         rows = [[m, _ci(v["auc"], v.get("auc_ci")), _ci(v["tpr_at_1pct_fpr"], v.get("tpr_at_1pct_fpr_ci")),
-                 f"{v['tpr_at_0.1pct_fpr']:.3f}"] for m, v in mia["methods"].items()]
+                 f"{v['tpr_at_0.1pct_fpr']:.3f}"] for m, v in methods.items()]
         title = (f"## Membership inference: `{mia['members']}` ({c['members']}) vs "
                  f"`{mia['non_members']}` ({c['non_members']})")
+        cut = f" Documents cut to {mia['max_tokens']} tokens." if mia.get("max_tokens") else ""
         parts += [title,
                   f"Higher score = member; Min-K% k = {mia['k']}"
-                  + (f"; reference model `{mia['reference']}`." if mia["reference"] else ".") + " " + note,
+                  + (f"; reference model `{mia['reference']}`." if mia["reference"] else ".")
+                  + cut + " " + note,
                   _table(["method", f"AUC{level}", f"TPR@1%FPR{level}", "TPR@0.1%FPR"], rows)]
+        if mia.get("blind"):
+            parts.append(BLIND_NOTE.format(threshold=mia["blind"]["threshold"]))
+        if mia.get("warning"):
+            parts.append(f"**{mia['warning']}**")
     ppl = report.get("perplexity")
     if ppl:
         parts += ["## Utility: held-out perplexity",

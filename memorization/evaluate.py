@@ -31,14 +31,13 @@ from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_mo
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid, load_shape
 from axonn.plan.volumes import default_mode
-from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
 from evals import ExtractionResult, extract, summarize, to_jsonl
-from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
+from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, mia_section
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.fits import check_fits, check_shape
-from memorization.models import load_sharded
+from memorization.models import load_sharded, model_folder
 from memorization.outputs import check_inputs
 from memorization.parallel import Launch, launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
@@ -76,17 +75,6 @@ class EvalOptions:
     verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
 
 
-@dataclass
-class _Corpus:
-    """One corpus spec, tokenized and cut: kept documents' ids, texts and token lists."""
-
-    spec: str
-    loaded: int
-    ids: list[str]
-    texts: list[str]
-    seqs: list[list[int]]
-
-
 def check_options(o: EvalOptions) -> None:
     """Flag-level checks that need no file: one ConfigError naming the flag, the value and the fix."""
     if not (o.corpus or o.mia or o.perplexity or o.tasks):
@@ -116,10 +104,11 @@ def check_options(o: EvalOptions) -> None:
             if value is not None:
                 raise fail(flag, value, "only applies to membership inference; add --mia")
         return
-    if not o.members or not o.non_members:
+    if bool(o.members) != bool(o.non_members):  # neither: the training run's own documents (eval_mia)
         missing = "--members" if not o.members else "--non-members"
-        raise fail(missing, None, "--mia needs both --members CORPUS (training documents) and "
-                   "--non-members CORPUS (documents the model never saw)")
+        raise fail(missing, None, "--mia takes both --members CORPUS (training documents) and "
+                   "--non-members CORPUS (documents of the same distribution the model never saw), or "
+                   "neither for a memorize run's OUT/model (its run.json names both)")
     if not 0 < o.mia_k <= 1 or math.isnan(o.mia_k):
         raise fail("--mia-k", o.mia_k, "pass a fraction in (0, 1], e.g. 0.2")
     if o.bootstrap < 0:
@@ -250,30 +239,6 @@ def _max_tokens(o: EvalOptions, config: Any) -> int:
     return want
 
 
-def _corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, limit: int) -> _Corpus:
-    """Load and tokenize one corpus with the model's tokenizer; documents under 2 tokens are dropped."""
-    if is_chat_spec(spec):
-        raise fail(flag, spec, "holds conversations (prompt/response or messages), but memorize eval scores "
-                   "plain documents: pass a text corpus (a .txt file, or .jsonl with a 'text' key per line); "
-                   "a chat fine-tune's responses are scored by its training run (extraction.jsonl)")
-    try:
-        docs = load_corpus(spec, limit=limit or None)
-    except ConfigError as e:  # its message names `corpus`; say which flag the spec came from
-        msg = str(e).replace("set text_field to the key that holds the text",  # eval has no such flag
-                             "memorize eval reads each line's 'text' key: rename the key that holds the text")
-        raise ConfigError(f"{flag}: {msg}") from None
-    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
-    if not seqs:
-        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
-                   "model's tokenizer; point it at text")
-    top = max(max(s) for s in seqs)
-    if top >= vocab:
-        raise fail("--model", str(tok.name_or_path), f"its tokenizer gives id {top} on {spec}, beyond the "
-                   f"model's vocab_size {vocab}; save the tokenizer the model was trained with")
-    return _Corpus(spec, len(docs), [docs[i].id for i in seqs.kept], [docs[i].text for i in seqs.kept],
-                   [list(s) for s in seqs])
-
-
 def _check_reference(o: EvalOptions, model: Any, tok: Any, ref: Any, ref_tok: Any) -> None:
     """The reference model must score the same ids: equal vocab_size and, when it has one, tokenizer."""
     a, b = model.config.vocab_size, ref.config.vocab_size
@@ -290,21 +255,6 @@ def _check_reference(o: EvalOptions, model: Any, tok: Any, ref: Any, ref_tok: An
                    "with the target's tokenizer")
 
 
-def _check_disjoint(members: _Corpus, nonmembers: _Corpus) -> None:
-    """Members and non-members must not share a document (same text or same token ids)."""
-    by_text = {t.strip(): i for i, t in zip(members.ids, members.texts)}
-    by_ids = {tuple(s): i for i, s in zip(members.ids, members.seqs)}
-    pairs = []
-    for nid, text, seq in zip(nonmembers.ids, nonmembers.texts, nonmembers.seqs):
-        mid = by_text.get(text.strip(), by_ids.get(tuple(seq)))
-        if mid is not None:
-            pairs.append((mid, nid))
-    if pairs:
-        raise fail("--non-members", nonmembers.spec, f"{len(pairs)} of its documents are also in --members "
-                   f"{members.spec} (same text or same tokens, e.g. {pairs[0][1]} = {pairs[0][0]}); the "
-                   "two sets must be disjoint: remove the shared documents from one of them")
-
-
 def run_eval(o: EvalOptions) -> dict[str, Any]:
     """Validate everything, run the requested sections, write --out (if given); return the report.
 
@@ -312,6 +262,9 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     start = time.perf_counter()
     check_options(o)
     out = check_eval_out(o.out, o.overwrite) if o.out else None
+    o.model = model_folder("--model", o.model)  # smollm2-135m: its cached folder, made if needed
+    if o.mia and o.reference:
+        o.reference = model_folder("--reference", o.reference)
     if o.out:  # the report must not land in (or over) what the evaluation reads
         check_inputs("--out", o.out, _inputs(o), entries=EVAL_FILES)
     config = _hf_config("--model", o.model)
@@ -333,17 +286,14 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         _check_reference(o, model, tok, ref, ref_tok)
     vocab = model.config.vocab_size
 
-    def load(flag: str, spec: str) -> _Corpus:
-        return _corpus(flag, spec, tok, vocab, max_tokens, o.limit)
+    def load(flag: str, spec: str, cut: int = max_tokens, **kw: Any) -> EvalCorpus:
+        return eval_corpus(flag, spec, tok, vocab, cut, o.limit, **kw)
 
     extraction = load("--corpus", o.corpus) if o.corpus else None
     if extraction is not None and not any(len(s) >= o.prefix + o.suffix for s in extraction.seqs):
         raise fail("--corpus", o.corpus, f"no document has --prefix + --suffix = {o.prefix + o.suffix} "
                    "tokens; shorten the prefix/suffix or use longer documents")
-    members = nonmembers = None
-    if o.mia:
-        members, nonmembers = load("--members", o.members), load("--non-members", o.non_members)
-        _check_disjoint(members, nonmembers)
+    sets = mia_corpora(o, load, max_tokens) if o.mia else None
     ppl = [load("--perplexity", spec) for spec in o.perplexity or []]
 
     report: dict[str, Any] = {"model": o.model, "args": asdict(o), "max_tokens": max_tokens,
@@ -356,7 +306,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         if extraction is not None:
             report["extraction"], results = _extraction(o, model, tok, extraction)
         if o.mia:
-            report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
+            report["mia"] = mia_section(o, model, tok, ref, sets, progress=grid.rank == 0)
         if ppl:
             report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
         if o.tasks:  # lm-eval's own output goes to a log beside the report (or a temp file) unless --verbose
@@ -378,7 +328,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     return report
 
 
-def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus
+def _extraction(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus
                 ) -> tuple[dict[str, Any], list[ExtractionResult]]:
     t = time.perf_counter()
     results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
@@ -388,19 +338,7 @@ def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus
     return section, results
 
 
-def _mia(o: EvalOptions, model: Any, tok: Any, ref: Any, m: _Corpus, n: _Corpus) -> dict[str, Any]:
-    t = time.perf_counter()
-    methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
-                                   batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed)
-    counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
-              "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
-              "non_member_tokens": sum(map(len, n.seqs))}
-    return {"members": m.spec, "non_members": n.spec, "reference": o.reference, "k": o.mia_k,
-            "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
-            "seconds": time.perf_counter() - t}
-
-
-def _perplexity(o: EvalOptions, model: Any, c: _Corpus) -> dict[str, Any]:
+def _perplexity(o: EvalOptions, model: Any, c: EvalCorpus) -> dict[str, Any]:
     t = time.perf_counter()
     res = corpus_loss(model, c.seqs, batch_size=o.batch_size)
     return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}

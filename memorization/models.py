@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +90,36 @@ def smollm2_dir() -> Path:
         del cfg.quantization_config
     model = type(loaded)(cfg)
     model.load_state_dict(loaded.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-converted cache is never mistaken for a finished one
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a folder of this process's own: ranks of a launch may convert at once; the first rename wins
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if not (out / "config.json").is_file():
+            tmp.rename(out)  # atomic: a half-converted cache is never mistaken for a finished one
+    except OSError:
+        if not (out / "config.json").is_file():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def model_folder(flag: str, name: str) -> str:
+    """The model folder a command evaluates: `name` itself, or a pretrained name's cached folder (made
+    once, as training makes it); a random-init zoo shape has no trained weights and is refused."""
+    if Path(name).exists():
+        return name
+    if name == SMOLLM2:
+        try:
+            return str(smollm2_dir())
+        except ConfigError as e:
+            raise ConfigError(f"{flag}: {e}") from None
+    if (ZOO_DIR / f"{name}.yaml").is_file():
+        raise fail(flag, name, "is a random-init zoo shape (configs/models/) with no trained weights to "
+                   f"score; pass a trained model folder (OUT/model of a run) or the pretrained {SMOLLM2}")
+    return name
 
 
 def resolve_model_dir(name: str) -> Path | None:
@@ -250,5 +277,5 @@ def model_summary(model: torch.nn.Module) -> dict[str, Any]:
 
 
 __all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained", "meta_model",
-           "model_config", "pretrained_config", "run_tokenizer",
+           "model_config", "model_folder", "pretrained_config", "run_tokenizer",
            "smollm2_dir", "zoo_config", "zoo_names"]

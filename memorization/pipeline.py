@@ -52,7 +52,7 @@ from memorization.lora import (
 from memorization.models import build_model, count_params, is_pretrained, meta_model, resolve_model_dir
 from memorization.outputs import remove_entries
 from memorization.parallel import is_main_process, resolve_grid
-from memorization.prepare import PreparedData, mia_sets, prepare_data
+from memorization.prepare import PreparedData, documents_record, mia_sets, prepare_data
 from memorization.privacy import OpacusPrivacy
 from memorization.privacy_ghost import make_privacy
 from memorization.tracking import WandbSink
@@ -254,15 +254,16 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
     summary = summarise(run)
     results = scored
     if results is None and cfg.eval.extraction:
-        results = extraction_results(trainer.model, cfg, run.data, grid=run.grid)
+        results = extraction_results(trainer.model, cfg, run.data, grid=run.grid,
+                                     progress=trainer.cfg.progress and run.is_main)
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
     if cfg.eval.mia:
         summary["mia"] = membership(trainer.model, cfg, run.data, grid=run.grid)
     summary.update(extra or {})
     if run.is_main:
-        (run.out_dir / "run.json").write_text(json.dumps({"summary": summary, "config": to_dict(cfg)},
-                                                         indent=2))
+        record = {"summary": summary, "config": to_dict(cfg), "documents": documents_record(cfg, run.data)}
+        (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
         if run.wandb is not None:
             run.wandb.summary(summary)
     return summary
@@ -306,7 +307,10 @@ def summarise(run: Run) -> dict[str, Any]:
         "model": cfg.model.name, "params": None if distributed else count_params(trainer.model),
         "trainable_params": (trainable_params(trainer.model) if cfg.model.lora.enabled or not distributed
                              else None),
-        "steps": trainer.state.step, "epochs": trainer.cfg.epochs, "tokens": trainer.state.tokens,
+        # what ran: passes over the data reached (fractional when max_steps stopped mid-pass) and the
+        # step budget planned; trainer.epochs is only the budget when max_steps is 0
+        "steps": trainer.state.step, "planned_steps": trainer.total_steps,
+        "epochs": round(trainer.state.step / trainer.steps_per_epoch, 4), "tokens": trainer.state.tokens,
         "final_train_loss": run.history[-1]["loss"] if run.history else None,
         "val_loss": run.val_loss, "train_seconds": round(run.train_seconds, 2),
     }
@@ -323,12 +327,20 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     training documents vs as many held-out ones, each cut to data.block_len; AUC, TPR@1%FPR and
     bootstrap CIs per method (loss, zlib, min-k, min-k++)."""
     from evals import membership_inference  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
+    from evals.blind import blind_baseline, shift_warning  # deferred: as above
 
     e = cfg.eval
     members, nonmembers = mia_sets(cfg, data)
     methods = membership_inference(model, members, nonmembers, tokenizer=data.tokenizer, k=e.mia_k,
-                                   batch_size=e.batch_size, bootstrap=e.bootstrap, seed=cfg.seed, grid=grid)
-    return {"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods}
+                                   batch_size=e.batch_size, bootstrap=e.bootstrap, seed=cfg.seed, grid=grid,
+                                   progress=cfg.trainer.progress)
+    # the texts alone, beside the attacks: far from 0.5 when data.held_out is another distribution
+    decode = data.tokenizer.decode
+    blind = blind_baseline([decode(s) for s in members], [decode(s) for s in nonmembers],
+                           bootstrap=e.bootstrap, seed=cfg.seed)
+    held = cfg.data.held_out or f"{cfg.data.corpus} (held-out split)"
+    return {"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
+            "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}
 
 
 def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class PreparedData:
     responses: list[list[int]] | None = None
     # plain documents: the held-out documents' token lists (cut to block_len), MIA's non-members
     held_out_docs: list[list[int]] | None = None
+    held_out_doc_ids: list[str] | None = None  # their ids (a split of data.corpus, or data.held_out's)
 
     @property
     def is_chat(self) -> bool:
@@ -93,7 +94,8 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
         held_tokens = tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2)
         held = per_document(held_tokens, d.block_len, eos)
     return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held,
-                        held_out_docs=[list(t) for t in held_tokens] if held_tokens else None)
+                        held_out_docs=[list(t) for t in held_tokens] if held_tokens else None,
+                        held_out_doc_ids=[held_docs[i].id for i in held_tokens.kept] if held_tokens else None)
 
 
 def is_chat_data(cfg: RunConfig) -> bool:
@@ -137,3 +139,14 @@ def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[
         raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
                    f"{len(members)} and {len(nonmembers)}: raise data.limit or data.held_out_fraction")
     return members, nonmembers
+
+
+def documents_record(cfg: RunConfig, data: PreparedData) -> dict:
+    """run.json's `documents`: which documents the model trained on and which it never saw, by id, so
+    `memorize eval --mia` can take exactly these members and same-distribution non-members."""
+    d = cfg.data
+    split = not d.held_out and d.held_out_fraction > 0  # held-out documents of data.corpus itself
+    return {"corpus": d.corpus, "text_field": d.text_field, "format": "chat" if data.is_chat else "text",
+            "block_len": d.block_len, "members": list(data.train_doc_ids),
+            "non_members": list(data.held_out_doc_ids or []) if split else None,
+            "held_out": d.held_out or None}

@@ -36,6 +36,8 @@ LLAMA_BUILTIN: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "llama-8b": (4096, 32, 32, 8, 14336, 128256, False),
     "llama-70b": (8192, 80, 64, 8, 28672, 128256, False),
     "llama-405b": (16384, 126, 128, 8, 53248, 128256, False),
+    # the pretrained model `memorize` fine-tunes by name (memorization.models.SMOLLM2): its config.json
+    "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True),
 }
 
 

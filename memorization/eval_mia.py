@@ -1,0 +1,149 @@
+"""`memorize eval`'s corpora and its membership-inference section: which documents are members and
+non-members, and the blind baseline that says whether the two sets differ in distribution.
+
+Members and non-members come either from the command line (`--members C --non-members C`) or, when
+both are left out, from the training run that wrote the model: run.json beside `DIR` (a run's
+`OUT/model`) lists by id the documents it trained on and those its held-out split of the same corpus
+kept back (`documents`, memorization.prepare.documents_record), so the attack compares exactly the
+training documents with documents of their own distribution (Duan et al. 2024: attacks that look
+strong on shifted sets fall to chance on such pairs). Either way a model-free text classifier
+(evals.blind) is scored beside the attacks; far from chance it flags a distribution shift.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
+from evals.blind import blind_baseline, shift_warning
+from evals.mia import membership_inference
+from memorize_core import ConfigError, fail
+
+FIX_SPLIT = ("retrain with a held-out split of the same corpus (data.held_out='' "
+             "data.held_out_fraction=0.5) or pass --members and --non-members from one distribution")
+
+
+@dataclass
+class EvalCorpus:
+    """One corpus spec, tokenized and cut: kept documents' ids, texts and token lists."""
+
+    spec: str
+    loaded: int
+    ids: list[str]
+    texts: list[str]
+    seqs: list[list[int]]
+
+
+def eval_corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, limit: int, *,
+                ids: list[str] | None = None, text_field: str = "text",
+                label: str | None = None) -> EvalCorpus:
+    """Load and tokenize one corpus with the model's tokenizer (only the documents `ids`, in that
+    order, when given); documents under 2 tokens are dropped."""
+    if is_chat_spec(spec):
+        raise fail(flag, spec, "holds conversations (prompt/response or messages), but memorize eval scores "
+                   "plain documents: pass a text corpus (a .txt file, or .jsonl with a 'text' key per line); "
+                   "a chat fine-tune's responses are scored by its training run (extraction.jsonl)")
+    try:
+        docs = load_corpus(spec, text_field=text_field, limit=None if ids is not None else limit or None)
+    except ConfigError as e:  # its message names `corpus`; say which flag the spec came from
+        msg = str(e).replace("set text_field to the key that holds the text",  # eval has no such flag
+                             "memorize eval reads each line's 'text' key: rename the key that holds the text")
+        raise ConfigError(f"{flag}: {msg}") from None
+    if ids is not None:
+        by_id = {d.id: d for d in docs}
+        docs = [by_id[i] for i in ids if i in by_id][:limit or None]
+    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
+    if not seqs:
+        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
+                   "model's tokenizer; point it at text")
+    top = max(max(s) for s in seqs)
+    if top >= vocab:
+        raise fail("--model", str(tok.name_or_path), f"its tokenizer gives id {top} on {spec}, beyond the "
+                   f"model's vocab_size {vocab}; save the tokenizer the model was trained with")
+    return EvalCorpus(label or spec, len(docs), [docs[i].id for i in seqs.kept],
+                      [docs[i].text for i in seqs.kept], [list(s) for s in seqs])
+
+
+def run_documents(model: str) -> dict[str, Any]:
+    """run.json's `documents` of the memorize run whose OUT/model is `model`; ConfigError if none."""
+    path = Path(model).parent / "run.json"
+    record = None
+    if path.is_file():
+        try:
+            record = json.loads(path.read_text(encoding="utf-8")).get("documents")
+        except (ValueError, AttributeError):
+            record = None
+    if not record:
+        raise fail("--mia", model, "without --members/--non-members takes them from the training run, "
+                   f"but {path} (written by memorize train since its documents are recorded) is missing or "
+                   "lists no documents; pass --members CORPUS --non-members CORPUS of one distribution "
+                   "(documents the model trained on, and unseen ones like them)")
+    if record.get("format") == "chat":
+        raise fail("--mia", model, "the run trained on conversations; memorize eval scores plain documents "
+                   "(the run's own eval.mia scores its responses)")
+    if not record.get("non_members"):
+        raise fail("--mia", model, f"the run held out no documents of {record['corpus']} (data.held_out="
+                   f"{record.get('held_out')!r} is another corpus: attacks against it measure the shift "
+                   f"between the corpora); {FIX_SPLIT}")
+    return record
+
+
+def mia_corpora(o: Any, load: Any, max_tokens: int) -> tuple[EvalCorpus, EvalCorpus, str, int]:
+    """(members, non-members, where they came from, the tokens each is cut to): the flags' corpora, or
+    the run's documents (cut to the run's data.block_len unless --max-tokens says otherwise).
+    `load(flag, spec, max_tokens, **kw)` tokenizes one corpus (eval_corpus with the model's tokenizer)."""
+    if o.members:
+        members, nonmembers = load("--members", o.members, max_tokens), load("--non-members", o.non_members,
+                                                                             max_tokens)
+        check_disjoint(members, nonmembers)
+        return members, nonmembers, "flags", max_tokens
+    rec = run_documents(o.model)
+    cut = o.max_tokens or min(max_tokens, rec.get("block_len") or max_tokens)  # what the run trained on
+    corpus, field = rec["corpus"], rec.get("text_field", "text")
+    members = load("--mia", corpus, cut, ids=rec["members"], text_field=field,
+                   label=f"{corpus}: the run's training documents")
+    nonmembers = load("--mia", corpus, cut, ids=rec["non_members"], text_field=field,
+                      label=f"{corpus}: the run's held-out split")
+    if members.loaded < len(rec["members"][:o.limit or None]):  # injected canaries are not in the corpus
+        members.spec += f" ({len(rec['members']) - members.loaded} injected ones not in the corpus skipped)"
+    check_disjoint(members, nonmembers)
+    return members, nonmembers, "run", cut
+
+
+def check_disjoint(members: EvalCorpus, nonmembers: EvalCorpus) -> None:
+    """Members and non-members must not share a document (same text or same token ids)."""
+    by_text = {t.strip(): i for i, t in zip(members.ids, members.texts)}
+    by_ids = {tuple(s): i for i, s in zip(members.ids, members.seqs)}
+    pairs = []
+    for nid, text, seq in zip(nonmembers.ids, nonmembers.texts, nonmembers.seqs):
+        mid = by_text.get(text.strip(), by_ids.get(tuple(seq)))
+        if mid is not None:
+            pairs.append((mid, nid))
+    if pairs:
+        raise fail("--non-members", nonmembers.spec, f"{len(pairs)} of its documents are also in --members "
+                   f"{members.spec} (same text or same tokens, e.g. {pairs[0][1]} = {pairs[0][0]}); the "
+                   "two sets must be disjoint: remove the shared documents from one of them")
+
+
+def mia_section(o: Any, model: Any, tok: Any, ref: Any, sets: tuple[EvalCorpus, EvalCorpus, str, int],
+                progress: bool = True) -> dict[str, Any]:
+    """The report's `mia`: every attack's AUC/TPR (+ CIs) and the blind baseline beside them."""
+    t = time.perf_counter()
+    m, n, source, cut = sets
+    methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
+                                   batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed,
+                                   progress=progress)
+    # the texts the attacks scored (as cut), without the model
+    blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
+                           bootstrap=o.bootstrap, seed=o.seed)
+    counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
+              "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
+              "non_member_tokens": sum(map(len, n.seqs))}
+    return {"members": m.spec, "non_members": n.spec, "source": source, "max_tokens": cut,
+            "reference": o.reference,
+            "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
+            "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
+            "seconds": time.perf_counter() - t}

@@ -1,0 +1,99 @@
+"""Membership inference that catches a distribution shift: `memorize eval --mia` takes a memorize run's
+own training documents vs its held-out split (run.json), and scores a model-free blind baseline beside
+the attacks that warns when members and non-members differ in distribution (evals/blind.py)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from helpers import TINY
+
+from evals.blind import SHIFT_AUC, blind_baseline, shift_warning
+from memorization.cli import main
+from memorization.config import load_run_config
+from memorization.pipeline import run_training
+
+# TINY on 40 leads with half held out (a split of the same corpus), 2 steps
+SPLIT = ["data.limit=40", "data.held_out=''", "data.held_out_fraction=0.5", "data.min_tokens=16"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny memorize run whose run.json names its 20 training and 20 held-out Wikipedia leads."""
+    root = tmp_path_factory.mktemp("mia-shift")
+    (root / "t.yaml").write_text(TINY)
+    run_training(load_run_config(root / "t.yaml", SPLIT), root / "run")
+    return root / "run"
+
+
+def _eval(capsys, *argv) -> tuple[dict, str]:
+    capsys.readouterr()
+    assert main(["eval", *map(str, argv)]) == 0
+    out, err = capsys.readouterr()
+    return json.loads(out), err
+
+
+def test_run_json_names_members_and_same_corpus_non_members(run):
+    docs = json.loads((run / "run.json").read_text())["documents"]
+    assert docs["corpus"] == "wiki-leads" and docs["held_out"] is None
+    assert len(docs["members"]) == 20 and len(docs["non_members"]) == 20
+    assert not set(docs["members"]) & set(docs["non_members"])
+    summary = json.loads((run / "run.json").read_text())["summary"]
+    assert summary["steps"] == 2 and summary["epochs"] == pytest.approx(2 / 5)  # 20 rows / batch 4
+
+
+def test_without_non_members_the_run_split_is_used_and_blind_is_near_chance(run, capsys, tmp_path):
+    report, err = _eval(capsys, "--model", run / "model", "--mia", "--bootstrap", 200,
+                        "--out", tmp_path / "e")
+    mia = report["mia"]
+    assert mia["source"] == "run" and mia["counts"]["members"] == 20 and mia["counts"]["non_members"] == 20
+    assert mia["max_tokens"] == 48  # the run's block_len: what it trained on
+    blind = mia["blind"]
+    assert abs(blind["auc"] - 0.5) < 0.25 and blind["auc_ci"][0] <= SHIFT_AUC and not blind["shifted"]
+    assert mia["warning"] is None and "warning" not in err
+    md = (tmp_path / "e" / "report.md").read_text()
+    assert "blind baseline (no model)" in md and "The blind baseline is a text classifier" in md
+
+
+def test_a_shifted_non_member_set_gets_the_warning(run, capsys, tmp_path):
+    report, err = _eval(capsys, "--model", run / "model", "--mia", "--members", "wiki-leads",
+                        "--non-members", "lee-news", "--limit", 40, "--bootstrap", 200,
+                        "--out", tmp_path / "e")
+    blind = report["mia"]["blind"]
+    assert blind["auc"] > 0.95 and blind["auc_ci"][0] > SHIFT_AUC and blind["shifted"]
+    warning = report["mia"]["warning"]
+    assert warning and warning in err and "\n" not in warning and "shift" in warning
+    assert f"**{warning}**" in (tmp_path / "e" / "report.md").read_text()
+
+
+def test_one_of_members_or_non_members_is_refused(run, capsys):
+    assert main(["eval", "--model", str(run / "model"), "--mia", "--members", "wiki-leads"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--non-members" in err and "run.json" in err
+
+
+def test_a_run_without_a_same_corpus_split_is_refused(tmp_path, capsys):
+    """A run that held out another corpus gives no same-distribution non-members: one line, the fix."""
+    folder = tmp_path / "run" / "model"
+    folder.mkdir(parents=True)
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"documents": {
+        "corpus": "wiki-leads", "format": "text", "members": ["a"], "non_members": None,
+        "held_out": "lee-news"}}))
+    from memorization.eval_mia import run_documents
+    from memorize_core import ConfigError
+    with pytest.raises(ConfigError, match="held_out_fraction=0.5"):
+        run_documents(str(folder))
+
+
+def test_blind_baseline_unit():
+    """Texts alone: two styles are told apart, one style split in two is not; the warning is one line."""
+    rng = random.Random(0)
+    nature, market = ["river", "stone", "north", "mill", "valley"], ["shares", "fell", "percent", "traders"]
+    a = [" ".join(rng.choices(nature, k=12)) for _ in range(40)]
+    b = [" ".join(rng.choices(market, k=12)) for _ in range(20)]
+    shifted = blind_baseline(a[:20], b, bootstrap=100)
+    assert shifted["auc"] > 0.95 and shifted["shifted"]
+    assert shift_warning(shifted, "A", "B").count("\n") == 0
+    same = blind_baseline(a[:20], a[20:], bootstrap=100)
+    assert not same["shifted"] and shift_warning(same, "A", "B") is None
