@@ -291,17 +291,23 @@ def _main_rank() -> bool:
     return True
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it (ConfigError on a usage error); nothing runs."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow options (argparse stops collecting positionals there)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the exit code (2 on bad input, with one line on stderr)."""
     try:
-        parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
-        # key=value overrides may follow options (argparse stops collecting positionals there)
-        stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
-        if stray:
-            parser.error(f"unrecognized arguments: {' '.join(stray)}")
-        if extra:
-            args.overrides = list(args.overrides) + extra
+        args = parse_args(argv)
         return COMMANDS[args.command](args)
     except ConfigError as e:
         if _main_rank():  # every rank refuses alike; one line from one process (torchrun adds its summary)

@@ -153,7 +153,7 @@ def _other_tokenizer_model(root, vocab: int):
 
 BAD = [
     ([], ["--corpus/--mia/--perplexity", "nothing to evaluate"]),
-    (["--mia", "--non-members", "{d}/nonmembers.txt"], ["--members", "--mia needs"]),
+    (["--mia", "--non-members", "{d}/nonmembers.txt"], ["--members", "--mia takes both"]),
     (["--mia", "--members", "{d}/members.txt"], ["--non-members"]),
     (["--members", "{d}/members.txt", "--perplexity", "{d}/heldout.txt"], ["--members", "add --mia"]),
     (["--mia", "--members", "{d}/members.txt", "--non-members", "{d}/members.txt"],
