@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-chars", type=int, default=1, help="drop documents shorter than this")
     p.add_argument("--dedupe", action="store_true", help="drop exact repeats (whitespace-normalised)")
     p.add_argument("--limit", type=int, default=None, help="keep the first N documents")
-    p.add_argument("--tokenizer", default=None, help="count tokens with this tokenizer folder (or gpt2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="count tokens with this tokenizer folder (or gpt2, or smollm2-135m)")
     p.add_argument("--block-len", type=int, default=4096, help="block length for the block count")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     return p
@@ -109,6 +110,10 @@ def count_tokens(docs: list[dict[str, str]], spec: str, block_len: int) -> dict[
                    "a corpus BPE is trained at run time; pass a tokenizer folder or gpt2")
     if block_len < 2:
         raise fail("--block-len", block_len, "must be >= 2")
+    if spec == "smollm2-135m":  # the pretrained name model.name takes: its cached folder, made once
+        from memorization.models import model_folder  # deferred: as above
+
+        spec = model_folder("--tokenizer", spec)
     tok = load_tokenizer(spec)
     tokens = sum(len(ids) + 1
                  for ids in tok([d["text"] for d in docs], add_special_tokens=False)["input_ids"])

