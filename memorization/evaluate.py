@@ -42,6 +42,9 @@ from memorization.outputs import check_inputs
 from memorization.parallel import Launch, launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
+# lm-eval's messages name its own CLI (`--metadata`, `--include_path`): say whose they are
+LM_EVAL_LOG_HEAD = ("# lm-evaluation-harness's own output during `memorize eval --tasks`; the flags it "
+                    "mentions are lm_eval's CLI, not memorize's.\n")
 DEFAULT_MAX_TOKENS = 128  # this project's training block length (configs/train/tiny-wiki.yaml)
 
 
@@ -321,7 +324,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)
         if log is not None:
-            files["lm-eval.log"] = log.read_text(encoding="utf-8", errors="replace")
+            files["lm-eval.log"] = LM_EVAL_LOG_HEAD + log.read_text(encoding="utf-8", errors="replace")
         write_files(out, files, replace=EVAL_FILES)
     if out is not None and log is not None:
         log.unlink(missing_ok=True)  # moved beside the report
