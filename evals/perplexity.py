@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from axonn.grid import ProcessGrid
 from evals._model import evaluating, pad_right
@@ -87,11 +88,12 @@ def _row_nll(sc: Scorer, ids: torch.Tensor, mask: torch.Tensor | None, targets: 
 
 
 def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_size: int = 8, *,
-                grid: ProcessGrid | None = None) -> dict[str, float | int]:
+                grid: ProcessGrid | None = None, progress: str | None = None) -> dict[str, float | int]:
     """Token-weighted mean next-token cross-entropy (nats) and perplexity over ragged sequences.
 
     Every token after a sequence's first is scored once, so `scored_tokens` = tokens - docs. Returns
     {docs, tokens, scored_tokens, loss, perplexity}; equals mean_loss on the same rows, unpadded.
+    `progress` names a tqdm bar (documents/s) on the main rank.
     """
     seqs = [[int(t) for t in s] for s in seqs]
     if not seqs:
@@ -105,11 +107,13 @@ def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_siz
     sc = Scorer(model, grid)
     rows = [order[r] for r in sc.rows(len(order))]
     sums: list[tuple[float, int]] = []
-    with evaluating(model):
+    bar = tqdm(total=len(rows), desc=progress, unit="doc", disable=not (progress and sc.is_main))
+    with evaluating(model), bar:
         for b in range(0, len(rows), batch_size):
             ids, mask = pad_right([seqs[i] for i in rows[b:b + batch_size]])
             ids, mask = ids.to(sc.device), mask.to(sc.device)
             sums += _row_nll(sc, ids, mask, ids[:, 1:], mask[:, 1:].bool())
+            bar.update(len(rows[b:b + batch_size]))
         every = sc.collect(rows, sums, len(seqs))
     total, count = sum(v for v, _ in every), sum(c for _, c in every)
     loss = total / count

@@ -343,5 +343,5 @@ def _extraction(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus
 
 def _perplexity(o: EvalOptions, model: Any, c: EvalCorpus) -> dict[str, Any]:
     t = time.perf_counter()
-    res = corpus_loss(model, c.seqs, batch_size=o.batch_size)
+    res = corpus_loss(model, c.seqs, batch_size=o.batch_size, progress=f"perplexity {c.spec}")
     return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}
