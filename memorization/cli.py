@@ -180,6 +180,7 @@ def cmd_train(args) -> int:
 
     if is_main_process():
         print(json.dumps(summary, indent=2))
+        _warn(summary)
     return 0
 
 
@@ -191,10 +192,15 @@ def cmd_eval(args) -> int:
     report = run_eval(EvalOptions(**{f.name: getattr(args, f.name) for f in fields(EvalOptions)}))
     if is_main_process():
         print(json.dumps(report, indent=2))
-        warning = (report.get("mia") or {}).get("warning")
-        if warning:  # last, so it is not lost above the JSON
-            print(warning, file=sys.stderr)
+        _warn(report)
     return 0
+
+
+def _warn(result: dict) -> None:
+    """The blind baseline's one-line distribution-shift warning, last, so it is not lost above the JSON."""
+    warning = (result.get("mia") or {}).get("warning")
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 def cmd_export(args) -> int:

@@ -34,7 +34,7 @@ from axonn.plan.volumes import default_mode
 from evals import ExtractionResult, extract, summarize, to_jsonl
 from evals.perplexity import corpus_loss
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
-from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, mia_section
+from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, mia_section, run_documents
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.fits import check_fits, check_shape
 from memorization.models import load_sharded, model_folder
@@ -268,6 +268,8 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     o.model = model_folder("--model", o.model)  # smollm2-135m: its cached folder, made if needed
     if o.mia and o.reference:
         o.reference = model_folder("--reference", o.reference)
+    if o.mia and not o.members:
+        run_documents(o.model)  # the run's members and non-members exist: refused before any loading
     if o.out:  # the report must not land in (or over) what the evaluation reads
         check_inputs("--out", o.out, _inputs(o), entries=EVAL_FILES)
     config = _hf_config("--model", o.model)

@@ -73,17 +73,19 @@ def test_one_of_members_or_non_members_is_refused(run, capsys):
     assert err.count("\n") == 0 and "--non-members" in err and "run.json" in err
 
 
-def test_a_run_without_a_same_corpus_split_is_refused(tmp_path, capsys):
-    """A run that held out another corpus gives no same-distribution non-members: one line, the fix."""
-    folder = tmp_path / "run" / "model"
-    folder.mkdir(parents=True)
-    (tmp_path / "run" / "run.json").write_text(json.dumps({"documents": {
-        "corpus": "wiki-leads", "format": "text", "members": ["a"], "non_members": None,
-        "held_out": "lee-news"}}))
-    from memorization.eval_mia import run_documents
-    from memorize_core import ConfigError
-    with pytest.raises(ConfigError, match="held_out_fraction=0.5"):
-        run_documents(str(folder))
+def test_a_run_that_held_out_another_corpus(tmp_path, capsys):
+    """Its own eval.mia gets the blind baseline and the warning (run.json, stderr); `memorize eval --mia`
+    takes no members from it (no same-distribution non-members): one line naming the fix."""
+    (tmp_path / "t.yaml").write_text(TINY)
+    assert main(["train", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "run"), "data.limit=20",
+                 "data.held_out=lee-news", "data.held_out_limit=20", "eval.mia=true",
+                 "eval.bootstrap=100"]) == 0
+    mia = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["mia"]
+    assert mia["blind"]["shifted"] and mia["blind"]["auc"] > 0.85  # 20 vs 20 documents of 48 tokens
+    assert mia["warning"] and mia["warning"] in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "run" / "model"), "--mia"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "lee-news" in err and "held_out_fraction=0.5" in err
 
 
 def test_blind_baseline_unit():
