@@ -50,8 +50,6 @@ SEPARATORS = {"&&", "||", ";", "|", "&"}
 # programs a doc may call that are not ours: checked for shell syntax only
 OTHERS = {"pip", "lm_eval", "wandb", "sbatch", "scontrol", "srun", "cd", "export", "git", "ruff", "cat", "ls",
           "echo", "mkdir", "source", ".", "bash", "python", "python3", "torchrun", "sed", "grep", "head"}
-NOT_HERE = {"srun": "cluster", "sbatch": "cluster", "scontrol": "cluster", "wandb sync": "network",
-            "gpu_session.sh": "gpu"}
 
 
 @dataclass
@@ -311,13 +309,25 @@ def test_every_command_is_accepted_by_its_parser():
     assert not problems, "\n".join(problems)
 
 
+def not_here(words: list[str]) -> str | None:
+    """Why a command cannot run on this kind of machine (a CPU, no network), or None."""
+    prog, args = words[0], words[1:]
+    if prog in ("srun", "sbatch", "scontrol"):
+        return "cluster"
+    if prog == "wandb" and args[:1] == ["sync"]:
+        return "network"
+    if any(w.endswith("gpu_session.sh") for w in words):
+        return "gpu"
+    if any(w.endswith("scripts/slurm.py") for w in words) and "--dry-run" not in args:
+        return "cluster"  # it submits with sbatch
+    return None
+
+
 def test_blocks_that_cannot_run_here_say_so():
     problems = []
     for block in SHELL_BLOCKS:
-        text = "\n".join(line for _, line in command_lines(block))  # a transcript's output may say srun
-        needs = {why for word, why in NOT_HERE.items() if re.search(rf"(^|\s|/){re.escape(word)}\b", text)}
-        if re.search(r"scripts/slurm\.py(?![^\n]*--dry-run)", text):
-            needs.add("cluster")
+        needs = {why for _, line in command_lines(block) for words in commands(line)
+                 if (why := not_here(words))}
         if needs and not any(m.startswith("not here") for m in block.marks):
             problems.append(f"{block.where}: needs a <!-- docs: not here: {', '.join(sorted(needs))} -->"
                             " marker")
