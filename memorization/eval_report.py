@@ -64,8 +64,8 @@ def _ci(point: float, ci: list[float] | None) -> str:
 
 def markdown_report(report: dict[str, Any]) -> str:
     """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks."""
-    # the cut is said only where documents were scored (a tasks-only report has none)
-    docs = [k for k in ("extraction", "mia", "perplexity") if report.get(k)]
+    # the cut is said where documents were scored with it (a tasks-only report has none; MIA says its own)
+    docs = [k for k in ("extraction", "perplexity") if report.get(k)]
     cut = f"Documents cut to their first {report['max_tokens']} tokens; " if docs else ""
     parts = [f"# memorize eval: `{report['model']}`", f"{cut}{report['seconds']:.1f} s in all."]
     ex = report.get("extraction")
