@@ -20,18 +20,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 import axonn
-from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid
 from axonn.plan import get_hardware, load_shape, plan, predict
 from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.memory import Adapters, local_params, memory_breakdown
 from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
-from axonn.state import SafetensorsSlices
+from axonn.state import check_pretrained
 from axonn.swap import parallelize, trainable
 from data_pipelines.corpora import CORPORA
 from memorization.checks import plan_run, planned_model_config
@@ -48,41 +46,11 @@ GiB = 2**30
 CLUSTERS_FILE = Path(__file__).resolve().parents[1] / "configs" / "clusters.yaml"
 
 
-def model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
-    """(HF config of the model the run builds, its weights folder or None, where the vocab comes from):
-    memorization.checks.planned_model_config."""
-    return planned_model_config(cfg)
-
-
 def _check_corpus(field: str, spec: str) -> None:
     """A corpus that is a file path must exist (names and hub ids are resolved at run time)."""
     if spec and (spec.endswith((".txt", ".jsonl", ".parquet")) or spec.startswith(("/", "./", "~")))\
             and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
         raise fail(field, spec, "no such file or folder; pass an existing corpus path or a corpus name")
-
-
-def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
-    """Every tensor rank 0 will load is in the folder's safetensors with the serial shape."""
-    files = SafetensorsSlices(folder)
-    layouts = layouts_of(model)
-    seen: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        seen.setdefault(id(t), []).append(key)
-        tensors[id(t)] = t
-    for tid, keys in seen.items():
-        key = next((k for k in keys if k in files.entries), None)
-        if key is None:
-            raise fail("model.name", str(folder), f"{keys[0]} is not in its safetensors files; the "
-                       "weights do not match this model's config.json")
-        spec, t = layouts.get(keys[0]), tensors[tid]
-        want = list(t.shape) if spec is None else spec.serial_shape
-        if list(files.shape(key)) != want:
-            raise fail("model.name", str(folder), f"{key} is stored as {files.shape(key)} but the model "
-                       f"expects {want}; was it saved from this config?")
-    dtypes = sorted({d for _, d, _, _ in files.entries.values()})
-    return {"folder": str(folder), "tensors": len(files.entries), "files": len({f for f, *_ in
-            files.entries.values()}), "dtypes": dtypes, "checked": len(seen)}
 
 
 def _cluster_for(hw_name: str) -> str:
@@ -164,7 +132,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     _check_corpus("data.corpus", cfg.data.corpus)
     _check_corpus("data.held_out", cfg.data.held_out)
     data, data_note = plan_data(cfg, data)
-    hf_config, weights, vocab_source = model_config(cfg)
+    hf_config, weights, vocab_source = planned_model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
     serial = meta_model(hf_config)
@@ -181,7 +149,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     pair, planned = handle.pair_axes, handle.plan  # which module became which parallel layer
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
-    weights_info = _check_weights(model, weights) if weights is not None else None
+    weights_info = check_pretrained(model, weights) if weights is not None else None
     adapters, trained = run_adapters(cfg, hf_config, precision), None
     if adapters is not None:  # the run's adapters on this grid's shards: what the rank trains
         targets = lora_targets(meta_model(hf_config), cfg.model.lora)

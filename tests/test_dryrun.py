@@ -81,11 +81,12 @@ def test_memory_is_the_planners_model_of_the_built_model():
     from axonn.plan import load_shape
     from axonn.plan.memory import memory_breakdown
     from axonn.plan.volumes import Grid
-    from memorization.dryrun import dry_run, model_config
+    from memorization.checks import planned_model_config
+    from memorization.dryrun import dry_run
 
     cfg = _cfg("trainer.activation_checkpointing=true", "trainer.micro_batch=1", "parallel_mode=paired")
     r = dry_run(cfg, world=4, grid="1,2,2,1")
-    shape = load_shape(model_config(cfg)[0])
+    shape = load_shape(planned_model_config(cfg)[0])
     for ck, key in ((True, "checkpointing"), (False, "no_checkpointing")):
         m = memory_breakdown(shape, Grid(1, 2, 2, 1), 16, 1, ck, mode="paired", precision="fp32")
         assert r["rank0"]["activation_bytes"][key] == int(m["activations"])
