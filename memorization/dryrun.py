@@ -262,11 +262,15 @@ def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> tup
         # rows as the experiment prepares them (an injected corpus): DP-SGD's checks count them
         subs = [(rc, d) for rc, d in zip(subs, module.run_data(exp))]
     runs = [dataclasses.replace(exp.base, name=exp.name)]  # names the job and its folder
-    # every distinct model a sub-run trains (a family of sizes: each one) is reported too
+    # every distinct job a sub-run trains (a family of sizes: each one; an arm whose adapters, DP-SGD
+    # or batch change what a rank holds) is reported too
     runs += [sub[0] if isinstance(sub, tuple) else sub for sub in subs]
     seen, out = set(), []
     for rc in runs:
-        key = (rc.model.name, repr(sorted(rc.model.overrides.items())))
+        t = rc.trainer
+        key = (rc.model.name, repr(sorted(rc.model.overrides.items())),
+               repr(rc.model.lora) if rc.model.lora.enabled else None,
+               (t.dp.enabled, t.dp.clipping if t.dp.enabled else None), t.batch_size, t.micro_batch)
         if key not in seen:
             seen.add(key)
             out.append(rc)

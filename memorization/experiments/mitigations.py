@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from axonn.config import apply_overrides, build, to_dict
+from axonn.config import to_dict
 from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
 from evals import extract, summarize
 from memorization.config import RunConfig
@@ -46,20 +46,11 @@ from memorization.experiments.questions import (
 from memorization.experiments.reporting import Outputs, Point, Table, bar_panels, scatter_panels
 from memorization.experiments.runner import Experiment, PeakRSS, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
+from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
 from memorization.pipeline import run_training
 from memorization.prepare import PreparedData
 from memorize_core import fail
-
-
-@dataclass
-class Arm:
-    """One mitigation: a name, what it is, the run-config overrides that switch it on, dedup or not."""
-
-    name: str = ""
-    mitigation: str = ""
-    overrides: list[str] = field(default_factory=list)  # key=value on the base RunConfig
-    dedup: bool = False  # train on the deduplicated corpus
 
 
 def _default_arms() -> list[Arm]:
@@ -98,10 +89,7 @@ def arm_config(cfg: Config, arm: Arm, where: str = "overrides") -> RunConfig:
     base = replace(cfg.base, name=arm.name, data=replace(cfg.base.data, min_tokens=1),
                    trainer=replace(cfg.base.trainer, epochs=cfg.passes, max_steps=0),
                    eval=replace(cfg.base.eval, extraction=False))
-    try:
-        rc = build(RunConfig, apply_overrides(to_dict(base), list(arm.overrides)))
-    except ValueError as e:  # ConfigError: say which arm it came from
-        raise fail(where, arm.overrides, f"{e}".rstrip(".")) from None
+    rc = with_overrides(base, arm.overrides, where)
     if rc.goldfish.enabled:
         rc = replace(rc, goldfish=replace(rc.goldfish, token_budget=False))
     return rc
