@@ -24,6 +24,7 @@ import yaml
 
 import axonn
 from axonn.grid import ProcessGrid
+from axonn.lm_head import LossHead
 from axonn.plan import get_hardware, load_shape, plan, predict
 from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.memory import Adapters, local_params, memory_breakdown
@@ -38,7 +39,7 @@ from memorization.dryrun_report import format_report
 from memorization.experiments import load_experiment
 from memorization.lora import apply_sharded_lora, lora_targets
 from memorization.models import meta_model
-from memorization.parallel import Launch, memory_fix, precision_for, run_adapters
+from memorization.parallel import Launch, head_setting, memory_fix, precision_for, run_adapters
 from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
 
@@ -144,7 +145,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     accum, mb = run_plan.micro_batches, run_plan.micro_batch  # batch over Z x data, micro-batches
     g = Grid(*dims)
 
-    model = parallelize(serial, ProcessGrid.virtual(*dims, rank=0), mode=mode)
+    virtual = ProcessGrid.virtual(*dims, rank=0)
+    model = parallelize(serial, virtual, mode=mode)
     handle = axonn.engine_of(model)  # just parallelized: the handle is there
     pair, planned = handle.pair_axes, handle.plan  # which module became which parallel layer
     params = trainable(model)
@@ -156,8 +158,11 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora, targets)))
 
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
+    # the LM head as the launched trainer runs it (memorization.parallel.head_setting; a model whose
+    # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
+    chunk = head_setting(cfg) if LossHead(model, virtual, head_setting(cfg)).head is not None else "off"
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
-                                example_norms=ghost, adapters=adapters, trained=trained)
+                                example_norms=ghost, adapters=adapters, trained=trained, loss_chunk=chunk)
            for ck in (False, True)}
     used = mem[t.activation_checkpointing]
     total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
@@ -168,10 +173,10 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                    f"{memory_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                precision=precision, local=local, adapters=adapters)
+                precision=precision, local=local, adapters=adapters, loss_chunk=chunk)
     try:
         top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
-                   precision=precision)[0]
+                   precision=precision, loss_chunk=chunk)[0]
         best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
                 "activation_checkpointing": top.checkpoint_activations}
     except ConfigError:

@@ -168,7 +168,7 @@ def test_finetune_configs_dry_run_clean_at_axonn_plans_grid(config, gpus):
     shape = replace(load_shape(cfg.model.name), vocab=auto["model"]["vocab"])
     t = cfg.trainer  # the planner's best grid for the config as written (its micro-batch, checkpointing)
     top = plan(shape, gpus, 4, cfg.data.block_len, t.batch_size, "alps-h100", strict=True,
-               micro_batch=t.micro_batch, checkpoint=t.activation_checkpointing)[0]
+               micro_batch=t.micro_batch, checkpoint=t.activation_checkpointing, loss_chunk=t.loss_chunk)[0]
     assert auto["rank0"]["total_bytes"] <= auto["hardware"]["usable_bytes"]
     assert auto["grid"]["nodes"] == gpus // 4
     # `grid: auto` with the config's own settings reaches the planner's best time

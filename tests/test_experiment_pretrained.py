@@ -123,7 +123,8 @@ def test_a_sharded_experiment_under_srun_scores_as_the_serial_one(pretrained, tm
     arms = ("arms: [{name: lora, overrides: [model.lora.enabled=true, model.lora.r=4, trainer.lr=1.0e-2]},\n"
             "  {name: dp-lora, overrides: [model.lora.enabled=true, model.lora.r=4, trainer.lr=1.0e-2,\n"
             "   trainer.dp.enabled=true, trainer.dp.noise_multiplier=0.0, trainer.dp.max_grad_norm=0.01]}]\n")
-    cfg.write_text(SIZED.format(model=pretrained).replace("base:\n", arms + "base:\n  parallel_mode: paired\n"))
+    sized = SIZED.format(model=pretrained)
+    cfg.write_text(sized.replace("base:\n", arms + "base:\n  parallel_mode: paired\n"))
     assert main(["run", str(cfg), "--out", str(tmp_path / "serial")]) == 0
     standin = Path(__file__).resolve().parent / "slurm_standin.py"
     env = dict(os.environ, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2", SLURM_NNODES="2",
