@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,16 @@ def _check_vocab(o: ScanOptions, source: TokenSource, vocab: int) -> None:
                    "(uint32/int32) or scan with the model they were tokenized for")
 
 
+def _check_ids(o: ScanOptions, batch: list[Window], vocab: int) -> np.ndarray:
+    """The batch's windows as one [B, P + S] array; ConfigError on an id outside the vocabulary."""
+    ids = np.stack([w.tokens for w in batch])
+    if ids.max() >= vocab or ids.min() < 0:
+        bad = int(ids.max() if ids.max() >= vocab else ids.min())
+        raise fail("--data", o.data, f"holds token id {bad} (row {batch[0].row}+), outside the model's "
+                   f"vocabulary of {vocab}; scan with the model it was tokenized for")
+    return ids
+
+
 def _batches(it: Iterable[Window], size: int) -> Iterator[list[Window]]:
     batch: list[Window] = []
     for w in it:
@@ -232,6 +244,17 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     vocab = int(config.vocab_size)
     _check_vocab(o, source, vocab)
     counts = duplicate_counts(o, source)
+    start_row = int(state["parts"]) * o.part_rows if state else 0
+    stats = WindowStats()
+    sep = tok.eos_token_id if tok is not None and source.kind in ("text", "hf") else None
+    it = windows(source, sel, separator=sep, start_row=start_row, stats=stats)
+    first = list(islice(it, o.batch_size))  # the data's refusals come before anything is written
+    if first:
+        _check_ids(o, first, vocab)
+    elif start_row == 0:
+        raise fail("--data", o.data, f"gives no window: all {stats.sequences} of its sequences are shorter "
+                   f"than --prefix + --suffix = {sel.width} tokens (skipped); shorten them or scan longer "
+                   "documents")
     if o.grid == "auto":  # the scan's own choice (memory without optimizer state), as its dry run shows
         launch = Launch.current()
         dims, _ = scan_grid(config, world=launch.world, gpus_per_node=launch.gpus_per_node,
@@ -252,20 +275,13 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
         clean_for_resume(out, parts, o.format)
         write_state(out, record)
     text = (lambda ids: tok.decode(ids)) if tok is not None else ids_text
-    stats = WindowStats()
-    sep = tok.eos_token_id if tok is not None and source.kind in ("text", "hf") else None
-    it = windows(source, sel, separator=sep, start_row=record["rows"], stats=stats)
     total = _total(o, source)
     bar = tqdm(total=None if total is None else max(0, total - record["rows"]), unit="seq", desc="scan",
                disable=not (main and o.progress), smoothing=0.1)
     sc, pending, scanned = Scorer(model, grid), {}, 0
     with keep_gathered(model, o.keep_gathered):
-        for batch in _batches(it, o.batch_size):
-            ids = np.stack([w.tokens for w in batch])
-            if ids.max() >= vocab or ids.min() < 0:
-                bad = int(ids.max() if ids.max() >= vocab else ids.min())
-                raise fail("--data", o.data, f"holds token id {bad} (row {batch[0].row}+), outside the "
-                           f"model's vocabulary of {vocab}; scan with the model it was tokenized for")
+        for batch in chain([first] if first else [], _batches(it, o.batch_size)):
+            ids = _check_ids(o, batch, vocab)
             scores = score_windows(model, torch.from_numpy(ids), o.prefix, k=o.min_k, generate=o.generate,
                                    text=text, scorer=sc)
             scanned += len(batch)
@@ -280,6 +296,9 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     if main and pending.get("row"):
         parts = _flush(out, o, parts, pending, record)
     seconds = time.perf_counter() - start
+    if main and stats.short and o.progress:
+        print(f"[scan] skipped {stats.short} of {stats.sequences} sequences shorter than --prefix + --suffix "
+              f"= {sel.width} tokens", file=sys.stderr)
     header = {"model": o.model, "data": o.data, "source": source.kind, "args": asdict(o),
               "selection": asdict(sel), "sequences": stats.sequences, "short": stats.short,
               "grid": ",".join(map(str, grid.dims)), "scanned_now": scanned, "seconds": seconds,
@@ -288,6 +307,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
         return header
     report = build_report(out, fmt=o.format, suffix=o.suffix, generate=o.generate, header=header, text=text,
                           top=o.top)
+    report["summary"].update(sequences_read=stats.sequences, short_skipped=stats.short)
     _write_report(out, report)
     write_state(out, {**record, "complete": True})
     return report
