@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_scan_folder
 
-from data_pipelines.inject import Manifest
 from data_pipelines.token_sources import write_indexed
 from memorization import scan as scan_module
 from memorization.cli import main
@@ -27,21 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny model (vocab 320, no tokenizer: token files need none), an indexed corpus of 40 documents
-    (3 too short for a window), a manifest of it."""
-    root = tmp_path_factory.mktemp("scan")
-    vocab = 320
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    g = np.random.default_rng(0)
-    docs = [g.integers(0, vocab, size=int(n)).tolist() for n in g.integers(20, 40, size=40)]
-    docs[3], docs[17], docs[30] = docs[3][:5], docs[17][:9], [7]
-    write_indexed(root / "corpus", docs, np.uint16)
-    Manifest(seed=0, num_base_documents=38, num_documents=40, items=[]).to_json(root / "manifest.json")
-    return root
+    return tiny_scan_folder(tmp_path_factory.mktemp("scan"))
 
 
 def _scan(folder: Path, out: Path, *extra: str) -> list[str]:
