@@ -256,6 +256,15 @@ def _hub(spec: str, tokenizer: Any, split: str) -> TokenSource:
     return TokenSource(spec, "hf", None, None, read, lambda d: f"hf:{name}/{split}/{d}")
 
 
+def in_memory(name: str, documents: list[list[int]]) -> TokenSource:
+    """Token lists already in memory (a run's training documents) as a source."""
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(start, len(documents)):
+            yield i, np.asarray(documents[i], dtype=np.int64)
+
+    return TokenSource(name, "memory", len(documents), None, read)
+
+
 def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, count_key: str | None = None,
                 split: str = "train") -> TokenSource:
     """Open a scan source (see the module docstring); ConfigError naming --data/--dtype otherwise."""
@@ -293,4 +302,5 @@ def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, c
     raise fail("--data", spec, f"unknown source; pass {SOURCE_HELP} (bundled: {', '.join(CORPORA)})")
 
 
-__all__ = ["IDX_DTYPES", "IndexHeader", "TokenSource", "open_source", "read_index", "write_indexed"]
+__all__ = ["IDX_DTYPES", "IndexHeader", "TokenSource", "in_memory", "open_source", "read_index",
+           "write_indexed"]
