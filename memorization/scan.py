@@ -244,7 +244,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     vocab = int(config.vocab_size)
     _check_vocab(o, source, vocab)
     counts = duplicate_counts(o, source)
-    start_row = int(state["parts"]) * o.part_rows if state else 0
+    start_row = int(state["rows"]) if state else 0
     stats = WindowStats()
     sep = tok.eos_token_id if tok is not None and source.kind in ("text", "hf") else None
     it = windows(source, sel, separator=sep, start_row=start_row, stats=stats)
@@ -268,7 +268,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
         torch.distributed.barrier()
     out, main = Path(o.out), grid.rank == 0
     parts = int(state["parts"]) if state else 0
-    record = {"fingerprint": fingerprint(o), "parts": parts, "rows": parts * o.part_rows, "complete": False}
+    record = {"fingerprint": fingerprint(o), "parts": parts, "rows": start_row, "complete": False}
     if main:
         if o.overwrite:
             remove_entries(out, [n for n in SCAN_FILES if os.path.lexists(out / n)])

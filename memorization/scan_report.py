@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 
-from memorization.scan_output import PNGS, read_parts
+from memorization.scan_output import PARTS, PNGS, read_parts
 
 POSITION_BINS = 20
 Z95 = 1.959963984540054
@@ -39,6 +40,10 @@ def wilson(k: int, n: int) -> list[float]:
 def _columns(out: Path, fmt: str, generate: bool) -> dict[str, np.ndarray]:
     names = ["row", "exact_match", "lead", "token_accuracy", "suffix_loss", "count"]
     names += ["memorization_score", "rougeL"] if generate else []
+    if fmt == "parquet" and any((out / PARTS).glob("part-*.parquet")):  # columnar, no Python objects
+        table = pq.read_table(out / PARTS, columns=names)
+        cols = {c: table.column(c).to_numpy() for c in names if c != "count"}
+        return {**cols, "count": table.column("count").fill_null(-1).to_numpy().astype(np.int64)}
     cols: dict[str, list] = {c: [] for c in names}
     for part in read_parts(out, fmt, names):
         for c in names:
