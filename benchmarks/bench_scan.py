@@ -30,14 +30,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines.scan_windows import Selection, windows  # noqa: E402
 from data_pipelines.token_sources import open_source, write_indexed  # noqa: E402
+from memorization.models import smollm2_dir
 from memorization.scan import ScanOptions, load_tokenizer_of, run_scan  # noqa: E402
 
 
 def model_folder(name: str, root: Path) -> Path:
     """The model's HF folder: SmolLM2-135M's cached conversion, or the SMALL random Llama saved here."""
     if name == "smollm2":
-        from memorization.models import smollm2_dir
-
         return smollm2_dir()
     torch.manual_seed(0)
     cfg = LlamaConfig(**{**SMALL, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
