@@ -166,6 +166,8 @@ def _add_scan(sub) -> None:
                    help="parallel layers for --grid")
     s.add_argument("--keep-gathered", action="store_true", help="with a Z split: gather the weights once")
     s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s.add_argument("--wandb", default="disabled", choices=["offline", "online", "disabled"],
+                   help="log the report to W&B (offline: OUT/wandb, `wandb sync` later; default disabled)")
     _add_common(s)
     _add_dry_run(s)
 

@@ -45,6 +45,7 @@ from data_pipelines.token_sources import TokenSource, open_source
 from evals.metrics import ids_text
 from evals.scan import score_windows
 from evals.scoring import Scorer
+from memorization.config import WANDB_MODES, WandbConfig
 from memorization.eval_report import write_files
 from memorization.evaluate import _context, _hf_config, _load, _mode, eval_grid
 from memorization.fits import check_fits, check_shape
@@ -52,6 +53,7 @@ from memorization.outputs import check_inputs, remove_entries
 from memorization.parallel import Launch
 from memorization.scan_dryrun import scan_grid
 from memorization.scan_output import (
+    PNGS,
     SCAN_FILES,
     STATE,
     check_scan_out,
@@ -60,6 +62,7 @@ from memorization.scan_output import (
     write_state,
 )
 from memorization.scan_report import build_report, dumps, markdown, plot
+from memorization.tracking import WandbSink
 from memorize_core import ConfigError, fail
 
 
@@ -90,6 +93,7 @@ class ScanOptions:
     mode: str = "auto"
     keep_gathered: bool = False
     progress: bool = True
+    wandb: str = "disabled"  # offline | online | disabled: the report's summary, plots and top rows
 
     def selection(self) -> Selection:
         """The windows this scan scores."""
@@ -116,6 +120,8 @@ def check_options(o: ScanOptions) -> None:
         raise fail("--format", o.format, "choose parquet or jsonl")
     if o.mode not in ("auto", "easy", "paired"):
         raise fail("--mode", o.mode, "choose auto, easy or paired")
+    if o.wandb not in WANDB_MODES:
+        raise fail("--wandb", o.wandb, f"choose one of {', '.join(WANDB_MODES)}")
     if o.manifest and o.count_key:
         raise fail("--count-key", o.count_key, "and --manifest both give duplicate counts; pass one")
 
@@ -311,6 +317,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
                           top=o.top)
     report["summary"].update(sequences_read=stats.sequences, short_skipped=stats.short)
     _write_report(out, report)
+    _log_wandb(o, out, report)
     write_state(out, {**record, "complete": True})
     return report
 
@@ -321,6 +328,22 @@ def _flush(out: Path, o: ScanOptions, parts: int, cols: dict[str, list], record:
     record.update(parts=parts + 1, rows=record["rows"] + len(cols["row"]))
     write_state(out, record)
     return parts + 1
+
+
+def _log_wandb(o: ScanOptions, out: Path, report: dict[str, Any]) -> None:
+    """The report's summary, PNGs and top rows to a W&B run under OUT/wandb (offline unless asked)."""
+    if o.wandb == "disabled":
+        return
+    sink = WandbSink(WandbConfig(mode=o.wandb), name=f"scan-{out.name}", out_dir=out, config=asdict(o))
+    try:
+        sink.summary({f"scan/{k}": v for k, v in report["summary"].items()})
+        for png in PNGS:
+            if (out / png).is_file():
+                sink.log_image(f"scan/{png.removesuffix('.png')}", out / png)
+        cols = ["row", "doc_id", "doc_offset", "lead", "suffix_loss", "prefix", "suffix"]
+        sink.log_table("scan/top", cols, [[t[c] for c in cols] for t in report["top"]])
+    finally:
+        sink.close()
 
 
 def _write_report(out: Path, report: dict[str, Any]) -> None:

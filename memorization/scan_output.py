@@ -27,7 +27,7 @@ from memorize_core import fail
 STATE = "scan-state.json"
 PARTS = "parts"
 PNGS = ("scan-scores.png", "scan-position.png", "scan-duplicates.png")
-SCAN_FILES = (PARTS, STATE, "report.json", "report.md", *PNGS)
+SCAN_FILES = (PARTS, STATE, "report.json", "report.md", *PNGS, "wandb")
 # results of other commands: a scan must not land beside them without --overwrite
 OTHER_RESULTS = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "checkpoints")
 FLAGS = {"model_files": "--model", "data_files": "--data"}  # fingerprint keys not named as their flag

@@ -55,7 +55,8 @@ def test_rows_and_report(folder, tmp_path, capsys):
         assert (tmp_path / "a" / f).is_file(), f
     # the same scan as JSON lines: the same rows
     assert main(_scan(folder, tmp_path / "j", "--generate", "--manifest", str(folder / "manifest.json"),
-                      "--format", "jsonl")) == 0
+                      "--format", "jsonl", "--wandb", "offline")) == 0
+    assert (tmp_path / "j" / "wandb").is_dir()  # the report's summary, plots and top rows, offline
     parts = sorted((tmp_path / "j" / "parts").iterdir())
     lines = [json.loads(x) for p in parts for x in p.read_text().splitlines()]
     assert [r["lead"] for r in lines] == rows["lead"]
