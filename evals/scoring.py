@@ -79,6 +79,12 @@ class Scorer:
         """Full-sequence logits [B, T, V or V/Y] in float32 (bf16 loses too much for scores)."""
         return self.forward(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
 
+    def suffix_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """Logits [B, n, V or V/Y] of the last n positions in float32; the LM head runs on those only
+        when the model takes `logits_to_keep` (a corpus scan reads the suffix's logits alone)."""
+        kw = {"logits_to_keep": n} if self._keep else {}
+        return self.forward(input_ids=ids, use_cache=False, **kw).logits[:, -n:].float()
+
     def _filler(self) -> None:
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.model(input_ids=ids, use_cache=False, **self._keep)

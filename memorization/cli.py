@@ -1,4 +1,4 @@
-"""The `memorize` command line: demo, train, eval (bad input -> one line on stderr, exit 2).
+"""The `memorize` command line: demo, train, eval, scan (bad input -> one line on stderr, exit 2).
 
 Each command imports what it runs when it runs (the `# deferred` imports below): `import
 memorization.cli` takes 0.01 s, while the modules behind the commands import torch and
@@ -133,10 +133,48 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads)")
     e.add_argument("--keep-gathered", action="store_true",
                    help="with a Z split: gather the weights once and hold them for the whole evaluation")
+    _add_scan(sub)
     k = sub.add_parser("tasks", help="the bundled offline downstream tasks (lm-eval task YAMLs)")
     k.add_argument("--path", action="store_true",
                    help="print only their folder, for lm_eval --include_path")
     return parser
+
+
+def _add_scan(sub) -> None:
+    """`memorize scan`: memorized sequences of a whole training corpus, one forward each."""
+    s = sub.add_parser("scan", help="scan a training corpus for memorized sequences (one forward each)")
+    s.add_argument("--model", required=True, help="a Hugging Face model folder (a zoo name with --dry-run)")
+    s.add_argument("--data", default=None, help="bundled corpus, .txt/.jsonl, .npy, raw .bin (--dtype), "
+                   "indexed NAME.bin + NAME.idx, or hf:NAME (streamed)")
+    s.add_argument("--prefix", type=int, default=32, help="prefix tokens P (default 32)")
+    s.add_argument("--suffix", type=int, default=32, help="suffix tokens S (default 32)")
+    s.add_argument("--out", default=None, help="output folder: parts/, scan-state.json, report.*")
+    s.add_argument("--seq-len", type=int, default=None, metavar="L",
+                   help="cut the concatenated documents into L-token training sequences (default: one "
+                        "sequence per document)")
+    s.add_argument("--offsets", default="start", help="start | stride:N | random:K windows per sequence")
+    s.add_argument("--seed", type=int, default=0, help="seed of random:K offsets (default 0)")
+    s.add_argument("--limit", type=int, default=None, help="scan the first N windows only")
+    s.add_argument("--dtype", default=None, help="token dtype of a raw .bin file, e.g. uint16")
+    s.add_argument("--count-key", default=None, metavar="KEY",
+                   help="JSONL key holding each document's duplicate count (report by count)")
+    s.add_argument("--manifest", default=None, help="injection manifest.json: duplicate counts per document")
+    s.add_argument("--generate", action="store_true",
+                   help="also decode the non-exact rows greedily: memorization score and RougeL")
+    s.add_argument("--min-k", type=float, default=0.2, help="Min-K%% fraction (default 0.2)")
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--format", default="parquet", choices=["parquet", "jsonl"],
+                   help="row files (default parquet)")
+    s.add_argument("--part-rows", type=int, default=10000, help="rows per part file (the resume unit)")
+    s.add_argument("--top", type=int, default=20, help="top memorized windows in the report (default 20)")
+    s.add_argument("--mode", default="auto", choices=["auto", "easy", "paired"],
+                   help="parallel layers for --grid")
+    s.add_argument("--keep-gathered", action="store_true", help="with a Z split: gather the weights once")
+    s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s.add_argument("--wandb", default="disabled", choices=["offline", "online", "disabled"],
+                   help="log the report to W&B (offline: OUT/wandb, `wandb sync` later; default disabled)")
+    _add_common(s)
+    _add_dry_run(s)
 
 
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:
@@ -201,6 +239,24 @@ def _warn(result: dict) -> None:
     warning = (result.get("mia") or {}).get("warning")
     if warning:
         print(warning, file=sys.stderr)
+
+
+def cmd_scan(args) -> int:
+    """Scan a training corpus (or, with --dry-run, size the scan on a cluster preset)."""
+    if _wants_dry_run(args):
+        from memorization.scan_dryrun import cli_scan_dry_run  # deferred: see the module docstring
+
+        return cli_scan_dry_run(args)
+    for flag in ("data", "out"):
+        if getattr(args, flag) is None:
+            raise fail(f"--{flag}", None, "is required to scan (a --dry-run needs neither)")
+    from memorization.parallel import is_main_process  # deferred: see the module docstring
+    from memorization.scan import ScanOptions, run_scan  # deferred: see the module docstring
+
+    report = run_scan(ScanOptions(**{f.name: getattr(args, f.name) for f in fields(ScanOptions)}))
+    if is_main_process():
+        print(json.dumps(report.get("summary", report), indent=2))
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -284,7 +340,7 @@ def cmd_tasks(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export,
-            "tasks": cmd_tasks}
+            "tasks": cmd_tasks, "scan": cmd_scan}
 
 
 def _main_rank() -> bool:

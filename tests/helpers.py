@@ -119,3 +119,25 @@ def tiny_pretrained(tmp_path_factory) -> str:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+def tiny_scan_folder(root):
+    """What the scan tests read: a tiny Llama folder (vocab 320, 4 heads / 2 KV heads, no tokenizer:
+    token files need none) and an indexed corpus `corpus.bin/.idx` of 40 random documents, 3 of them
+    too short for a 6 + 6 window, with a manifest.json of it."""
+    import numpy as np
+
+    from data_pipelines.inject import Manifest
+    from data_pipelines.token_sources import write_indexed
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    g = np.random.default_rng(0)
+    docs = [g.integers(0, 320, size=int(n)).tolist() for n in g.integers(20, 40, size=40)]
+    docs[3], docs[17], docs[30] = docs[3][:5], docs[17][:9], [7]
+    write_indexed(root / "corpus", docs, np.uint16)
+    Manifest(seed=0, num_base_documents=38, num_documents=40, items=[]).to_json(root / "manifest.json")
+    return root

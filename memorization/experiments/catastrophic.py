@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memorization.config import ModelConfig, RunConfig
+from memorization.experiments.corpus_scan import ScanSettings
 from memorization.experiments.passes import train_with_passes
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
@@ -40,7 +41,7 @@ def _default_sizes() -> list[ModelSize]:
 
 
 @dataclass
-class Config(ExperimentConfig):
+class Config(ExperimentConfig, ScanSettings):
     """Sizes x losses, each trained for `passes` epochs (base.trainer.epochs is ignored)."""
 
     sizes: list[ModelSize] = field(default_factory=_default_sizes)
@@ -51,6 +52,7 @@ class Config(ExperimentConfig):
     def validate(self, prefix: str = "") -> None:
         """At least one size with distinct names, passes >= 1, plot passes within range."""
         super().validate(prefix)
+        self.check_scan()
         if not self.sizes:
             raise fail("sizes", self.sizes, "give at least one model size")
         names = [s.name for s in self.sizes]
@@ -100,7 +102,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             rc = size_config(cfg, size, loss)
 
             def train(rc: RunConfig, run_dir) -> dict[str, Any]:
-                return train_with_passes(rc, run_dir, data, grid_spec=exp.grid_spec)
+                return train_with_passes(rc, run_dir, data, grid_spec=exp.grid_spec,
+                                         scan_stride=cfg.scan_stride if cfg.scan_corpus else None)
 
             summary = exp.run(rc, data, train=train, per_run_wandb=cfg.per_run_wandb,
                               extra_key={"evaluated": "every pass"})

@@ -16,6 +16,7 @@ from axonn.hooks import Callback
 from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
+from memorization.experiments.corpus_scan import scan_training_set
 from memorization.pipeline import (
     EXTRACTION_KEYS,
     effective_trainer,
@@ -34,8 +35,10 @@ class PassExtraction(Callback):
     metrics (Trainer.log: metrics.jsonl and W&B); `last_results` holds the latest pass's results.
     """
 
-    def __init__(self, cfg: RunConfig, data: PreparedData, passes: set[int] | None, last: int):
+    def __init__(self, cfg: RunConfig, data: PreparedData, passes: set[int] | None, last: int,
+                 scan_stride: int | None = None):
         self.cfg, self.data, self.passes, self.last = cfg, data, passes, last
+        self.scan_stride = scan_stride  # None: no corpus scan; else experiments.corpus_scan's stride
         self.records: list[dict[str, Any]] = []
         self.last_results: list[Any] | None = None
         self.last_step = -1  # the step last_results belong to
@@ -52,20 +55,26 @@ class PassExtraction(Callback):
         self.last_results = extraction_results(trainer.model, self.cfg, self.data, grid=trainer.grid)
         stats = summarize(self.last_results)
         record = {"pass": label, "step": trainer.state.step, **{k: stats[k] for k in EXTRACTION_KEYS}}
+        if self.scan_stride is not None:  # every window of the training set, beside the per-document EM
+            e = self.cfg.eval
+            record.update(scan_training_set(trainer.model, self.data.train_docs, prefix=e.prefix,
+                                            suffix=e.suffix, stride=self.scan_stride,
+                                            batch_size=e.batch_size, grid=trainer.grid))
         self.records.append(record)
         trainer.log({"pass": label, "pass_exact_match": record["exact_match_rate"],
                      "pass_rougeL": record["rougeL"]})
 
 
 def train_with_passes(cfg: RunConfig, out_dir: Path, data: PreparedData, *, grid_spec: str | None = None,
-                      eval_passes: set[int] | None = None) -> dict[str, Any]:
+                      eval_passes: set[int] | None = None, scan_stride: int | None = None) -> dict[str, Any]:
     """Train cfg for cfg.trainer.epochs passes, scoring extraction after each pass in eval_passes (None: all).
 
     `grid_spec` is the --grid text, or None for cfg.grid.
     """
     cfg = replace(cfg, eval=replace(cfg.eval, extraction=True))  # the last pass is the final extraction
     # the epochs the run trains (a supervised-token budget lengthens goldfish runs)
-    probe = PassExtraction(cfg, data, eval_passes, last=effective_trainer(cfg).epochs)
+    probe = PassExtraction(cfg, data, eval_passes, last=effective_trainer(cfg).epochs,
+                           scan_stride=scan_stride)
     with start_run(cfg, out_dir, data, overwrite=True, grid_spec=grid_spec, progress=cfg.trainer.progress,
                    callbacks=[probe]) as run:
         train(run)

@@ -25,6 +25,7 @@ from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.experiments.catastrophic import ModelSize
+from memorization.experiments.corpus_scan import ScanSettings, scan_training_set
 from memorization.experiments.questions import (
     MiaSettings,
     PrivacyUtility,
@@ -53,7 +54,7 @@ from memorize_core import fail
 
 
 @dataclass
-class Config(ExperimentConfig, MiaSettings):
+class Config(ExperimentConfig, MiaSettings, ScanSettings):
     """Sizes x losses x {pretrained, random-init control}, each fine-tuned for `passes` passes."""
 
     passes: int = 6
@@ -74,6 +75,7 @@ class Config(ExperimentConfig, MiaSettings):
         """A pretrained base model, members vs a same-distribution held-out half, sane ranges."""
         super().validate(prefix)
         self.check()
+        self.check_scan()
         if self.passes < 1:
             raise fail("passes", self.passes, "must be >= 1")
         check_losses("losses", self.losses)
@@ -134,6 +136,11 @@ class Evaluator:
         stats = summarize(results)
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
                   "token_accuracy": stats["token_accuracy"], **self.questions(model, grid, downstream)}
+        if self.cfg.scan_corpus:  # the fraction of the training set extractable, beside the per-document EM
+            e = self.cfg.base.eval
+            record.update(scan_training_set(model, self.split.prepared.train_docs, prefix=e.prefix,
+                                            suffix=e.suffix, stride=self.cfg.scan_stride,
+                                            batch_size=e.batch_size, grid=grid))
         return record, results
 
 

@@ -1,0 +1,306 @@
+"""Token streams a corpus scan reads, one document at a time (never the whole corpus in memory).
+
+`open_source(spec, ...)` resolves a source spec to a `TokenSource`, whose `documents(start)` yields
+`(document index, int64 token array)` from document `start` on:
+
+- a GPT-NeoX / Megatron indexed dataset, `NAME.bin` + `NAME.idx` (spec: either file, or NAME): the
+  `.idx` header read here from the published layout (`MMIDIDX\\0\\0`, version 1, dtype code, counts,
+  sizes, pointers, document indices); each of its sequences is one document, read from the
+  memory-mapped `.bin`;
+- a flat token file: `.npy` (1-D: one stream; 2-D: one document per row), or a raw `.bin` with no
+  `.idx` beside it, which needs its `dtype` stated;
+- text, tokenized with the model's tokenizer: a bundled corpus name, a `.txt` (one document per
+  non-empty line) or `.jsonl` (the `text` key of each line; a count key per line can say how many
+  times the document was in the training set), read line by line;
+- `hf:NAME[:CONFIG]`: a Hugging Face dataset in streaming mode (needs the hub; not run here).
+
+Document ids (`doc_id`) are the corpora's own: `<file name>/<1-based line>` for text files,
+`<corpus>/<key>` for bundled corpora, `hf:NAME/<split>/<row>` for the hub, and the document index
+for token files.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_pipelines.corpora import CORPORA, load_corpus
+from memorize_core import fail
+
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+# The indexed format's dtype codes (GPT-NeoX / Megatron-LM's published table).
+IDX_DTYPES: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16),
+                                   4: np.dtype(np.int32), 5: np.dtype(np.int64), 6: np.dtype(np.float64),
+                                   7: np.dtype(np.float32), 8: np.dtype(np.uint16)}
+RAW_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64")
+SOURCE_HELP = ("a bundled corpus name, a .txt/.jsonl file (tokenized with the model's tokenizer), a .npy "
+               "or raw .bin token file (with --dtype), an indexed NAME.bin + NAME.idx pair, or hf:NAME")
+
+
+@dataclass
+class TokenSource:
+    """One opened source: its kind, path, document count (None: unknown until read) and reader."""
+
+    spec: str
+    kind: str  # indexed | npy | bin | text | hf
+    num_documents: int | None
+    dtype: str | None = None  # stored token dtype of token files (None for text)
+    _read: Any = field(default=None, repr=False)
+    _doc_id: Any = field(default=None, repr=False)
+    counts: dict[int, int] = field(default_factory=dict)  # document -> times in the training set
+
+    def documents(self, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        """(document index, token ids as int64) from document `start` on, in source order."""
+        return self._read(start)
+
+    def doc_id(self, doc: int) -> str:
+        """The stable id of document `doc` (see the module docstring)."""
+        return self._doc_id(doc) if self._doc_id is not None else str(doc)
+
+    def max_id(self) -> int | None:
+        """The largest id the stored dtype can hold (None for text: the tokenizer's ids)."""
+        if self.dtype is None:
+            return None
+        dt = np.dtype(self.dtype)
+        return int(np.iinfo(dt).max) if dt.kind in "iu" else int(2 ** np.finfo(dt).nmant)
+
+
+# -- the GPT-NeoX / Megatron indexed format ------------------------------------------------------
+@dataclass(frozen=True)
+class IndexHeader:
+    """An `.idx` file's contents: dtype, per-sequence sizes and byte pointers, document indices."""
+
+    dtype: np.dtype
+    sizes: np.ndarray  # int32 [n]: tokens per sequence
+    pointers: np.ndarray  # int64 [n]: byte offset of each sequence in the .bin
+    doc_idx: np.ndarray  # int64 [d]: sequence index where each document starts (+ the end)
+
+
+def read_index(idx_path: str | Path, field_name: str = "--data") -> IndexHeader:
+    """Parse an `.idx` file (memory-mapped arrays); ConfigError when it is not one."""
+    path = Path(idx_path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    head = bytes(raw[:34]) if raw.size >= 34 else b""
+    if head[:9] != IDX_MAGIC:
+        raise fail(field_name, str(path), "is not a GPT-NeoX/Megatron .idx file (no MMIDIDX header); pass "
+                   "the NAME.idx written with its NAME.bin, or a raw .bin with --dtype")
+    version, = struct.unpack("<Q", head[9:17])
+    code, = struct.unpack("<B", head[17:18])
+    n, d = struct.unpack("<QQ", head[18:34])
+    if version != 1 or code not in IDX_DTYPES:
+        raise fail(field_name, str(path), f"has .idx version {version}, dtype code {code}; only version 1 "
+                   f"with codes {sorted(IDX_DTYPES)} is known: rewrite it with GPT-NeoX's preprocess_data.py")
+    need = 34 + 4 * n + 8 * n + 8 * d
+    if raw.size < need:
+        raise fail(field_name, str(path), f"is truncated ({raw.size} bytes, its header announces {n} "
+                   f"sequences and {d} document indices = {need} bytes); rewrite the .idx")
+    sizes = np.frombuffer(raw, dtype=np.int32, count=n, offset=34)
+    pointers = np.frombuffer(raw, dtype=np.int64, count=n, offset=34 + 4 * n)
+    doc_idx = np.frombuffer(raw, dtype=np.int64, count=d, offset=34 + 12 * n)
+    return IndexHeader(IDX_DTYPES[code], sizes, pointers, doc_idx)
+
+
+def write_indexed(prefix: str | Path, documents: list[list[int]],
+                  dtype: Any = np.uint16) -> tuple[Path, Path]:
+    """Write documents as NAME.bin + NAME.idx in the indexed format (one sequence per document)."""
+    dt = np.dtype(dtype)
+    code = next(c for c, d in IDX_DTYPES.items() if d == dt)
+    prefix = Path(prefix)
+    bin_path, idx_path = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
+    sizes = np.array([len(d) for d in documents], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) * dt.itemsize)[:-1]]).astype(np.int64)
+    with open(bin_path, "wb") as f:
+        for d in documents:
+            f.write(np.asarray(d, dtype=dt).tobytes())
+    doc_idx = np.arange(len(documents) + 1, dtype=np.int64)
+    with open(idx_path, "wb") as f:
+        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code))
+        f.write(struct.pack("<QQ", len(documents), len(doc_idx)))
+        f.write(sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+    return bin_path, idx_path
+
+
+def _indexed(spec: str, bin_path: Path, idx_path: Path) -> TokenSource:
+    head = read_index(idx_path)
+    data = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_path.stat().st_size else np.zeros(0, np.uint8)
+    item = head.dtype.itemsize
+    ends = head.pointers.astype(np.int64) + head.sizes.astype(np.int64) * item
+    bad = np.nonzero((head.pointers < 0) | (ends > data.size) | (head.sizes < 0))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise fail("--data", str(idx_path), f"does not match {bin_path.name}: sequence {i} ends at byte "
+                   f"{int(ends[i])} but the .bin has {data.size} bytes; use the .idx written with this .bin")
+
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(start, len(head.sizes)):
+            p, n = int(head.pointers[i]), int(head.sizes[i])
+            yield i, np.frombuffer(data, dtype=head.dtype, count=n, offset=p).astype(np.int64)
+
+    return TokenSource(spec, "indexed", len(head.sizes), head.dtype.name, read)
+
+
+# -- flat token files ------------------------------------------------------------------------------
+def _npy(spec: str, path: Path) -> TokenSource:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise fail("--data", spec, f"is not a readable .npy array ({e}); save token ids with numpy.save") \
+            from None
+    if arr.ndim not in (1, 2) or arr.dtype.kind not in "iu":
+        raise fail("--data", spec, f"holds a {arr.ndim}-D {arr.dtype} array; pass integer token ids, 1-D "
+                   "(one stream) or 2-D (one document per row)")
+    rows = arr[None] if arr.ndim == 1 else arr
+
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(start, rows.shape[0]):
+            yield i, np.asarray(rows[i], dtype=np.int64)
+
+    return TokenSource(spec, "npy", rows.shape[0], arr.dtype.name, read)
+
+
+def _raw_bin(spec: str, path: Path, dtype: str | None) -> TokenSource:
+    if dtype is None:
+        raise fail("--dtype", None, f"{spec} is a raw token file with no .idx beside it; state its dtype "
+                   f"(one of {', '.join(RAW_DTYPES)}), e.g. --dtype uint16")
+    size = path.stat().st_size
+    item = np.dtype(dtype).itemsize
+    if size % item:
+        raise fail("--dtype", dtype, f"{spec} has {size} bytes, not a whole number of {item}-byte tokens; "
+                   "state the dtype it was written with")
+    data = np.memmap(path, dtype=np.dtype(dtype), mode="r") if size else np.zeros(0, dtype)
+
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        if start == 0:
+            yield 0, np.asarray(data, dtype=np.int64)
+
+    return TokenSource(spec, "bin", 1, np.dtype(dtype).name, read)
+
+
+# -- text, tokenized with the model's tokenizer -----------------------------------------------------
+def _encode(tokenizer: Any, text: str) -> np.ndarray:
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def _text_file(spec: str, path: Path, tokenizer: Any, count_key: str | None) -> TokenSource:
+    """A .txt / .jsonl file read line by line; documents are its non-empty lines (ids as corpora's)."""
+    jsonl = path.suffix.lower() == ".jsonl"
+    lines: list[int] = []  # 1-based line number of each document, filled as the file is read
+    counts: dict[int, int] = {}
+
+    def parse(number: int, line: str) -> str | None:
+        if not jsonl:
+            return line.strip() or None
+        if not line.strip():
+            return None
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise fail("--data", f"{spec}:{number}", f"line {number} is not valid JSON ({e.msg}); write "
+                       "one JSON object per line") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise fail("--data", f"{spec}:{number}", "each line needs a string 'text' key; rename the key "
+                       "that holds the text")
+        if count_key and isinstance(record.get(count_key), int):
+            counts[len(lines)] = int(record[count_key])
+        return text.strip() or None
+
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        lines.clear()
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                text = parse(number, line)
+                if text is None:
+                    continue
+                lines.append(number)
+                doc = len(lines) - 1
+                if doc >= start:
+                    yield doc, _encode(tokenizer, text)
+
+    source = TokenSource(spec, "text", None, None, read, lambda d: f"{path.name}/{lines[d]}")
+    source.counts = counts
+    return source
+
+
+def _bundled(spec: str, tokenizer: Any) -> TokenSource:
+    docs = load_corpus(spec)  # small, offline; read once
+
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(start, len(docs)):
+            yield i, _encode(tokenizer, docs[i].text)
+
+    return TokenSource(spec, "text", len(docs), None, read, lambda d: docs[d].id)
+
+
+def _hub(spec: str, tokenizer: Any, split: str) -> TokenSource:
+    """A Hugging Face dataset in streaming mode (rows read as they arrive; needs the hub)."""
+    name, _, config = spec.removeprefix("hf:").partition(":")
+
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        import datasets  # deferred: datasets +0.5 s import, hf: sources only
+
+        try:
+            ds = datasets.load_dataset(name, config or None, split=split, streaming=True)
+        except Exception as e:  # offline, unknown name: user-fixable
+            raise fail("--data", spec, f"could not stream it from the Hugging Face hub ({type(e).__name__}); "
+                       "check the name and that the hub is reachable, or scan a local file") from None
+        for i, row in enumerate(ds):
+            if i >= start and isinstance(row.get("text"), str):
+                yield i, _encode(tokenizer, row["text"])
+
+    return TokenSource(spec, "hf", None, None, read, lambda d: f"hf:{name}/{split}/{d}")
+
+
+def in_memory(name: str, documents: list[list[int]]) -> TokenSource:
+    """Token lists already in memory (a run's training documents) as a source."""
+    def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(start, len(documents)):
+            yield i, np.asarray(documents[i], dtype=np.int64)
+
+    return TokenSource(name, "memory", len(documents), None, read)
+
+
+def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, count_key: str | None = None,
+                split: str = "train") -> TokenSource:
+    """Open a scan source (see the module docstring); ConfigError naming --data/--dtype otherwise."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise fail("--data", spec, f"name a source: {SOURCE_HELP}")
+    if dtype is not None and dtype not in RAW_DTYPES:
+        raise fail("--dtype", dtype, f"choose one of {', '.join(RAW_DTYPES)}")
+    path = Path(spec).expanduser()
+    base = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    bin_path, idx_path = base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
+    if idx_path.is_file() or (path.suffix == ".idx" and path.exists()):
+        if not bin_path.is_file():
+            raise fail("--data", spec, f"has no {bin_path.name} beside its .idx; put the pair in one folder")
+        return _indexed(spec, bin_path, idx_path)
+    if path.suffix == ".npy" and path.is_file():
+        return _npy(spec, path)
+    if path.suffix == ".bin" and path.is_file():
+        return _raw_bin(spec, path, dtype)
+    if dtype is not None:
+        raise fail("--dtype", dtype, "applies to raw .bin token files only; drop it for text sources")
+    text = spec in CORPORA or spec.startswith("hf:") or (path.suffix.lower() in (".txt", ".jsonl")
+                                                         and path.is_file())
+    if text and tokenizer is None:
+        raise fail("--model", None, f"{spec} is text: it is tokenized with the model's tokenizer, and the "
+                   "model folder holds none; save one there (tokenizer.save_pretrained)")
+    if spec in CORPORA:
+        return _bundled(spec, tokenizer)
+    if spec.startswith("hf:"):
+        return _hub(spec, tokenizer, split)
+    if path.suffix.lower() in (".txt", ".jsonl") and path.is_file():
+        return _text_file(spec, path, tokenizer, count_key)
+    if path.exists() or path.suffix:
+        what = "no such file" if not path.exists() else f"unknown format {path.suffix or '(folder)'}"
+        raise fail("--data", spec, f"{what}; pass {SOURCE_HELP}")
+    raise fail("--data", spec, f"unknown source; pass {SOURCE_HELP} (bundled: {', '.join(CORPORA)})")
+
+
+__all__ = ["IDX_DTYPES", "IndexHeader", "TokenSource", "in_memory", "open_source", "read_index",
+           "write_indexed"]

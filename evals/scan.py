@@ -1,0 +1,108 @@
+"""Per-window memorization scores from ONE teacher-forced forward: the scoring of a corpus scan.
+
+Greedy decoding from a P-token prefix reproduces the S-token suffix exactly iff, in one forward over
+prefix + suffix[:-1], the argmax at every suffix position equals the next suffix token: wherever
+greedy decoding has agreed so far its context *is* the suffix. So the first position where argmax and
+suffix differ is exactly where greedy decoding first diverges (`lead`, the leading-match length), and
+exact match (Carlini et al. 2022's k-extractability) is `lead == S`. The same forward gives, per
+window, over the S suffix tokens:
+
+  exact_match     lead == S
+  lead            leading suffix tokens greedy decoding reproduces (0..S)
+  token_accuracy  fraction of suffix positions whose teacher-forced argmax is the target
+  suffix_loss     mean NLL of the suffix tokens
+  zlib_ratio      suffix_loss / zlib-compressed bytes of the suffix text (MIMIR's zlib statistic)
+  min_k           mean of the lowest int(k * S) suffix token log-probs (Min-K%)
+
+With `generate`, the rows that are not exact matches are decoded greedily by the target-verified
+decoder (evals/decoding.py: prefix prefilled once, one forward over the agreeing suffix, decoding on
+from the first divergence), giving Biderman et al. 2023's memorization score (fraction of the S
+continuation tokens equal to the suffix) and RougeL; exact rows have score 1 and RougeL 1 without
+any decoding.
+
+The forward goes through the scoring layer (evals/scoring.py): rows split over the batch shards, Z
+ranks in lockstep, vocab-split logits reduced, never gathered; every rank returns the whole batch.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from axonn.grid import ProcessGrid
+from evals._model import evaluating
+from evals.decoding import verified_local
+from evals.metrics import ids_text, rouge_l
+from evals.scoring import Scorer
+from memorize_core import fail
+
+METRICS = ("exact_match", "lead", "token_accuracy", "suffix_loss", "zlib_ratio", "min_k")
+GENERATED = ("memorization_score", "rougeL")
+_LOCAL = 4  # lead, token_accuracy, suffix_loss, min_k: the columns a shard sends back
+
+
+def _local(sc: Scorer, windows: torch.Tensor, prefix: int, k: float, generate: bool) -> torch.Tensor:
+    """This rank's rows: [rows, 4 (+ S continuation tokens with `generate`)] in float64."""
+    s = windows.shape[1] - prefix
+    targets = windows[:, prefix:]
+    logits = sc.suffix_logits(windows[:, :-1], s)  # position P-1+j predicts suffix token j
+    pred = sc.argmax(logits)
+    logp, _ = sc.token_stats(logits, targets)
+    wrong = pred != targets
+    lead = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1), s)
+    count = max(1, int(s * k + 1e-9))
+    min_k = logp.sort(dim=1).values[:, :count].mean(dim=1)
+    cols = [lead.double(), (~wrong).double().mean(dim=1), (-logp).double().mean(dim=1), min_k.double()]
+    out = torch.stack(cols, dim=1)
+    if not generate:
+        return out
+    cont = targets.clone()
+    miss = (lead < s).nonzero().squeeze(1)
+    if miss.numel():
+        cont[miss] = verified_local(sc, windows[miss, :prefix], targets[miss])
+    return torch.cat([out, cont.double()], dim=1)
+
+
+def score_windows(model: torch.nn.Module, windows: torch.Tensor, prefix: int, *, k: float = 0.2,
+                  generate: bool = False, text: Callable[[list[int]], str] | None = None,
+                  grid: ProcessGrid | None = None, scorer: Scorer | None = None) -> dict[str, np.ndarray]:
+    """Scores of every window [B, P + S] (see the module docstring), one array per metric, on every rank.
+
+    `text` turns suffix ids into the text zlib and RougeL see (default: the space-joined ids); with
+    `generate` the result also holds `memorization_score`, `rougeL` and `continuation` [B, S]."""
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.long:
+        raise fail("windows", getattr(windows, "shape", type(windows).__name__),
+                   "pass a LongTensor [batch, prefix + suffix]")
+    if not 1 <= prefix < windows.shape[1]:
+        raise fail("prefix", prefix, f"must be in [1, {windows.shape[1] - 1}] for windows of "
+                   f"{windows.shape[1]} tokens")
+    if not 0 < k <= 1:
+        raise fail("k", k, "pass a fraction in (0, 1], e.g. 0.2")
+    sc = scorer or Scorer(model, grid)
+    windows = windows.to(sc.device)
+    n, s = windows.shape[0], windows.shape[1] - prefix
+    rows = sc.rows(n)
+    width = _LOCAL + (s if generate else 0)
+    with evaluating(model):
+        mine = _local(sc, windows[rows], prefix, k, generate) if rows else \
+            torch.empty(0, width, dtype=torch.float64, device=sc.device)
+        table = sc.collect_rows(rows, mine, n).cpu().numpy()
+    text = text or ids_text
+    targets = windows[:, prefix:].cpu().numpy()
+    lead = table[:, 0].astype(np.int64)
+    loss = table[:, 2]
+    zbytes = np.array([len(zlib.compress(text(t.tolist()).encode("utf-8"))) for t in targets])
+    out: dict[str, np.ndarray] = {"exact_match": lead == s, "lead": lead, "token_accuracy": table[:, 1],
+                                  "suffix_loss": loss, "zlib_ratio": loss / zbytes, "min_k": table[:, 3]}
+    if generate:
+        cont = table[:, _LOCAL:].astype(np.int64)
+        out["continuation"] = cont
+        out["memorization_score"] = (cont == targets).mean(axis=1)
+        out["rougeL"] = np.array([1.0 if e else rouge_l(text(c.tolist()), text(t.tolist()))
+                                  for e, c, t in zip(out["exact_match"], cont, targets)])
+    return out
+
+
+__all__ = ["GENERATED", "METRICS", "score_windows"]

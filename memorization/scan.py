@@ -1,0 +1,362 @@
+"""`memorize scan`: score every training sequence of a corpus for memorization, one forward each.
+
+    memorize scan --model DIR --data SOURCE --prefix 32 --suffix 32 --out OUT [--seq-len 2049]
+                  [--offsets start|stride:N|random:K] [--limit N] [--generate] [--format jsonl]
+
+The source is streamed (data_pipelines/token_sources.py, windows cut by data_pipelines/scan_windows.py),
+batches of windows go through one teacher-forced forward each (evals/scan.py, the scoring layer, so a
+model sharded on any grid under torchrun / srun scores there: batch shards score their share in
+lockstep and the main rank writes), and rows are written in parts that make the scan resumable after
+SIGKILL (memorization/scan_output.py); the report comes last (memorization/scan_report.py).
+
+Every input is checked before anything is written (flags, OUT and the resume, the model folder, the
+source, its dtype against the vocabulary, the grid): one ConfigError line, exit 2, OUT untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from axonn.config import MAX_ROWS
+from axonn.inference import keep_gathered
+from data_pipelines.inject import Manifest
+from data_pipelines.scan_windows import (
+    Selection,
+    Window,
+    WindowStats,
+    check_selection,
+    parse_offsets,
+    windows,
+)
+from data_pipelines.token_sources import TokenSource, open_source
+from evals.metrics import ids_text
+from evals.scan import score_windows
+from evals.scoring import Scorer
+from memorization.config import WANDB_MODES, WandbConfig
+from memorization.eval_report import write_files
+from memorization.evaluate import _context, _hf_config, _load, _mode, eval_grid
+from memorization.fits import check_fits, check_shape
+from memorization.outputs import check_inputs, remove_entries
+from memorization.parallel import Launch
+from memorization.scan_dryrun import scan_grid
+from memorization.scan_output import (
+    PNGS,
+    SCAN_FILES,
+    STATE,
+    check_scan_out,
+    clean_for_resume,
+    write_part,
+    write_state,
+)
+from memorization.scan_report import build_report, dumps, markdown, plot
+from memorization.tracking import WandbSink
+from memorize_core import ConfigError, fail
+
+
+@dataclass
+class ScanOptions:
+    """What `memorize scan` was asked to do (the command line, as given)."""
+
+    model: str
+    data: str
+    out: str
+    prefix: int = 32
+    suffix: int = 32
+    seq_len: int | None = None
+    offsets: str = "start"
+    seed: int = 0
+    limit: int | None = None
+    dtype: str | None = None  # stored dtype of a raw .bin token file
+    count_key: str | None = None  # JSONL key holding each document's duplicate count
+    manifest: str | None = None  # data_pipelines.inject manifest: duplicate counts per document
+    generate: bool = False
+    min_k: float = 0.2
+    batch_size: int = 32
+    format: str = "parquet"
+    part_rows: int = 10000
+    top: int = 20
+    overwrite: bool = False
+    grid: str | None = None
+    mode: str = "auto"
+    keep_gathered: bool = False
+    progress: bool = True
+    wandb: str = "disabled"  # offline | online | disabled: the report's summary, plots and top rows
+
+    def selection(self) -> Selection:
+        """The windows this scan scores."""
+        return Selection(self.prefix, self.suffix, self.seq_len, self.offsets, self.seed, self.limit)
+
+
+# options that decide the rows: a resume must agree on every one (scan_output.check_scan_out)
+ROW_OPTIONS = ("prefix", "suffix", "seq_len", "offsets", "seed", "limit", "dtype", "count_key", "manifest",
+               "generate", "min_k", "batch_size", "format", "part_rows")
+
+
+def check_options(o: ScanOptions) -> None:
+    """Flag-level checks that need no file: one ConfigError naming the flag, the value and the fix."""
+    check_selection(o.selection())
+    for flag, value, low in (("--batch-size", o.batch_size, 1), ("--part-rows", o.part_rows, 1),
+                             ("--top", o.top, 0), ("--seed", o.seed, 0)):
+        if value < low:
+            raise fail(flag, value, f"must be >= {low}")
+    if o.batch_size > MAX_ROWS:
+        raise fail("--batch-size", o.batch_size, f"must be <= {MAX_ROWS}; pass e.g. 256")
+    if not 0 < o.min_k <= 1:
+        raise fail("--min-k", o.min_k, "pass a fraction in (0, 1], e.g. 0.2")
+    if o.format not in ("parquet", "jsonl"):
+        raise fail("--format", o.format, "choose parquet or jsonl")
+    if o.mode not in ("auto", "easy", "paired"):
+        raise fail("--mode", o.mode, "choose auto, easy or paired")
+    if o.wandb not in WANDB_MODES:
+        raise fail("--wandb", o.wandb, f"choose one of {', '.join(WANDB_MODES)}")
+    if o.manifest and o.count_key:
+        raise fail("--count-key", o.count_key, "and --manifest both give duplicate counts; pass one")
+
+
+def _files_of(spec: str) -> list[Path]:
+    path = Path(spec).expanduser()
+    base = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    pair = [base.with_name(base.name + s) for s in (".bin", ".idx")]
+    return [p for p in pair if p.is_file()] if pair[1].is_file() else ([path] if path.exists() else [])
+
+
+def fingerprint(o: ScanOptions) -> dict[str, Any]:
+    """Every option that decides the rows, with the identity of the model and data files."""
+    folder = Path(o.model).resolve()
+    cfg = folder / "config.json"
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors")) + \
+        sum(p.stat().st_size for p in folder.glob("*.bin"))
+    conf = hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.is_file() else None
+    data = [f"{p.resolve()}:{p.stat().st_size}" for p in _files_of(o.data)] or [o.data]
+    return {"model_files": f"{folder} config:{conf} weights:{weights}", "data_files": " ".join(data),
+            **{k: getattr(o, k) for k in ROW_OPTIONS}}
+
+
+def load_tokenizer_of(folder: str) -> Any:
+    """The model folder's tokenizer, or None when it holds none."""
+    from transformers import AutoTokenizer  # deferred: transformers' tokenizer stack, only here
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def duplicate_counts(o: ScanOptions, source: TokenSource) -> dict[int, int] | None:
+    """Document -> times in the training set: from --manifest (1 for documents it did not inject), from
+    the --count-key of each JSONL line as read, or None."""
+    if o.manifest:
+        try:
+            m = Manifest.from_json(o.manifest)
+        except ConfigError as e:
+            raise ConfigError(f"--manifest: {e}") from None
+        counts = dict.fromkeys(range(m.num_documents), 1)
+        for item in m.items:
+            for p in item.positions:
+                counts[p] = item.count
+        return counts
+    return source.counts if o.count_key else None
+
+
+def _check_vocab(o: ScanOptions, source: TokenSource, vocab: int) -> None:
+    top = source.max_id()
+    if top is not None and top < vocab - 1:
+        flag = "--dtype" if source.kind == "bin" else "--data"
+        raise fail(flag, o.dtype or o.data, f"stores {source.dtype} tokens (ids up to {top}), which "
+                   f"cannot hold this model's vocabulary of {vocab} ids; write the tokens with a wider dtype "
+                   "(uint32/int32) or scan with the model they were tokenized for")
+
+
+def _check_ids(o: ScanOptions, batch: list[Window], vocab: int) -> np.ndarray:
+    """The batch's windows as one [B, P + S] array; ConfigError on an id outside the vocabulary."""
+    ids = np.stack([w.tokens for w in batch])
+    if ids.max() >= vocab or ids.min() < 0:
+        bad = int(ids.max() if ids.max() >= vocab else ids.min())
+        raise fail("--data", o.data, f"holds token id {bad} (row {batch[0].row}+), outside the model's "
+                   f"vocabulary of {vocab}; scan with the model it was tokenized for")
+    return ids
+
+
+def _batches(it: Iterable[Window], size: int) -> Iterator[list[Window]]:
+    batch: list[Window] = []
+    for w in it:
+        batch.append(w)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _columns(batch: list[Window], s: dict[str, np.ndarray], source: TokenSource,
+             counts: dict[int, int] | None, prefix: int) -> dict[str, list]:
+    """One batch's rows as columns (scan_output.schema's names)."""
+    docs = [w.doc for w in batch]
+    tokens = np.stack([w.tokens for w in batch])
+    cols: dict[str, list] = {
+        "row": [w.row for w in batch], "sequence": [w.sequence for w in batch],
+        "offset": [w.offset for w in batch], "doc": docs, "doc_id": [source.doc_id(d) for d in docs],
+        "doc_offset": [w.doc_offset for w in batch],
+        "count": [None if counts is None else counts.get(d) for d in docs],
+        "exact_match": s["exact_match"].tolist(), "lead": s["lead"].tolist(),
+        **{k: s[k].tolist() for k in ("token_accuracy", "suffix_loss", "zlib_ratio", "min_k")}}
+    if "continuation" in s:
+        cols.update(memorization_score=s["memorization_score"].tolist(), rougeL=s["rougeL"].tolist(),
+                    continuation_ids=s["continuation"].tolist())
+    cols["prefix_ids"], cols["suffix_ids"] = tokens[:, :prefix].tolist(), tokens[:, prefix:].tolist()
+    return cols
+
+
+def _total(o: ScanOptions, source: TokenSource) -> int | None:
+    if o.limit is not None:
+        return o.limit
+    if parse_offsets(o.offsets)[0] == "start" and o.seq_len is None:
+        return source.num_documents  # at most one window per document
+    return None
+
+
+def run_scan(o: ScanOptions) -> dict[str, Any]:
+    """Check everything, scan (resuming an interrupted scan of the same command), write OUT; the report.
+
+    Under a launcher with --grid, call it on every rank: every rank scores, rank 0 writes."""
+    start = time.perf_counter()
+    check_options(o)
+    inputs = {"--model": o.model, "--data": o.data, "--manifest": o.manifest}
+    check_inputs("--out", o.out, {**inputs, **{f"--data[{i}]": str(p) for i, p in
+                                              enumerate(_files_of(o.data))}}, entries=SCAN_FILES)
+    config = _hf_config("--model", o.model)
+    check_shape("--model", o.model, config)
+    sel = o.selection()
+    ctx = _context(config)
+    if ctx is not None and sel.width > ctx:
+        raise fail("--prefix", o.prefix, f"+ --suffix {o.suffix} exceeds the model's context of {ctx} "
+                   "positions; shorten them")
+    state = check_scan_out(o.out, fingerprint(o), o.overwrite)
+    tok = load_tokenizer_of(o.model)
+    source = open_source(o.data, tokenizer=tok, dtype=o.dtype, count_key=o.count_key)
+    vocab = int(config.vocab_size)
+    _check_vocab(o, source, vocab)
+    counts = duplicate_counts(o, source)
+    start_row = int(state["rows"]) if state else 0
+    stats = WindowStats()
+    sep = tok.eos_token_id if tok is not None and source.kind in ("text", "hf") else None
+    it = windows(source, sel, separator=sep, start_row=start_row, stats=stats)
+    first = list(islice(it, o.batch_size))  # the data's refusals come before anything is written
+    if first:
+        _check_ids(o, first, vocab)
+    elif start_row == 0:
+        raise fail("--data", o.data, f"gives no window: all {stats.sequences} of its sequences are shorter "
+                   f"than --prefix + --suffix = {sel.width} tokens (skipped); shorten them or scan longer "
+                   "documents")
+    if o.grid == "auto":  # the scan's own choice (memory without optimizer state), as its dry run shows
+        launch = Launch.current()
+        dims, _ = scan_grid(config, world=launch.world, gpus_per_node=launch.gpus_per_node,
+                            hardware=launch.hw(), batch=o.batch_size, width=sel.width, suffix=o.suffix,
+                            mode=o.mode)
+        o = replace(o, grid=",".join(map(str, dims)))
+    grid = eval_grid(o, config, sel.width)
+    check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
+    model, _ = _load("--model", o.model, grid, _mode(o, config))
+    if grid.distributed:  # every rank has passed its checks before rank 0 touches OUT
+        torch.distributed.barrier()
+    out, main = Path(o.out), grid.rank == 0
+    parts = int(state["parts"]) if state else 0
+    record = {"fingerprint": fingerprint(o), "parts": parts, "rows": start_row, "complete": False}
+    if main:
+        if o.overwrite:
+            remove_entries(out, [n for n in SCAN_FILES if os.path.lexists(out / n)])
+        clean_for_resume(out, parts, o.format)
+        write_state(out, record)
+    text = (lambda ids: tok.decode(ids)) if tok is not None else ids_text
+    total = _total(o, source)
+    bar = tqdm(total=None if total is None else max(0, total - record["rows"]), unit="seq", desc="scan",
+               disable=not (main and o.progress), smoothing=0.1)
+    sc, pending, scanned = Scorer(model, grid), {}, 0
+    loop = time.perf_counter()  # reading, selecting, scoring and writing: what sequences/s measures
+    with keep_gathered(model, o.keep_gathered):
+        for batch in chain([first] if first else [], _batches(it, o.batch_size)):
+            ids = _check_ids(o, batch, vocab)
+            scores = score_windows(model, torch.from_numpy(ids), o.prefix, k=o.min_k, generate=o.generate,
+                                   text=text, scorer=sc)
+            scanned += len(batch)
+            bar.update(len(batch))
+            if main:
+                for k, v in _columns(batch, scores, source, counts, o.prefix).items():
+                    pending.setdefault(k, []).extend(v)
+                while len(pending["row"]) >= o.part_rows:
+                    parts = _flush(out, o, parts, {k: v[:o.part_rows] for k, v in pending.items()}, record)
+                    pending = {k: v[o.part_rows:] for k, v in pending.items()}
+    bar.close()
+    if main and pending.get("row"):
+        parts = _flush(out, o, parts, pending, record)
+    now = time.perf_counter()
+    seconds, loop = now - start, now - loop
+    if main and stats.short and o.progress:
+        print(f"[scan] skipped {stats.short} of {stats.sequences} sequences shorter than --prefix + --suffix "
+              f"= {sel.width} tokens", file=sys.stderr)
+    header = {"model": o.model, "data": o.data, "source": source.kind, "args": asdict(o),
+              "selection": asdict(sel), "sequences": stats.sequences, "short": stats.short,
+              "grid": ",".join(map(str, grid.dims)), "scanned_now": scanned, "seconds": seconds,
+              "scan_seconds": loop, "sequences_per_s": scanned / loop if loop else None}
+    if not main:
+        return header
+    report = build_report(out, fmt=o.format, suffix=o.suffix, generate=o.generate, header=header, text=text,
+                          top=o.top)
+    report["summary"].update(sequences_read=stats.sequences, short_skipped=stats.short)
+    _write_report(out, report)
+    _log_wandb(o, out, report)
+    write_state(out, {**record, "complete": True})
+    return report
+
+
+def _flush(out: Path, o: ScanOptions, parts: int, cols: dict[str, list], record: dict[str, Any]) -> int:
+    """Write part `parts` and count it in the state file (in that order); the new part count."""
+    write_part(out, parts, cols, o.format, o.generate)
+    record.update(parts=parts + 1, rows=record["rows"] + len(cols["row"]))
+    write_state(out, record)
+    return parts + 1
+
+
+def _log_wandb(o: ScanOptions, out: Path, report: dict[str, Any]) -> None:
+    """The report's summary, PNGs and top rows to a W&B run under OUT/wandb (offline unless asked)."""
+    if o.wandb == "disabled":
+        return
+    sink = WandbSink(WandbConfig(mode=o.wandb), name=f"scan-{out.name}", out_dir=out, config=asdict(o))
+    try:
+        sink.summary({f"scan/{k}": v for k, v in report["summary"].items()})
+        for png in PNGS:
+            if (out / png).is_file():
+                sink.log_image(f"scan/{png.removesuffix('.png')}", out / png)
+        cols = ["row", "doc_id", "doc_offset", "lead", "suffix_loss", "prefix", "suffix"]
+        sink.log_table("scan/top", cols, [[t[c] for c in cols] for t in report["top"]])
+    finally:
+        sink.close()
+
+
+def _write_report(out: Path, report: dict[str, Any]) -> None:
+    """report.json, report.md and the PNGs, each moved into OUT only when all are written."""
+    tmp = Path(tempfile.mkdtemp(prefix=".scan-", dir=out))
+    try:
+        pngs = plot(report, tmp)
+        write_files(out, {"report.json": dumps(report), "report.md": markdown(report)},
+                    replace=("report.json", "report.md"))
+        for p in pngs:
+            os.replace(p, out / p.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["ScanOptions", "check_options", "fingerprint", "run_scan", "STATE"]

@@ -1,0 +1,162 @@
+"""`memorize scan --dry-run --world N --hardware PRESET`: size a corpus scan on a cluster, run nothing.
+
+The grid is the one the launched scan takes (`--grid`, or `auto`: the planner's fastest fitting grid
+for the scan's P + S tokens, as `memorize eval --grid auto` asks it), checked against the model's
+heads, hidden size, FFN and vocabulary. Per-rank memory and time come from the planner's evaluation
+model (axonn/plan/evaluation.py): weights as the engine holds them (fp32), no optimizer state, the
+activations of one forward over P + S tokens for this rank's share of a batch (the batch is split
+over the Z x data shards), the suffix's fp32 logits; time = one compute-bound forward of P + S tokens
+per batch (a prefill, no decode step: that is the whole point of the scan). The model is a folder
+(its config.json) or a zoo name (configs/models, e.g. llama-70b). The window count is --limit, or
+counted from a local token file's index (one window per document with --offsets start).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from axonn.grid import parse_grid, validate_grid_for_model
+from axonn.plan import get_hardware, load_shape, valid_grids
+from axonn.plan.evaluation import eval_memory, eval_time
+from axonn.plan.volumes import Grid, default_mode
+from data_pipelines.scan_windows import Selection, check_selection, parse_offsets
+from data_pipelines.token_sources import open_source
+from memorization.models import pretrained_config, resolve_model_dir, zoo_config
+from memorize_core import ConfigError, fail
+
+GiB = 2**30
+
+
+def _config(model: str) -> Any:
+    return pretrained_config(model) if resolve_model_dir(model) is not None else zoo_config(model)
+
+
+def count_windows(args: Any) -> int:
+    """--limit, or the windows of a local token file with --offsets start (one per sequence)."""
+    if args.limit is not None:
+        return args.limit
+    if args.data and parse_offsets(args.offsets)[0] == "start":
+        try:
+            source = open_source(args.data, dtype=args.dtype)
+        except Exception:  # text needs the model's tokenizer: not counted here
+            source = None
+        if source is not None and source.num_documents is not None and source.kind != "text":
+            if args.seq_len is None:
+                return source.num_documents
+            tokens = sum(len(t) for _, t in source.documents())
+            return math.ceil(tokens / args.seq_len)
+    raise fail("--limit", None, "a dry run needs the number of windows to scan: pass --limit N (e.g. "
+               "--limit 1000000), or --data a local token file with --offsets start")
+
+
+def _cost(shape: Any, g: Grid, hw: Any, *, batch: int, width: int, suffix: int, mode: str, windows: int,
+          gpus_per_node: int) -> tuple[dict[str, float], dict[str, float], str]:
+    """(rank-0 bytes by category, the planner's time, precision) of scanning on grid `g`."""
+    shards = g.z * g.data
+    per_rank = math.ceil(batch / shards)
+    precision = "fp32" if hw.name.startswith("local") else "bf16"
+    mem = eval_memory(shape, g, batch=per_rank, context=width, new=0, seq=suffix, mode=mode,
+                      precision=precision, optimizer_state=False)
+    mem["kv_cache"] = 0.0  # one forward without a cache
+    t = eval_time(shape, g, hw, docs=windows, batch=per_rank, context=width - 1, new=0,
+                  gpus_per_node=gpus_per_node, mode=mode, precision=precision)
+    return mem, t, precision
+
+
+def scan_grid(config: Any, *, world: int, gpus_per_node: int, hardware: Any, batch: int, width: int,
+              suffix: int, mode: str = "auto", spec: str | None = None, windows: int = 1000,
+              headroom: float = 0.1) -> tuple[tuple[int, int, int, int], str]:
+    """(X,Y,Z,D, what chose it): `spec`, or for auto the predicted-fastest grid of `world` processes
+    whose scan fits in memory (weights without optimizer state: a scan fits where training may not)."""
+    shape = load_shape(config)
+    mode = mode if mode != "auto" else default_mode(shape)
+    if spec not in (None, "auto"):
+        return parse_grid(spec), "--grid"
+    hw = get_hardware(hardware)
+    best, least = None, None
+    for g in valid_grids(shape, world, batch, strict=False, mode=mode):
+        try:
+            validate_grid_for_model((g.x, g.y, g.z, g.data), config, mode)
+        except ConfigError:
+            continue
+        mem, t, _ = _cost(shape, g, hw, batch=batch, width=width, suffix=suffix, mode=mode, windows=windows,
+                          gpus_per_node=min(gpus_per_node, world))
+        need = sum(mem.values())
+        if least is None or need < least[0]:
+            least = (need, g)
+        if need <= hw.memory_bytes * (1 - headroom) and (best is None or t["seconds"] < best[0]):
+            best = (t["seconds"], g)
+    if best is None:
+        why = (f"the smallest needs {least[0] / GiB:.1f} GiB per GPU at {least[1]}" if least else
+               "no grid divides the model's heads, hidden, FFN and vocab")
+        raise fail("--grid", "auto", f"no grid of {world} processes scans {shape.name} in {hw.name} memory "
+                   f"({why}); lower --batch-size or use more GPUs")
+    g = best[1]
+    return (g.x, g.y, g.z, g.data), f"the performance model ({hw.name})"
+
+
+def scan_dry_run(args: Any) -> dict[str, Any]:
+    """The scan's grid, per-rank memory and predicted time on `--world` GPUs of `--hardware`."""
+    if args.world is None or args.world < 1:
+        raise fail("--world", args.world, "--dry-run needs the job's GPU count, e.g. --world 8")
+    sel = Selection(args.prefix, args.suffix, args.seq_len, args.offsets, args.seed, args.limit)
+    check_selection(sel)
+    windows = count_windows(args)
+    hw = get_hardware(args.hardware or "h100")
+    world = args.world
+    gpn = args.gpus_per_node or hw.gpus_per_node
+    config = _config(args.model)
+    shape = dataclasses.replace(load_shape(config), name=args.model)
+    mode = args.mode if args.mode != "auto" else default_mode(shape)
+    dims, chosen = scan_grid(config, world=world, gpus_per_node=gpn, hardware=hw, batch=args.batch_size,
+                             width=sel.width, suffix=args.suffix, mode=mode, spec=args.grid, windows=windows)
+    if math.prod(dims) != world:
+        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={math.prod(dims)} but --world is {world}")
+    validate_grid_for_model(dims, config, mode)
+    mem, t, precision = _cost(shape, Grid(*dims), hw, batch=args.batch_size, width=sel.width,
+                              suffix=args.suffix, mode=mode, windows=windows, gpus_per_node=min(gpn, world))
+    total = sum(mem.values())
+    usable = hw.memory_bytes * 0.9
+    if total > usable:
+        raise fail("--batch-size", args.batch_size, f"the scan needs {total / GiB:.1f} GiB per GPU at grid "
+                   f"{','.join(map(str, dims))} but {hw.name} has {usable / GiB:.1f} GiB usable; lower it or "
+                   "use more GPUs")
+    return {"model": args.model, "params": shape.params, "windows": windows, "prefix": args.prefix,
+            "suffix": args.suffix, "batch": args.batch_size,
+            "rows_per_rank": math.ceil(args.batch_size / (dims[2] * dims[3])),
+            "grid": list(dims), "chosen_by": chosen, "mode": mode, "hardware": hw.name, "world": world,
+            "gpus_per_node": gpn, "precision": precision,
+            "rank0_bytes": {k: int(v) for k, v in mem.items()}, "rank0_total_gib": total / GiB,
+            "usable_gib": usable / GiB, "predicted_s": t["seconds"],
+            "sequences_per_s": windows / t["seconds"] if t["seconds"] else None,
+            "launch": f"torchrun --nproc-per-node {min(gpn, world)} -m memorization scan --model "
+                      f"{args.model} --data SOURCE --grid {','.join(map(str, dims))} --out OUT"}
+
+
+def format_scan_plan(r: dict[str, Any]) -> str:
+    """The dry run's text."""
+    mem = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["rank0_bytes"].items())
+    return "\n".join([
+        f"memorize scan --dry-run: {r['model']} ({r['params'] / 1e9:.2f}B params), {r['windows']:,} windows "
+        f"of {r['prefix']}+{r['suffix']} tokens",
+        f"grid {','.join(map(str, r['grid']))} ({r['mode']}) on {r['world']} x {r['hardware']} "
+        f"({r['gpus_per_node']} per node), chosen by {r['chosen_by']}",
+        f"batch {r['batch']} ({r['rows_per_rank']} rows per batch shard), {r['precision']}",
+        f"rank 0 memory: {r['rank0_total_gib']:.2f} GiB of {r['usable_gib']:.1f} usable ({mem} GiB)",
+        f"predicted: {r['predicted_s']:.1f} s ({r['predicted_s'] / 3600:.2f} h), "
+        f"{r['sequences_per_s']:,.0f} sequences/s",
+        f"launch: {r['launch']}"])
+
+
+def cli_scan_dry_run(args: Any) -> int:
+    """Print the scan's dry run (text, or JSON with --json); 0, or ConfigError."""
+    if not args.dry_run:
+        raise fail("--world", args.world, "sizes a scan without running it; add --dry-run")
+    report = scan_dry_run(args)
+    print(json.dumps(report, indent=1) if args.json else format_scan_plan(report))
+    return 0
+
+
+__all__ = ["cli_scan_dry_run", "count_windows", "format_scan_plan", "scan_dry_run", "scan_grid"]
