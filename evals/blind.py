@@ -33,9 +33,9 @@ def blind_scores(members: Sequence[str], nonmembers: Sequence[str], *, folds: in
                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Out-of-fold member probabilities of a text-only classifier (members, non-members)."""
     from scipy.sparse import hstack  # deferred: sklearn's text stack is only needed here
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import StratifiedKFold
+    from sklearn.feature_extraction.text import TfidfVectorizer  # deferred: +1-12 s, only the baseline
+    from sklearn.linear_model import LogisticRegression  # deferred: as above
+    from sklearn.model_selection import StratifiedKFold  # deferred: as above
 
     if len(members) < 2 or len(nonmembers) < 2:
         raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)} documents",
