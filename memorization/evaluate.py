@@ -31,12 +31,16 @@ from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_mo
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid, load_shape
 from axonn.plan.volumes import default_mode
-from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
-from evals import ExtractionResult, extract, summarize, to_jsonl
-from evals.mia import membership_inference
-from evals.perplexity import corpus_loss
+from evals import ExtractionResult, to_jsonl
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.eval_sections import (
+    EvalCorpus,
+    extraction_section,
+    load_corpus_tokens,
+    mia_section,
+    perplexity_section,
+)
 from memorization.fits import check_fits, check_shape
 from memorization.models import load_sharded
 from memorization.outputs import check_inputs
@@ -74,17 +78,6 @@ class EvalOptions:
     tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
     num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
     verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
-
-
-@dataclass
-class _Corpus:
-    """One corpus spec, tokenized and cut: kept documents' ids, texts and token lists."""
-
-    spec: str
-    loaded: int
-    ids: list[str]
-    texts: list[str]
-    seqs: list[list[int]]
 
 
 def check_options(o: EvalOptions) -> None:
@@ -250,30 +243,6 @@ def _max_tokens(o: EvalOptions, config: Any) -> int:
     return want
 
 
-def _corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, limit: int) -> _Corpus:
-    """Load and tokenize one corpus with the model's tokenizer; documents under 2 tokens are dropped."""
-    if is_chat_spec(spec):
-        raise fail(flag, spec, "holds conversations (prompt/response or messages), but memorize eval scores "
-                   "plain documents: pass a text corpus (a .txt file, or .jsonl with a 'text' key per line); "
-                   "a chat fine-tune's responses are scored by its training run (extraction.jsonl)")
-    try:
-        docs = load_corpus(spec, limit=limit or None)
-    except ConfigError as e:  # its message names `corpus`; say which flag the spec came from
-        msg = str(e).replace("set text_field to the key that holds the text",  # eval has no such flag
-                             "memorize eval reads each line's 'text' key: rename the key that holds the text")
-        raise ConfigError(f"{flag}: {msg}") from None
-    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
-    if not seqs:
-        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
-                   "model's tokenizer; point it at text")
-    top = max(max(s) for s in seqs)
-    if top >= vocab:
-        raise fail("--model", str(tok.name_or_path), f"its tokenizer gives id {top} on {spec}, beyond the "
-                   f"model's vocab_size {vocab}; save the tokenizer the model was trained with")
-    return _Corpus(spec, len(docs), [docs[i].id for i in seqs.kept], [docs[i].text for i in seqs.kept],
-                   [list(s) for s in seqs])
-
-
 def _check_reference(o: EvalOptions, model: Any, tok: Any, ref: Any, ref_tok: Any) -> None:
     """The reference model must score the same ids: equal vocab_size and, when it has one, tokenizer."""
     a, b = model.config.vocab_size, ref.config.vocab_size
@@ -290,7 +259,7 @@ def _check_reference(o: EvalOptions, model: Any, tok: Any, ref: Any, ref_tok: An
                    "with the target's tokenizer")
 
 
-def _check_disjoint(members: _Corpus, nonmembers: _Corpus) -> None:
+def _check_disjoint(members: EvalCorpus, nonmembers: EvalCorpus) -> None:
     """Members and non-members must not share a document (same text or same token ids)."""
     by_text = {t.strip(): i for i, t in zip(members.ids, members.texts)}
     by_ids = {tuple(s): i for i, s in zip(members.ids, members.seqs)}
@@ -333,8 +302,8 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         _check_reference(o, model, tok, ref, ref_tok)
     vocab = model.config.vocab_size
 
-    def load(flag: str, spec: str) -> _Corpus:
-        return _corpus(flag, spec, tok, vocab, max_tokens, o.limit)
+    def load(flag: str, spec: str) -> EvalCorpus:
+        return load_corpus_tokens(flag, spec, tok, vocab, max_tokens, o.limit)
 
     extraction = load("--corpus", o.corpus) if o.corpus else None
     if extraction is not None and not any(len(s) >= o.prefix + o.suffix for s in extraction.seqs):
@@ -354,11 +323,11 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
         if extraction is not None:
-            report["extraction"], results = _extraction(o, model, tok, extraction)
+            report["extraction"], results = extraction_section(o, model, tok, extraction)
         if o.mia:
-            report["mia"] = _mia(o, model, tok, ref, members, nonmembers)
+            report["mia"] = mia_section(o, model, tok, ref, members, nonmembers)
         if ppl:
-            report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
+            report["perplexity"] = [perplexity_section(o, model, c) for c in ppl]
         if o.tasks:  # lm-eval's own output goes to a log beside the report (or a temp file) unless --verbose
             log = None if o.verbose else Path(tempfile.mkstemp(prefix="memorize-lm-eval-", suffix=".log")[1])
             report["tasks"] = score_tasks(model, tok, o.tasks.split(","), num_fewshot=o.num_fewshot,
@@ -376,31 +345,3 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     if out is not None and log is not None:
         log.unlink(missing_ok=True)  # moved beside the report
     return report
-
-
-def _extraction(o: EvalOptions, model: Any, tok: Any, c: _Corpus
-                ) -> tuple[dict[str, Any], list[ExtractionResult]]:
-    t = time.perf_counter()
-    results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
-                      batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=True)
-    section = {"corpus": c.spec, "prefix": o.prefix, "suffix": o.suffix, "beams": o.beams,
-               "loaded": c.loaded, **summarize(results), "seconds": time.perf_counter() - t}
-    return section, results
-
-
-def _mia(o: EvalOptions, model: Any, tok: Any, ref: Any, m: _Corpus, n: _Corpus) -> dict[str, Any]:
-    t = time.perf_counter()
-    methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
-                                   batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed)
-    counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
-              "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
-              "non_member_tokens": sum(map(len, n.seqs))}
-    return {"members": m.spec, "non_members": n.spec, "reference": o.reference, "k": o.mia_k,
-            "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
-            "seconds": time.perf_counter() - t}
-
-
-def _perplexity(o: EvalOptions, model: Any, c: _Corpus) -> dict[str, Any]:
-    t = time.perf_counter()
-    res = corpus_loss(model, c.seqs, batch_size=o.batch_size)
-    return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}
