@@ -94,3 +94,15 @@ def test_bad_input_is_one_line_naming_field_value_and_fix():
         GoldfishCollator(TrlCollator(pad_token_id=0), kk=4)
     with pytest.raises(ConfigError, match=r"^goldfish.k=1: k must be an integer >= 2"):
         GoldfishCollator(TrlCollator(pad_token_id=0), k=1)
+
+
+def test_a_missing_optional_package_is_one_line(monkeypatch):
+    from memorization.integrations.extras import require
+
+    monkeypatch.setitem(__import__("sys").modules, "trl", None)  # import trl -> ImportError
+    with pytest.raises(ConfigError, match=r"^trl='not installed': install the optional extra: pip install "
+                                          r"-c constraints.txt -e '\.\[trl\]'"):
+        require("trl")
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)
+    with pytest.raises(ConfigError, match=r"^peft='not installed'"):
+        require("peft")
