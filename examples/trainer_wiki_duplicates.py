@@ -5,7 +5,7 @@ and canaries were injected, standard loss vs goldfish, memorization measured pas
     python examples/trainer_wiki_duplicates.py [--passes 5] [--members 32] [--out runs/trainer-wiki]
 
 `inject_dataset` puts copies of some leads (seen 1, 4 and 8 times) and canaries ("my secret code is
-NNN", seen once or 8 times) into the `datasets.Dataset` with the manifest our pipeline writes;
+NNN", one seen once, one 8 times) into the `datasets.Dataset` with the manifest our pipeline writes;
 transformers' `DataCollatorForLanguageModeling(mlm=False)` collates, wrapped by `GoldfishCollator` in
 the goldfish arm; `MemorizationCallback` scores after every pass: greedy extraction of every member
 lead (32-token prefix -> next 32), the duplicated leads by copy count, canary exposure over all 1,000
@@ -60,8 +60,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     space = SecretSpace(kind="digits", length=3)  # 1,000 secrets: exposure is exact
     ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members]),
-                                  duplicates=DuplicateSpec(counts=[1, 4, 8], per_count=2),
-                                  canaries=CanarySpec(num_canaries=4, space=space, repeats=[1, 8]), seed=0)
+                                  duplicates=DuplicateSpec(counts=[1, 4, 8]),
+                                  canaries=CanarySpec(num_canaries=2, space=space, repeats=[1, 8]), seed=0)
     rows = ds.map(lambda r: tok(r["text"], truncation=True, max_length=a.block_len),
                   remove_columns=ds.column_names)
     out = Path(a.out) / name
@@ -79,8 +79,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
     callback = MemorizationCallback(tok, members=members, non_members=non_members, manifest=manifest,
                                     prefix=32, suffix=32, max_tokens=a.block_len, batch_size=32,
                                     bootstrap=500, out_dir=out / "memorization")
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, processing_class=tok,
-                      callbacks=[callback])
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator,
+                      processing_class=tok, callbacks=[callback])
     callback.attach(trainer).train()
     return {"name": name, "passes": callback.records}
 

@@ -138,3 +138,30 @@ def test_bad_input_is_one_line(folder, texts):
 class _Tiny(torch.nn.Module):
     def get_input_embeddings(self):
         return torch.nn.Embedding(4, 2)
+
+
+def _probe_on_ranks(rank: int, world: int, folder: str, members: list[str], others: list[str]) -> dict:
+    from memorization.integrations.callback import _grid
+
+    grid = _grid()
+    assert grid is not None and grid.dims == (1, 1, 1, 2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    cb = MemorizationCallback(tok, members=members, non_members=others, **SETTINGS)
+    return cb.probe.score(AutoModelForCausalLM.from_pretrained(folder), grid)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ddp_processes_score_in_lockstep_like_one(folder, texts):
+    """Under torchrun / accelerate every process scores its share on the 1,1,1,2 grid of replicas and all
+    get every figure: the same as one process."""
+    from axonn.spawn import run_distributed
+
+    members, others = texts
+    tok = AutoTokenizer.from_pretrained(folder)
+    want = MemorizationCallback(tok, members=members, non_members=others, **SETTINGS).probe.score(
+        AutoModelForCausalLM.from_pretrained(folder))[0]
+    for got in run_distributed(_probe_on_ranks, 2, folder, members, others, timeout=600):
+        for key in ("extraction", "mia"):
+            _same(got[key], want[key])
+        assert got["perplexity"][0]["loss"] == pytest.approx(want["perplexity"][0]["loss"], rel=1e-6)
