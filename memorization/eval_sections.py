@@ -3,14 +3,15 @@
 `memorize eval` (memorization/evaluate.py) and the Hugging Face Trainer callback
 (memorization/integrations/callback.py) both call these, so a pass scored in place during training
 and the same checkpoint scored by `memorize eval` give the same figures with the same settings.
-Each takes the command's `EvalOptions` (prefix, suffix, beams, batch size, MIA k, bootstrap, seed).
+Each takes the command's `EvalOptions` (defined here: prefix, suffix, beams, batch size, MIA k,
+bootstrap, seed, ...).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from axonn.grid import ProcessGrid
 from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
@@ -19,8 +20,35 @@ from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorize_core import ConfigError, fail
 
-if TYPE_CHECKING:  # annotations only: evaluate.py imports this module
-    from memorization.evaluate import EvalOptions
+
+@dataclass
+class EvalOptions:
+    """What `memorize eval` was asked to do (the command line, as given)."""
+
+    model: str
+    corpus: str | None = None
+    mia: bool = False
+    members: str | None = None
+    non_members: str | None = None
+    reference: str | None = None
+    mia_k: float = 0.2
+    bootstrap: int = 1000
+    perplexity: list[str] | None = None
+    max_tokens: int | None = None
+    limit: int = 0
+    prefix: int = 32
+    suffix: int = 32
+    batch_size: int = 32
+    beams: int = 1
+    seed: int = 0
+    out: str | None = None
+    overwrite: bool = False
+    grid: str | None = None  # X,Y,Z,D or auto (under torchrun / srun); None: one process, serial
+    mode: str = "auto"  # parallel mode of the layers: easy, paired, or auto (paired for Llama-family)
+    keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
+    tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
+    num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
+    verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
 
 
 @dataclass

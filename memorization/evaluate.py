@@ -17,7 +17,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,9 @@ from axonn.plan.volumes import default_mode
 from evals import ExtractionResult, to_jsonl
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
-from memorization.eval_sections import (
+from memorization.eval_sections import (  # noqa: F401 - EvalOptions: importers read it here
     EvalCorpus,
+    EvalOptions,
     extraction_section,
     load_corpus_tokens,
     mia_section,
@@ -48,36 +49,6 @@ from memorization.parallel import Launch, launched_world_size, wants_grid
 from memorize_core import ConfigError, fail
 
 DEFAULT_MAX_TOKENS = 128  # this project's training block length (configs/train/tiny-wiki.yaml)
-
-
-@dataclass
-class EvalOptions:
-    """What `memorize eval` was asked to do (the command line, as given)."""
-
-    model: str
-    corpus: str | None = None
-    mia: bool = False
-    members: str | None = None
-    non_members: str | None = None
-    reference: str | None = None
-    mia_k: float = 0.2
-    bootstrap: int = 1000
-    perplexity: list[str] | None = None
-    max_tokens: int | None = None
-    limit: int = 0
-    prefix: int = 32
-    suffix: int = 32
-    batch_size: int = 32
-    beams: int = 1
-    seed: int = 0
-    out: str | None = None
-    overwrite: bool = False
-    grid: str | None = None  # X,Y,Z,D or auto (under torchrun / srun); None: one process, serial
-    mode: str = "auto"  # parallel mode of the layers: easy, paired, or auto (paired for Llama-family)
-    keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
-    tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
-    num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
-    verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
 
 
 def check_options(o: EvalOptions) -> None:

@@ -106,3 +106,26 @@ def test_a_missing_optional_package_is_one_line(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "peft", None)
     with pytest.raises(ConfigError, match=r"^peft='not installed'"):
         require("peft")
+
+
+def _example(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_examples_exit_2_with_one_line(monkeypatch, capsys, tmp_path):
+    sft = _example("sft_chat_goldfish")
+    monkeypatch.setitem(__import__("sys").modules, "trl", None)
+    assert sft.main(["--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: trl='not installed': install the optional extra")
+    plain = _example("trainer_wiki_duplicates")
+    assert plain.main(["--model", "tiny", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: --model='tiny': not a pretrained model; pass smollm2-135m or " \
+                                      "a folder\n"
+    assert not any(tmp_path.iterdir())  # nothing half-written
