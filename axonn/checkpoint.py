@@ -15,9 +15,9 @@ meet at a barrier, then rank 0 writes meta.json and COMPLETE, fsyncs, and rename
 final name. A crash at any point leaves either no step folder or a complete one; `latest_complete`
 only ever returns folders holding COMPLETE whose meta.json parses.
 
-A Trainer's own state (loop position, schedule, the label transform's state, RNG states) rides in
-meta.json and the rank files: `trainer_state` / `load_trainer_state`, and `save_trainer` /
-`load_trainer`, which Trainer.save_checkpoint / load_checkpoint call.
+A caller's own state rides along: `meta` (JSON, rank 0's) and `rank_tensors` (each rank's, e.g. RNG
+states). The Trainer passes its loop position, schedule and label-transform state there
+(axonn/loop_state.py); this module never learns what a trainer is.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -356,71 +355,3 @@ def consolidate(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]
     pieces = _Pieces(path, meta)
     state = {k[len("param/"):]: pieces.full(k) for k in meta["tensors"] if k.startswith("param/")}
     return meta, state
-
-
-# -- a trainer's checkpoint: axonn.trainer.Trainer's state_dict / save_checkpoint / load_checkpoint --
-
-def trainer_state(trainer: Any) -> dict[str, Any]:
-    """A Trainer's loop position, schedule and label-transform state (JSON-able; tensors kept apart
-    under "tensors": the RNG states and the transform's tensors)."""
-    s = trainer.state
-    out: dict[str, Any] = {
-        "trainer_state": {"step": s.step, "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch,
-                          "tokens": s.tokens, "skipped_steps": s.skipped_steps,
-                          "bad_streak": s.bad_streak},
-        "scheduler": trainer.scheduler.state_dict(),
-        "group_lrs": [g["lr"] for g in trainer.optimizer.param_groups],
-        "transform": {},
-    }
-    fn = getattr(trainer.label_transform, "state_dict", None)
-    tensors: dict[str, torch.Tensor] = {"rng/cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and trainer.device.type == "cuda":
-        tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    for k, v in (fn() if callable(fn) else {}).items():
-        if isinstance(v, torch.Tensor):
-            tensors[f"transform/{k}"] = v
-        else:
-            out["transform"][k] = v
-    out["tensors"] = tensors
-    return out
-
-
-def load_trainer_state(trainer: Any, state: dict[str, Any],
-                       tensor: Callable[[str], torch.Tensor | None]) -> None:
-    """Restore what trainer_state saved; `tensor(name)` returns a saved tensor (or None)."""
-    for k, v in state["trainer_state"].items():
-        setattr(trainer.state, k, int(v))
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    for g, lr in zip(trainer.optimizer.param_groups, state["group_lrs"]):
-        g["lr"] = lr
-    fn = getattr(trainer.label_transform, "load_state_dict", None)
-    if callable(fn):
-        saved = dict(state.get("transform", {}))
-        for k in trainer.label_transform.state_dict():
-            t = tensor(f"transform/{k}")
-            if t is not None:
-                saved[k] = t
-        fn(saved)
-    rng = tensor("rng/cpu")
-    if rng is not None:
-        torch.set_rng_state(rng)
-    cuda = tensor("rng/cuda")
-    if cuda is not None and torch.cuda.is_available() and trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, trainer.device)
-
-
-def save_trainer(root: str | os.PathLike, trainer: Any) -> Path:
-    """An atomic checkpoint of everything a Trainer needs to resume exactly (every rank calls it)."""
-    state = trainer.state_dict()
-    tensors = state.pop("tensors")
-    cfg = getattr(trainer.model, "config", None)
-    meta = {**state, "model_config": cfg.to_dict() if cfg is not None else None}
-    return save(root, trainer.state.step, trainer.model, trainer.optimizer, grid=trainer.grid, meta=meta,
-                rank_tensors=tensors, main_files=trainer.checkpoint_files, keep_last=trainer.cfg.keep_last)
-
-
-def load_trainer(path: str | os.PathLike, trainer: Any) -> dict[str, Any]:
-    """Resume a Trainer from a checkpoint saved at any grid; returns its meta."""
-    meta, tensor = load(path, trainer.model, trainer.optimizer, grid=trainer.grid)
-    trainer.load_state_dict(meta, tensor)
-    return meta

@@ -1,4 +1,7 @@
-"""Per-block torch.compile (`trainer.compile`): each transformer block compiled on its own.
+"""What the trainer does to a model's transformer blocks for speed and memory: per-block
+torch.compile (`trainer.compile`) and activation checkpointing (`trainer.activation_checkpointing`).
+
+Compile: each transformer block is compiled on its own.
 
 One block at a time keeps the compile short (every block of a model has the same code, so after the
 first the rest hit the cache) and fuses what sits between the GEMMs: RMSNorm, rotary, SwiGLU, the
@@ -79,3 +82,20 @@ def compile_blocks(model: nn.Module, setting: bool | str = "auto", device: torch
     for block in found:
         block.compile(backend=backend)
     return len(found)
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder block's forward during backward (Hugging Face models).
+
+    Non-reentrant torch.utils.checkpoint: the recomputed forward runs the same ops on the same
+    inputs, so losses and gradients are bit-identical to running without it; only memory changes.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
+                   "gradient checkpointing; use a Hugging Face causal LM or set it to false")
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

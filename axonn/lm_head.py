@@ -8,13 +8,13 @@ never built. It applies only where that identity holds and nothing else watches 
 - the model is a transformers PreTrainedModel (`base_model_prefix`) whose head has no bias and whose
   config scales or caps no logits (Gemma-2 softcapping, Cohere/Granite logit scales);
 - the trainer's gradient hook is the plain one (a hook's per-example module hooks need the head as a module).
-`auto` chunks when a micro-batch's logits would exceed AUTO_ELEMENTS on this rank (a 1B Llama at
-4 x 2048 tokens: yes; the tiny CPU models: never, so their steps are unchanged) and falls back to full
-logits, silently, where the chunked path does not apply; an explicit chunk size refuses there.
+`auto` chunks when a micro-batch's logits would exceed axonn.plan.memory.AUTO_ELEMENTS on this rank
+(a 1B Llama at 4 x 2048 tokens: yes; the tiny CPU models: never, so their steps are unchanged) and
+falls back to full logits, silently, where the chunked path does not apply; an explicit chunk size
+refuses there.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,15 +26,10 @@ from axonn.grid import ProcessGrid
 from axonn.layers.chunked_ce import chunked_cross_entropy
 from axonn.layers.functions import compute_dtype, token_cross_entropy
 from axonn.layers.modules import ParallelLinear
+from axonn.plan.memory import head_chunk  # the planner resolves `auto` the same way
 from memorize_core import IGNORE_INDEX, fail
 
-AUTO_ELEMENTS = 2 ** 26  # logits elements per rank above which `auto` chunks (256 MiB in fp32)
 _LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def auto_chunk(vocab_local: int) -> int:
-    """Tokens per chunk for `auto`: a power of two whose [chunk, vocab/Y] fp32 block is <= AUTO_ELEMENTS."""
-    return max(64, 2 ** int(math.log2(max(1, AUTO_ELEMENTS // max(1, vocab_local)))))
 
 
 @dataclass(frozen=True)
@@ -111,10 +106,7 @@ class LossHead:
         """Tokens per chunk for a micro-batch of `tokens` tokens on this rank; 0: full logits."""
         if self.head is None:
             return 0
-        if self.setting == "auto":
-            chunk = auto_chunk(self.head.rows)  # rows of the gathered block: this rank's vocab slice
-            return chunk if tokens > chunk else 0  # one chunk would only add the recompute
-        return int(self.setting)
+        return head_chunk(self.setting, self.head.rows, tokens)  # rows: this rank's vocab slice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor | HiddenStates:
         """logits[:, :-1] of `ids`, or (chunking) the final hidden states at the same positions."""

@@ -69,7 +69,7 @@ class SafetensorsSlices:
     """Positioned reads of row/column ranges of tensors in one or more .safetensors files."""
 
     def __init__(self, hf_dir: str | os.PathLike) -> None:
-        root = Path(hf_dir)
+        root = self.folder = Path(hf_dir)
         files = [root] if root.is_file() else sorted(root.glob("*.safetensors"))
         if not files:
             raise fail("load_pretrained", str(hf_dir), "no .safetensors files there; save the model with "
@@ -134,10 +134,10 @@ def _reader_for(files: SafetensorsSlices, key: str, spec: ParamSpec) -> Callable
     return lambda r0, r1, c0, c1: files.read(key, r0, r1, c0, c1)
 
 
-@torch.no_grad()
-def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike) -> nn.Module:
-    """Fill a parallelized model (e.g. built on the meta device) with its shards from HF safetensors."""
-    files = SafetensorsSlices(hf_dir)
+def _stored(model: nn.Module, files: SafetensorsSlices, field: str) -> Iterable[tuple[str, torch.Tensor,
+                                                                                   ParamSpec | None]]:
+    """(stored key, tensor, spec) for each distinct tensor of `model` (tied ones once); a tensor the
+    folder lacks is refused in one line naming `field`."""
     layouts = layouts_of(model)
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -145,12 +145,35 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike) -> nn.Module:
         names.setdefault(id(t), []).append(key)
         tensors[id(t)] = t
     for tid, keys in names.items():
-        t = tensors[tid]
         key = next((k for k in keys if k in files.entries), None)
         if key is None:
-            raise fail("load_pretrained", keys[0], f"not found in {hf_dir}; the checkpoint does not "
-                       "match this model's architecture")
-        spec = layouts.get(keys[0])
+            raise fail(field, str(files.folder), f"{keys[0]} is not in its safetensors files; the weights "
+                       "do not match this model's architecture (config.json)")
+        yield key, tensors[tid], layouts.get(keys[0])
+
+
+def check_pretrained(model: nn.Module, hf_dir: str | os.PathLike, *, field: str = "model.name"
+                     ) -> dict[str, object]:
+    """Without reading a tensor: every tensor `model` (a sharded or meta model) will load is in the
+    folder's safetensors with its serial shape; returns what the folder holds."""
+    files = SafetensorsSlices(hf_dir)
+    checked = 0
+    for key, t, spec in _stored(model, files, field):
+        want = list(t.shape) if spec is None else spec.serial_shape
+        if list(files.shape(key)) != want:
+            raise fail(field, str(hf_dir), f"{key} is stored as {files.shape(key)} but the model "
+                       f"expects {want}; was it saved from this config?")
+        checked += 1
+    dtypes = sorted({d for _, d, _, _ in files.entries.values()})
+    return {"folder": str(hf_dir), "tensors": len(files.entries), "files": len({f for f, *_ in
+            files.entries.values()}), "dtypes": dtypes, "checked": checked}
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike) -> nn.Module:
+    """Fill a parallelized model (e.g. built on the meta device) with its shards from HF safetensors."""
+    files = SafetensorsSlices(hf_dir)
+    for key, t, spec in _stored(model, files, "load_pretrained"):
         if spec is None:
             stored = files.shape(key)
             piece = files.read(key, 0, stored[0]) if stored else files.read(key, 0, 1)

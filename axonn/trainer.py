@@ -11,7 +11,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from axonn import checkpoint
-from axonn.compile import compile_blocks
+from axonn.compile import compile_blocks, enable_activation_checkpointing
 from axonn.config import TrainerConfig
 from axonn.engine import (
     all_reduce_sum,
@@ -35,6 +34,7 @@ from axonn.grid import ProcessGrid
 from axonn.hooks import Callback, GradientHook, RowDataset
 from axonn.layers.functions import cross_entropy, token_cross_entropy
 from axonn.lm_head import HiddenStates, LossHead
+from axonn.loop_state import StepStats, TrainState, epoch_order, lr_lambda, restore, snapshot
 from axonn.sinks import MetricSink
 from axonn.state import save_pretrained
 from memorize_core import IGNORE_INDEX, Batch, fail
@@ -45,63 +45,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute every decoder block's forward during backward (Hugging Face models).
-
-    Non-reentrant torch.utils.checkpoint: the recomputed forward runs the same ops on the same
-    inputs, so losses and gradients are bit-identical to running without it; only memory changes.
-    """
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
-                   "gradient checkpointing; use a Hugging Face causal LM or set it to false")
-    kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-    if callable(enable):
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The deterministic row order of one epoch (same on every rank)."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(n, generator=gen)
-
-
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to min_ratio at `total`."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step measured (summed over the grid)."""
-
-    loss_sum: float = 0.0
-    supervised: int = 0
-    dropped_loss_sum: float = 0.0
-    dropped: int = 0
-    tokens: int = 0
-    grad_norm: float = 0.0
-    skipped: bool = False
-
-
-@dataclass
-class TrainState:
-    """Where the loop is: enough to resume exactly."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    tokens: int = 0
-    skipped_steps: int = 0  # steps whose loss or gradient norm was NaN/Inf (no update made)
-    bad_streak: int = 0  # consecutive ones, up to now
-    history: list = field(default_factory=list)
 
 
 class NonFiniteError(RuntimeError):
@@ -428,22 +371,30 @@ class Trainer:
                 f"had a non-finite loss or gradient norm (step {self.state.step}: loss={loss}, "
                 f"grad_norm={stats.grad_norm}); lower trainer.lr, set trainer.grad_clip, or check the data")
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints (axonn/checkpoint.py stores them; axonn/loop_state.py says what the loop needs) ----
     def state_dict(self) -> dict[str, Any]:
-        """Loop position, schedule and label-transform state (axonn.checkpoint.trainer_state)."""
-        return checkpoint.trainer_state(self)
+        """Loop position, schedule and label-transform state; tensors (RNG states) under "tensors"."""
+        return snapshot(self.state, self.scheduler, self.optimizer, self.label_transform, self.device)
 
     def load_state_dict(self, state: dict[str, Any], tensor: Callable[[str], torch.Tensor | None]) -> None:
         """Restore what state_dict saved; `tensor(name)` returns a saved tensor (or None)."""
-        checkpoint.load_trainer_state(self, state, tensor)
+        restore(state, tensor, self.state, self.scheduler, self.optimizer, self.label_transform, self.device)
 
     def save_checkpoint(self, root: str | Path) -> Path:
         """Write an atomic checkpoint of everything needed to resume exactly (every rank calls it)."""
-        return checkpoint.save_trainer(root, self)
+        state = self.state_dict()
+        tensors = state.pop("tensors")
+        config = getattr(self.model, "config", None)
+        meta = {**state, "model_config": config.to_dict() if config is not None else None}
+        return checkpoint.save(root, self.state.step, self.model, self.optimizer, grid=self.grid, meta=meta,
+                               rank_tensors=tensors, main_files=self.checkpoint_files,
+                               keep_last=self.cfg.keep_last)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Resume from a checkpoint saved at any grid; returns its meta."""
-        return checkpoint.load_trainer(path, self)
+        meta, tensor = checkpoint.load(path, self.model, self.optimizer, grid=self.grid)
+        self.load_state_dict(meta, tensor)
+        return meta
 
     def export(self, out_dir: str | Path, tokenizer: Any = None) -> Path:
         """save_pretrained the full serial model (and tokenizer) to out_dir on the main rank."""

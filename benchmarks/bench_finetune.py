@@ -38,7 +38,8 @@ import yaml
 from common import ROOT, alternate, peak_rss, ratio, report
 
 from axonn.config import to_dict
-from axonn.trainer import Trainer, epoch_order
+from axonn.loop_state import epoch_order
+from axonn.trainer import Trainer
 from memorization.config import load_run_config
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.models import build_model

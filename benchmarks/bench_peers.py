@@ -39,8 +39,9 @@ from bench_gpu import build
 
 import axonn
 from axonn.compile import compile_blocks
-from axonn.lm_head import LossHead, auto_chunk
+from axonn.lm_head import LossHead
 from axonn.plan.calibrate import get_hardware
+from axonn.plan.memory import auto_chunk
 from axonn.plan.model import model_flops, predict
 from axonn.plan.shapes import load_shape
 from axonn.plan.volumes import Grid

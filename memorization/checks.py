@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from axonn import checkpoint
-from axonn.grid import validate_grid_for_model
+from axonn.grid import ProcessGrid, validate_grid_for_model
 from data_pipelines import load_tokenizer
 from memorization.config import RunConfig
 from memorization.fits import check_shape
@@ -100,7 +100,7 @@ def run_files(cfg: RunConfig) -> tuple[str, ...]:
 
 
 def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, spec: str | None = None,
-             grid: Any = None, model_config: Any = None, out: str | Path | None = None,
+             grid: ProcessGrid | None = None, model_config: Any = None, out: str | Path | None = None,
              overwrite: bool = False, resume: str | None = None,
              model: torch.nn.Module | None = None) -> RunPlan:
     """The run's plan on `launch` (default: this process's launch): the grid (`grid`, an initialised

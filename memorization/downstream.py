@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from axonn.grid import ProcessGrid
 from data_pipelines.downstream import BUNDLED_TASKS, TASK_DIR
 from memorize_core import ConfigError, fail
 
@@ -88,7 +89,7 @@ def stderr_to(path: str | Path | None) -> Iterator[None]:
 
 
 def score_tasks(model: Any, tokenizer: Any, names: Sequence[str], *, num_fewshot: int | None = None,
-                limit: int | None = None, batch_size: int = 16, grid: Any = None,
+                limit: int | None = None, batch_size: int = 16, grid: ProcessGrid | None = None,
                 log: str | Path | None = None) -> dict[str, Any]:
     """lm-eval on `model` (serial, or sharded over `grid`: call on every rank); the run_tasks dict.
 

@@ -20,18 +20,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 import axonn
-from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid
+from axonn.lm_head import LossHead
 from axonn.plan import get_hardware, load_shape, plan, predict
 from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.memory import Adapters, local_params, memory_breakdown
 from axonn.plan.search import check_inputs
 from axonn.plan.volumes import Grid
-from axonn.state import SafetensorsSlices
+from axonn.state import check_pretrained
 from axonn.swap import parallelize, trainable
 from data_pipelines.corpora import CORPORA
 from memorization.checks import plan_run, planned_model_config
@@ -40,7 +39,7 @@ from memorization.dryrun_report import format_report
 from memorization.experiments import load_experiment
 from memorization.lora import apply_sharded_lora, lora_targets
 from memorization.models import meta_model
-from memorization.parallel import Launch, memory_fix, precision_for, run_adapters
+from memorization.parallel import Launch, head_setting, memory_fix, precision_for, run_adapters
 from memorization.prepare import prepare_data
 from memorize_core import ConfigError, fail
 
@@ -48,41 +47,11 @@ GiB = 2**30
 CLUSTERS_FILE = Path(__file__).resolve().parents[1] / "configs" / "clusters.yaml"
 
 
-def model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
-    """(HF config of the model the run builds, its weights folder or None, where the vocab comes from):
-    memorization.checks.planned_model_config."""
-    return planned_model_config(cfg)
-
-
 def _check_corpus(field: str, spec: str) -> None:
     """A corpus that is a file path must exist (names and hub ids are resolved at run time)."""
     if spec and (spec.endswith((".txt", ".jsonl", ".parquet")) or spec.startswith(("/", "./", "~")))\
             and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
         raise fail(field, spec, "no such file or folder; pass an existing corpus path or a corpus name")
-
-
-def _check_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
-    """Every tensor rank 0 will load is in the folder's safetensors with the serial shape."""
-    files = SafetensorsSlices(folder)
-    layouts = layouts_of(model)
-    seen: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        seen.setdefault(id(t), []).append(key)
-        tensors[id(t)] = t
-    for tid, keys in seen.items():
-        key = next((k for k in keys if k in files.entries), None)
-        if key is None:
-            raise fail("model.name", str(folder), f"{keys[0]} is not in its safetensors files; the "
-                       "weights do not match this model's config.json")
-        spec, t = layouts.get(keys[0]), tensors[tid]
-        want = list(t.shape) if spec is None else spec.serial_shape
-        if list(files.shape(key)) != want:
-            raise fail("model.name", str(folder), f"{key} is stored as {files.shape(key)} but the model "
-                       f"expects {want}; was it saved from this config?")
-    dtypes = sorted({d for _, d, _, _ in files.entries.values()})
-    return {"folder": str(folder), "tensors": len(files.entries), "files": len({f for f, *_ in
-            files.entries.values()}), "dtypes": dtypes, "checked": len(seen)}
 
 
 def _cluster_for(hw_name: str) -> str:
@@ -164,7 +133,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     _check_corpus("data.corpus", cfg.data.corpus)
     _check_corpus("data.held_out", cfg.data.held_out)
     data, data_note = plan_data(cfg, data)
-    hf_config, weights, vocab_source = model_config(cfg)
+    hf_config, weights, vocab_source = planned_model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
     serial = meta_model(hf_config)
@@ -176,20 +145,24 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     accum, mb = run_plan.micro_batches, run_plan.micro_batch  # batch over Z x data, micro-batches
     g = Grid(*dims)
 
-    model = parallelize(serial, ProcessGrid.virtual(*dims, rank=0), mode=mode)
+    virtual = ProcessGrid.virtual(*dims, rank=0)
+    model = parallelize(serial, virtual, mode=mode)
     handle = axonn.engine_of(model)  # just parallelized: the handle is there
     pair, planned = handle.pair_axes, handle.plan  # which module became which parallel layer
     params = trainable(model)
     local = sum(p.numel() for p in params)  # fp32, as the trainer keeps them (meta_model)
-    weights_info = _check_weights(model, weights) if weights is not None else None
+    weights_info = check_pretrained(model, weights) if weights is not None else None
     adapters, trained = run_adapters(cfg, hf_config, precision), None
     if adapters is not None:  # the run's adapters on this grid's shards: what the rank trains
         targets = lora_targets(meta_model(hf_config), cfg.model.lora)
         trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora, targets)))
 
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
+    # the LM head as the launched trainer runs it (memorization.parallel.head_setting; a model whose
+    # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
+    chunk = head_setting(cfg) if LossHead(model, virtual, head_setting(cfg)).head is not None else "off"
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
-                                example_norms=ghost, adapters=adapters, trained=trained)
+                                example_norms=ghost, adapters=adapters, trained=trained, loss_chunk=chunk)
            for ck in (False, True)}
     used = mem[t.activation_checkpointing]
     total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
@@ -200,10 +173,10 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                    f"{memory_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                precision=precision, local=local, adapters=adapters)
+                precision=precision, local=local, adapters=adapters, loss_chunk=chunk)
     try:
         top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
-                   precision=precision)[0]
+                   precision=precision, loss_chunk=chunk)[0]
         best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
                 "activation_checkpointing": top.checkpoint_activations}
     except ConfigError:
@@ -294,11 +267,15 @@ def run_configs(command: str, config_path: str, overrides: Sequence[str]) -> tup
         # rows as the experiment prepares them (an injected corpus): DP-SGD's checks count them
         subs = [(rc, d) for rc, d in zip(subs, module.run_data(exp))]
     runs = [dataclasses.replace(exp.base, name=exp.name)]  # names the job and its folder
-    # every distinct model a sub-run trains (a family of sizes: each one) is reported too
+    # every distinct job a sub-run trains (a family of sizes: each one; an arm whose adapters, DP-SGD
+    # or batch change what a rank holds) is reported too
     runs += [sub[0] if isinstance(sub, tuple) else sub for sub in subs]
     seen, out = set(), []
     for rc in runs:
-        key = (rc.model.name, repr(sorted(rc.model.overrides.items())))
+        t = rc.trainer
+        key = (rc.model.name, repr(sorted(rc.model.overrides.items())),
+               repr(rc.model.lora) if rc.model.lora.enabled else None,
+               (t.dp.enabled, t.dp.clipping if t.dp.enabled else None), t.batch_size, t.micro_batch)
         if key not in seen:
             seen.add(key)
             out.append(rc)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from axonn.config import load_yaml
+from axonn.grid import ProcessGrid
 from axonn.state import load_pretrained
 from axonn.swap import parallelize
 from data_pipelines import load_tokenizer
@@ -171,7 +172,7 @@ def meta_model(config: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def load_sharded(folder: str | Path, grid: Any, mode: str = "easy") -> torch.nn.Module:
+def load_sharded(folder: str | Path, grid: ProcessGrid, mode: str = "easy") -> torch.nn.Module:
     """A saved model folder parallelized over `grid`: built on the meta device, its safetensors
     streamed into each rank's shards (no rank ever holds the whole model); eval mode."""
     config = AutoConfig.from_pretrained(folder)

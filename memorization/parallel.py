@@ -134,6 +134,12 @@ def eval_bytes(cfg: RunConfig, shape: Any, g: Any, mode: str, precision: str, lo
                            local=local, adapters=adapters).values())
 
 
+def head_setting(cfg: RunConfig) -> int | str:
+    """The LM-head setting the trainer runs with: trainer.loss_chunk, except that a DP-SGD hook watches
+    the head as a module (per-example hooks), so its run keeps the full logits (axonn.lm_head)."""
+    return "off" if cfg.trainer.dp.enabled else cfg.trainer.loss_chunk
+
+
 def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     """`grid: auto`: the predicted-fastest grid of `launch.world` processes that runs this config as
     written (micro-batch, activation checkpointing, parallel mode, precision) and fits in memory."""
@@ -152,7 +158,7 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
             continue
         p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=launch.gpus_per_node,
                     micro_batch=mb, checkpoint=t.activation_checkpointing, headroom=launch.headroom,
-                    mode=mode, precision=precision, adapters=adapters)
+                    mode=mode, precision=precision, adapters=adapters, loss_chunk=head_setting(cfg))
         if p.fits and eval_bytes(cfg, shape, g, mode, precision, adapters=adapters) \
                 > hw.memory_bytes * (1 - launch.headroom):
             reasons.append(f"eval.batch_size={cfg.eval.batch_size}: scoring in place does not fit at {g}")

@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from axonn.config import check_loss_chunk
 from axonn.grid import ProcessGrid
 from axonn.layers.chunked_ce import chunked_cross_entropy
-from axonn.lm_head import LossHead, auto_chunk, token_cross_entropy_of
+from axonn.lm_head import LossHead, token_cross_entropy_of
+from axonn.plan.memory import auto_chunk
 from axonn.spawn import run_distributed
 from memorize_core import ConfigError
 

@@ -81,11 +81,12 @@ def test_memory_is_the_planners_model_of_the_built_model():
     from axonn.plan import load_shape
     from axonn.plan.memory import memory_breakdown
     from axonn.plan.volumes import Grid
-    from memorization.dryrun import dry_run, model_config
+    from memorization.checks import planned_model_config
+    from memorization.dryrun import dry_run
 
     cfg = _cfg("trainer.activation_checkpointing=true", "trainer.micro_batch=1", "parallel_mode=paired")
     r = dry_run(cfg, world=4, grid="1,2,2,1")
-    shape = load_shape(model_config(cfg)[0])
+    shape = load_shape(planned_model_config(cfg)[0])
     for ck, key in ((True, "checkpointing"), (False, "no_checkpointing")):
         m = memory_breakdown(shape, Grid(1, 2, 2, 1), 16, 1, ck, mode="paired", precision="fp32")
         assert r["rank0"]["activation_bytes"][key] == int(m["activations"])
@@ -167,7 +168,7 @@ def test_finetune_configs_dry_run_clean_at_axonn_plans_grid(config, gpus):
     shape = replace(load_shape(cfg.model.name), vocab=auto["model"]["vocab"])
     t = cfg.trainer  # the planner's best grid for the config as written (its micro-batch, checkpointing)
     top = plan(shape, gpus, 4, cfg.data.block_len, t.batch_size, "alps-h100", strict=True,
-               micro_batch=t.micro_batch, checkpoint=t.activation_checkpointing)[0]
+               micro_batch=t.micro_batch, checkpoint=t.activation_checkpointing, loss_chunk=t.loss_chunk)[0]
     assert auto["rank0"]["total_bytes"] <= auto["hardware"]["usable_bytes"]
     assert auto["grid"]["nodes"] == gpus // 4
     # `grid: auto` with the config's own settings reaches the planner's best time

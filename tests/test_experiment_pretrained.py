@@ -109,7 +109,8 @@ SIZED = EXPERIMENT.replace("passes: 2\n",
 def test_a_sharded_experiment_under_srun_scores_as_the_serial_one(pretrained, tmp_path, cache_dir):
     """The experiment kind at stand-in scale: 4 ranks (2 'nodes' x 2 tasks, the stand-in srun) at grid
     1,2,1,2 (vocab and heads split over Y, the batch over data) give the serial run's per-pass exact
-    match and AUCs: every pass is scored on the sharded model, in place."""
+    match and AUCs for every arm (standard, goldfish, LoRA, DP-SGD on LoRA): every pass is scored on
+    the sharded model, in place."""
     import os
     import subprocess
     import sys
@@ -118,7 +119,12 @@ def test_a_sharded_experiment_under_srun_scores_as_the_serial_one(pretrained, tm
     from axonn.spawn import free_port
 
     cfg = tmp_path / "pm.yaml"
-    cfg.write_text(SIZED.format(model=pretrained).replace("base:\n", "base:\n  parallel_mode: paired\n"))
+    # LoRA and DP-SGD on the adapters (no noise, a clip norm that bites) as arms beside the losses
+    arms = ("arms: [{name: lora, overrides: [model.lora.enabled=true, model.lora.r=4, trainer.lr=1.0e-2]},\n"
+            "  {name: dp-lora, overrides: [model.lora.enabled=true, model.lora.r=4, trainer.lr=1.0e-2,\n"
+            "   trainer.dp.enabled=true, trainer.dp.noise_multiplier=0.0, trainer.dp.max_grad_norm=0.01]}]\n")
+    sized = SIZED.format(model=pretrained)
+    cfg.write_text(sized.replace("base:\n", arms + "base:\n  parallel_mode: paired\n"))
     assert main(["run", str(cfg), "--out", str(tmp_path / "serial")]) == 0
     standin = Path(__file__).resolve().parent / "slurm_standin.py"
     env = dict(os.environ, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2", SLURM_NNODES="2",
@@ -130,8 +136,12 @@ def test_a_sharded_experiment_under_srun_scores_as_the_serial_one(pretrained, tm
     assert done.returncode == 0, done.stderr[-3000:]
     serial = json.loads((tmp_path / "serial" / "report.json").read_text())["runs"]
     sharded = json.loads((tmp_path / "sharded" / "report.json").read_text())["runs"]
-    assert [r["name"] for r in sharded] == ["tinyA-pretrained-standard", "tinyA-pretrained-goldfish"]
-    for s, g in zip(serial, sharded):
+    assert [r["name"] for r in sharded] == ["tinyA-pretrained-standard", "tinyA-pretrained-goldfish",
+                                            "tinyA-pretrained-lora", "tinyA-pretrained-dp-lora"]
+    lora, dp = sharded[2:]
+    assert lora["arm"] == "lora" and lora["loss"] == "standard"
+    assert lora["passes"][1]["val_loss"] != pytest.approx(dp["passes"][1]["val_loss"], rel=1e-6)
+    for s, g in zip(serial, sharded, strict=True):
         assert [p["pass"] for p in g["passes"]] == [0, 1]
         for ps, pg in zip(s["passes"], g["passes"]):
             assert pg["exact_match_rate"] == ps["exact_match_rate"]

@@ -3,9 +3,9 @@ by one chunk's plus the fp32 dW accumulator, the logit bytes drop from 20 to 10 
 backward pays one more head GEMM (the recompute); loss_chunk=0 predicts exactly as before."""
 from __future__ import annotations
 
-from axonn.lm_head import auto_chunk
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.compute import elementwise_time, gemm_time, head_recompute_time
+from axonn.plan.memory import auto_chunk
 from axonn.plan.model import predict
 from axonn.plan.shapes import load_shape
 from axonn.plan.volumes import Grid

@@ -9,8 +9,9 @@ from helpers import rows, tiny_model
 
 from axonn.config import TrainerConfig
 from axonn.hooks import GradientHook
+from axonn.loop_state import lr_lambda
 from axonn.sinks import JsonlSink
-from axonn.trainer import IGNORE_INDEX, Trainer, lr_lambda
+from axonn.trainer import IGNORE_INDEX, Trainer
 from memorization.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 

@@ -9,6 +9,7 @@ activations in bf16 under autocast ("bf16") or fp32 ("fp32").
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from axonn.plan.compute import head_split
 from axonn.plan.shapes import ModelShape
@@ -97,6 +98,25 @@ def block_activation_bytes(shape: ModelShape, grid: Grid, tokens: int,
     return float(act_bytes) * tokens * width + 4.0 * tokens * shape.heads / s
 
 
+AUTO_ELEMENTS = 2 ** 26  # logits elements per rank above which `loss_chunk: auto` chunks (256 MiB in fp32)
+
+
+def auto_chunk(vocab_local: int) -> int:
+    """Tokens per chunk for `auto`: a power of two whose [chunk, vocab/Y] fp32 block is <= AUTO_ELEMENTS."""
+    return max(64, 2 ** int(math.log2(max(1, AUTO_ELEMENTS // max(1, vocab_local)))))
+
+
+def head_chunk(setting: int | str, vocab_local: int, tokens: int) -> int:
+    """Tokens per chunk the trainer's LM head uses (trainer.loss_chunk: auto, off or a size) for a
+    micro-batch of `tokens` predicted tokens on a rank holding `vocab_local` vocab rows; 0: full logits."""
+    if setting in ("off", 0, None):
+        return 0
+    if setting == "auto":
+        chunk = auto_chunk(vocab_local)
+        return chunk if tokens > chunk else 0  # one chunk would only add the recompute
+    return int(setting)
+
+
 def activation_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
                      mode: str | None = None, precision: str | Precision = "bf16",
                      loss_chunk: int = 0) -> float:
@@ -163,20 +183,22 @@ def example_norm_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int
 def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                      checkpoint: bool, prefetch: bool = True,
                      mode: str | None = None, *, local: float | None = None,
-                     precision: str | Precision = "bf16", loss_chunk: int = 0,
+                     precision: str | Precision = "bf16", loss_chunk: int | str = 0,
                      example_norms: bool = False, adapters: Adapters | None = None,
                      trained: float | None = None) -> dict[str, float]:
     """Peak bytes per GPU by category for one micro-batch of `micro_batch` rows per rank.
 
     `local` is the parameter count of one rank (default: `local_params` of the shape); the dry run
-    passes the count of the sharded model it built. `loss_chunk`: tokens per chunk of the chunked
-    LM head (0: full logits). `example_norms` adds the per-example norm buffers
+    passes the count of the sharded model it built. `loss_chunk`: the trainer's LM-head setting
+    (auto, off/0: full logits, or tokens per chunk; resolved for this grid by head_chunk).
+    `example_norms` adds the per-example norm buffers
     (`example_norm_bytes`: per-example clipping). With `adapters` those `local` parameters are
     frozen (their load dtype, no gradient or optimizer state) and only the adapters' -- `trained`,
     default `adapter_params` -- have all three.
     """
     mode = mode or default_mode(shape)
     p = get_precision(precision)
+    loss_chunk = head_chunk(loss_chunk, -(-shape.vocab // grid.y), micro_batch * (seq - 1))
     n = local_params(shape, grid, mode) if local is None else float(local)
     weights = p.weight * n
     z_buffers = z_buffer_bytes(shape, grid, prefetch, p, checkpoint, mode)
@@ -200,7 +222,7 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
 
 def memory_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
                  prefetch: bool = True, mode: str | None = None,
-                 precision: str | Precision = "bf16") -> float:
-    """Total predicted peak bytes per GPU."""
+                 precision: str | Precision = "bf16", loss_chunk: int | str = 0) -> float:
+    """Total predicted peak bytes per GPU (`loss_chunk`: the trainer's setting, see head_chunk)."""
     return sum(memory_breakdown(shape, grid, seq, micro_batch, checkpoint, prefetch,
-                                mode, precision=precision).values())
+                                mode, precision=precision, loss_chunk=loss_chunk).values())

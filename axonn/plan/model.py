@@ -13,7 +13,7 @@ from axonn.plan.compute import (
     optimizer_time,
 )
 from axonn.plan.hardware import GiB, Hardware
-from axonn.plan.memory import Adapters, adapter_params, local_params, memory_breakdown
+from axonn.plan.memory import Adapters, adapter_params, head_chunk, local_params, memory_breakdown
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Comm, Grid, default_mode, rows_per_rank, step_ops
 
@@ -97,7 +97,8 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             gpus_per_node: int | None = None, micro_batch: int | None = None,
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
             mode: str | None = None, precision: str = "bf16",
-            local: float | None = None, loss_chunk: int = 0, adapters: Adapters | None = None) -> Prediction:
+            local: float | None = None, loss_chunk: int | str = 0, adapters: Adapters | None = None
+            ) -> Prediction:
     """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
 
     `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
@@ -105,7 +106,8 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     (`hw.hides_comm`; the CPU/gloo `local` profile does not). Memory counts the prefetch buffers
     whenever `overlap` is on; `local` overrides the rank's parameter count (the dry run passes the
     count of the model it sharded), `precision` the activation bytes (memory.PRECISIONS),
-    `loss_chunk` > 0 the chunked LM head's tokens per chunk (trainer.loss_chunk; 0: full logits) and
+    `loss_chunk` the trainer's LM-head setting (trainer.loss_chunk: auto, off/0 full logits, or tokens
+    per chunk; resolved for this grid as the trainer does, memory.head_chunk) and
     `adapters` a LoRA run (a frozen base: only the adapters have gradients and optimizer state)."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
@@ -113,6 +115,7 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     rows = rows_per_rank(grid, global_batch)
     mb = micro_batch or rows
     n_micro = rows // mb
+    loss_chunk = head_chunk(loss_chunk, -(-shape.vocab // grid.y), mb * (seq - 1))
     gemms, comms, step = step_ops(shape, grid, seq, mb, checkpoint, mode)
 
     fwd_c = bwd_c = 0.0

@@ -16,16 +16,13 @@ arm is data, not code), or on the deduplicated corpus. Then every arm is asked:
 from __future__ import annotations
 
 import json
-import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
-from axonn.config import apply_overrides, build, to_dict
+from axonn.config import to_dict
 from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
 from evals import extract, summarize
 from memorization.config import RunConfig
@@ -46,23 +43,14 @@ from memorization.experiments.questions import (
     reference_model,
     task_label,
 )
-from memorization.experiments.reporting import Outputs, Table, figure, save
-from memorization.experiments.runner import Experiment, load_documents, say
+from memorization.experiments.reporting import Outputs, Point, Table, bar_panels, scatter_panels
+from memorization.experiments.runner import Experiment, PeakRSS, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
+from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
 from memorization.pipeline import run_training
 from memorization.prepare import PreparedData
 from memorize_core import fail
-
-
-@dataclass
-class Arm:
-    """One mitigation: a name, what it is, the run-config overrides that switch it on, dedup or not."""
-
-    name: str = ""
-    mitigation: str = ""
-    overrides: list[str] = field(default_factory=list)  # key=value on the base RunConfig
-    dedup: bool = False  # train on the deduplicated corpus
 
 
 def _default_arms() -> list[Arm]:
@@ -101,10 +89,7 @@ def arm_config(cfg: Config, arm: Arm, where: str = "overrides") -> RunConfig:
     base = replace(cfg.base, name=arm.name, data=replace(cfg.base.data, min_tokens=1),
                    trainer=replace(cfg.base.trainer, epochs=cfg.passes, max_steps=0),
                    eval=replace(cfg.base.eval, extraction=False))
-    try:
-        rc = build(RunConfig, apply_overrides(to_dict(base), list(arm.overrides)))
-    except ValueError as e:  # ConfigError: say which arm it came from
-        raise fail(where, arm.overrides, f"{e}".rstrip(".")) from None
+    rc = with_overrides(base, arm.overrides, where)
     if rc.goldfish.enabled:
         rc = replace(rc, goldfish=replace(rc.goldfish, token_budget=False))
     return rc
@@ -121,26 +106,6 @@ def run_data(cfg: Config) -> list[PreparedData]:
     data, _, _, injected_docs = build_corpus(cfg, None)
     dedup = _deduplicated(cfg, data, injected_docs)[0] if any(a.dedup for a in cfg.arms) else None
     return [dedup if a.dedup else data for a in cfg.arms]
-
-
-class PeakRSS:
-    """Peak resident memory of this process while a block runs (sampled every 20 ms)."""
-
-    def __enter__(self) -> PeakRSS:
-        self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.02)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple[PreparedData, Any]:
@@ -352,24 +317,17 @@ def _plot_scatter(arms: list[dict[str, Any]], path: Path) -> Path:
     utilities = [("val", "held-out loss (lower = more useful)")]
     if any(_downstream_acc(a)[0] is not None for a in arms):
         utilities.append(("acc", "downstream accuracy (higher = more useful)"))
-    panels = [(p, u) for u in utilities for p in (("em_dup", "exact match, duplicated leads"),
-                                                  ("auc", "MIA AUC (loss)"))]
-    fig, axes = figure(len(panels), width=5.2)
-    for ax, ((key, label), (ukey, ulabel)) in zip(axes, panels):
-        for a in arms:
-            x = (a["extraction"]["duplicated"]["exact_match_rate"] if key == "em_dup"
-                 else a["mia"].get("loss", {}).get("auc"))
-            y, err = (a["utility"]["val_loss"], None) if ukey == "val" else _downstream_acc(a)
-            if x is None or y is None:
-                continue
-            size = 80 * (a["cost"]["step_time_vs_none"] or 1.0)
-            ax.scatter([x], [y], s=size, alpha=0.7)
-            if err:
-                ax.errorbar([x], [y], yerr=[err], fmt="none", ecolor="gray", alpha=0.6)
-            ax.annotate(a["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-        ax.set(xlabel=f"{label} (lower = more private)", ylabel=ulabel,
-               title="privacy vs utility (marker: step time)")
-    return save(fig, path)
+    panels = []
+    for ukey, ulabel in utilities:
+        for key, label in (("em_dup", "exact match, duplicated leads"), ("auc", "MIA AUC (loss)")):
+            points = []
+            for a in arms:
+                x = (a["extraction"]["duplicated"]["exact_match_rate"] if key == "em_dup"
+                     else a["mia"].get("loss", {}).get("auc"))
+                y, err = (a["utility"]["val_loss"], None) if ukey == "val" else _downstream_acc(a)
+                points.append(Point(a["name"], x, y, err, 80 * (a["cost"]["step_time_vs_none"] or 1.0)))
+            panels.append((f"{label} (lower = more private)", ulabel, points))
+    return scatter_panels(panels, "privacy vs utility (marker: step time)", path)
 
 
 def _plot_bars(arms: list[dict[str, Any]], methods: list[str], path: Path) -> Path:
@@ -380,13 +338,7 @@ def _plot_bars(arms: list[dict[str, Any]], methods: list[str], path: Path) -> Pa
                ("held-out loss", lambda a: a["utility"]["val_loss"]),
                ("downstream accuracy", lambda a: _downstream_acc(a)[0]),
                ("step time x", lambda a: a["cost"]["step_time_vs_none"])]
-    fig, axes = figure(len(metrics), width=3.2, height=3.6)
-    names = [a["name"] for a in arms]
-    for ax, (title, get) in zip(axes, metrics):
-        ax.bar(range(len(arms)), [get(a) or 0 for a in arms], color="tab:blue")
-        ax.set_xticks(range(len(arms)), labels=names, rotation=60, ha="right", fontsize=7)
-        ax.set_title(title, fontsize=9)
-    return save(fig, path)
+    return bar_panels([a["name"] for a in arms], [(t, [get(a) for a in arms]) for t, get in metrics], path)
 
 
 __all__ = ["Arm", "Config", "arm_config", "run"]

@@ -38,8 +38,16 @@ from memorization.experiments.questions import (
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, SplitData, prepare_split, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
-from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+from memorization.experiments.spec import (
+    LOSSES,
+    Arm,
+    ExperimentConfig,
+    check_losses,
+    int_list,
+    with_overrides,
+)
 from memorization.models import is_pretrained, zoo_names
+from memorization.outputs import check_name
 from memorization.pipeline import extraction_results, finish, start_run, train
 from memorize_core import fail
 
@@ -58,6 +66,9 @@ class Config(ExperimentConfig, MiaSettings):
     # accept zoo shapes (the real models' architectures, random weights) in place of weight folders,
     # so the experiment can be checked and sized before the weights are there; reported as such
     zoo_stand_ins: bool = False
+    # further pretrained arms beside `losses`: standard loss plus the arm's run-config overrides
+    # (LoRA, DP-SGD, DP-SGD + LoRA, ...), e.g. {name: lora, overrides: [model.lora.enabled=true]}
+    arms: list[Arm] = field(default_factory=list)
 
     def validate(self, prefix: str = "") -> None:
         """A pretrained base model, members vs a same-distribution held-out half, sane ranges."""
@@ -79,6 +90,15 @@ class Config(ExperimentConfig, MiaSettings):
         for i, z in enumerate(self.sizes):
             if z.model:
                 _require_pretrained(f"sizes[{i}].model", z.model, self.zoo_stand_ins)
+        arm_names = [a.name for a in self.arms]
+        for i, a in enumerate(self.arms):
+            check_name(f"arms[{i}].name", a.name)  # it names its run folders
+            if a.dedup:
+                raise fail(f"arms[{i}].dedup", True, "deduplication is the mitigations experiment's arm; "
+                           "remove it here")
+            run_config(self, a.name, True, None, a)  # every override parses into a valid run config
+        if len(set(arm_names + self.losses)) != len(arm_names) + len(self.losses):
+            raise fail("arms", arm_names, f"arm names must be distinct and differ from losses {self.losses}")
 
 
 def _require_pretrained(field_name: str, name: str, stand_ins: bool) -> None:
@@ -162,26 +182,34 @@ def _sized(cfg: Config, size: ModelSize | None) -> RunConfig:
     return replace(b, model=model)
 
 
-def run_config(cfg: Config, loss: str, pretrained: bool, size: ModelSize | None = None) -> RunConfig:
-    """The RunConfig of one (size, loss, pretrained?) run: `passes` epochs, goldfish per `loss`."""
+def run_config(cfg: Config, loss: str, pretrained: bool, size: ModelSize | None = None,
+               arm: Arm | None = None) -> RunConfig:
+    """The RunConfig of one (size, loss or arm, pretrained?) run: `passes` epochs, goldfish per `loss`
+    (an arm: standard loss plus its overrides)."""
     b = _sized(cfg, size)
     name = (f"{size.name}-" if size else "") + f"{'pretrained' if pretrained else 'random-init'}-{loss}"
-    return replace(b, name=name, model=replace(b.model, random_init=not pretrained),
-                   trainer=replace(b.trainer, epochs=cfg.passes, max_steps=0),
-                   goldfish=replace(b.goldfish, enabled=loss == "goldfish", token_budget=False),
-                   # every pass is scored by the callback and finish writes the last pass's extraction;
-                   # extraction stays on so the dry run sizes it
-                   eval=replace(b.eval, extraction=True, mia=False))
+    rc = replace(b, name=name, model=replace(b.model, random_init=not pretrained),
+                 trainer=replace(b.trainer, epochs=cfg.passes, max_steps=0),
+                 goldfish=replace(b.goldfish, enabled=loss == "goldfish"),
+                 # every pass is scored by the callback and finish writes the last pass's extraction;
+                 # extraction stays on so the dry run sizes it
+                 eval=replace(b.eval, extraction=True, mia=False))
+    if arm is not None:
+        rc = with_overrides(rc, arm.overrides, f"arms[{cfg.arms.index(arm)}].overrides")
+        rc = replace(rc, name=name)
+    return replace(rc, goldfish=replace(rc.goldfish, token_budget=False))
 
 
-def _arms(cfg: Config) -> list[tuple[ModelSize | None, str, bool]]:
-    per_size = [(loss, True) for loss in cfg.losses] + ([("standard", False)] if cfg.control else [])
-    return [(size, loss, pretrained) for size in (cfg.sizes or [None]) for loss, pretrained in per_size]
+def _arms(cfg: Config) -> list[tuple[ModelSize | None, str, bool, Arm | None]]:
+    per_size = [(loss, True, None) for loss in cfg.losses] + [(a.name, True, a) for a in cfg.arms] \
+        + ([("standard", False, None)] if cfg.control else [])
+    return [(size, loss, pretrained, arm) for size in (cfg.sizes or [None])
+            for loss, pretrained, arm in per_size]
 
 
 def run_configs(cfg: Config) -> list[RunConfig]:
     """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
-    return [run_config(cfg, loss, pretrained, size) for size, loss, pretrained in _arms(cfg)]
+    return [run_config(cfg, loss, pretrained, size, arm) for size, loss, pretrained, arm in _arms(cfg)]
 
 
 def _evaluator(cfg: Config, size: ModelSize | None, split: SplitData, grid_spec: str | None) -> Evaluator:
@@ -202,8 +230,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     exp.check(run_configs(cfg), data)
     runs, samples = [], []
     evaluator, evaluated = None, object()  # one size's questions (and reference) at a time
-    for size, loss, pretrained in _arms(cfg):
-        rc = run_config(cfg, loss, pretrained, size)
+    for size, loss, pretrained, arm in _arms(cfg):
+        rc = run_config(cfg, loss, pretrained, size, arm)
         if size is not evaluated:
             evaluator, evaluated = _evaluator(cfg, size, split, exp.grid_spec), size
 
@@ -227,7 +255,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                                     cfg.downstream_fewshot]})
         if not exp.is_main:
             continue
-        record = _run_record(summary, loss, pretrained)
+        record = _run_record(summary, "goldfish" if rc.goldfish.enabled else "standard", pretrained)
+        record["arm"] = loss
         record["model"] = rc.model.name
         record["weights"] = ("random init" if not pretrained else "pretrained" if is_pretrained(rc.model.name)
                              else "zoo stand-in (random weights)")
@@ -325,7 +354,8 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
 
 
 def _style(r: dict[str, Any]) -> dict[str, Any]:
-    return {"linestyle": "-" if r["loss"] == "standard" else "--", "marker": "o" if r["pretrained"] else "x"}
+    line = "-." if r.get("arm") not in (None, *LOSSES) else "-" if r["loss"] == "standard" else "--"
+    return {"linestyle": line, "marker": "o" if r["pretrained"] else "x"}
 
 
 def _plot_em(runs: list[dict[str, Any]], path: Path) -> Path:

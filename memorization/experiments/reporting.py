@@ -60,6 +60,44 @@ def save(fig: Any, path: Path) -> Path:
     return path
 
 
+@dataclass
+class Point:
+    """One labelled point of a scatter panel: (x, y), an optional y error bar, a marker area."""
+
+    label: str
+    x: float | None
+    y: float | None
+    err: float | None = None
+    size: float = 80.0
+
+
+def scatter_panels(panels: Sequence[tuple[str, str, Sequence[Point]]], title: str, path: Path) -> Path:
+    """One scatter panel per (x label, y label, points), each point annotated with its label; points
+    without an x or y are left out."""
+    fig, axes = figure(len(panels), width=5.2)
+    for ax, (xlabel, ylabel, points) in zip(axes, panels):
+        for p in points:
+            if p.x is None or p.y is None:
+                continue
+            ax.scatter([p.x], [p.y], s=p.size, alpha=0.7)
+            if p.err:
+                ax.errorbar([p.x], [p.y], yerr=[p.err], fmt="none", ecolor="gray", alpha=0.6)
+            ax.annotate(p.label, (p.x, p.y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return save(fig, path)
+
+
+def bar_panels(names: Sequence[str], metrics: Sequence[tuple[str, Sequence[float | None]]],
+               path: Path) -> Path:
+    """One bar chart per (title, value per name); a missing value is drawn as 0."""
+    fig, axes = figure(len(metrics), width=3.2, height=3.6)
+    for ax, (title, values) in zip(axes, metrics):
+        ax.bar(range(len(names)), [v or 0 for v in values], color="tab:blue")
+        ax.set_xticks(range(len(names)), labels=list(names), rotation=60, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    return save(fig, path)
+
+
 def json_safe(obj: Any) -> Any:
     """JSON-safe: NaN/inf become null so report.json is strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):

@@ -11,12 +11,14 @@ running an experiment again resumes it; a changed setting retrains only the runs
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -200,6 +202,26 @@ class Experiment:
             return AutoModelForCausalLM.from_pretrained(d / "model").eval()
         dims = parse_grid(summary.get("grid") or f"1,1,1,{torch.distributed.get_world_size()}")
         return load_sharded(d / "model", axonn.init(*dims), cfg.parallel_mode)
+
+
+class PeakRSS:
+    """Peak resident memory of this process while a block runs (sampled every 20 ms): what a run cost."""
+
+    def __enter__(self) -> PeakRSS:
+        self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def exported_params(model_dir: Path) -> int | None:

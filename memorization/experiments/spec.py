@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axonn.config import apply_overrides, build, load_yaml
+from axonn.config import apply_overrides, build, load_yaml, to_dict
 from memorization.config import RunConfig
 from memorization.goldfish import STRATEGIES
 from memorization.outputs import check_name
@@ -40,6 +40,24 @@ class ExperimentConfig:
         check_name("name", self.name)  # the default OUT is runs/NAME
         if self.samples < 0:
             raise fail("samples", self.samples, "must be >= 0")
+
+
+@dataclass
+class Arm:
+    """One mitigation: a name, what it is, the run-config overrides that switch it on, dedup or not."""
+
+    name: str = ""
+    mitigation: str = ""
+    overrides: list[str] = field(default_factory=list)  # key=value on the base RunConfig
+    dedup: bool = False  # train on the deduplicated corpus (the mitigations experiment)
+
+
+def with_overrides(rc: RunConfig, overrides: Sequence[str], where: str) -> RunConfig:
+    """`rc` with an arm's `key=value` overrides applied and checked; an error names `where`."""
+    try:
+        return build(RunConfig, apply_overrides(to_dict(rc), list(overrides)))
+    except ValueError as e:  # ConfigError: say which arm it came from
+        raise fail(where, list(overrides), f"{e}".rstrip(".")) from None
 
 
 def int_list(field_name: str, values: Sequence[int], *, minimum: int, unique: bool = True) -> list[int]:
