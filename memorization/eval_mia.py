@@ -129,13 +129,13 @@ def check_disjoint(members: EvalCorpus, nonmembers: EvalCorpus) -> None:
 
 
 def mia_section(o: Any, model: Any, tok: Any, ref: Any, sets: tuple[EvalCorpus, EvalCorpus, str, int],
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, grid: Any = None) -> dict[str, Any]:
     """The report's `mia`: every attack's AUC/TPR (+ CIs) and the blind baseline beside them."""
     t = time.perf_counter()
     m, n, source, cut = sets
     methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
                                    batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed,
-                                   progress=progress)
+                                   progress=progress, grid=grid)
     # the texts the attacks scored (as cut), without the model
     blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
                            bootstrap=o.bootstrap, seed=o.seed)

@@ -17,7 +17,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +31,11 @@ from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_mo
 from axonn.inference import keep_gathered
 from axonn.plan import auto_grid, load_shape
 from axonn.plan.volumes import default_mode
-from evals import ExtractionResult, extract, summarize, to_jsonl
-from evals.perplexity import corpus_loss
+from evals import ExtractionResult, to_jsonl
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
 from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, mia_section, run_documents
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.eval_sections import EvalOptions, extraction_section, perplexity_section
 from memorization.fits import check_fits, check_shape
 from memorization.models import load_sharded, model_folder
 from memorization.outputs import check_inputs
@@ -46,36 +46,6 @@ from memorize_core import ConfigError, fail
 LM_EVAL_LOG_HEAD = ("# lm-evaluation-harness's own output during `memorize eval --tasks`; the flags it "
                     "mentions are lm_eval's CLI, not memorize's.\n")
 DEFAULT_MAX_TOKENS = 128  # this project's training block length (configs/train/tiny-wiki.yaml)
-
-
-@dataclass
-class EvalOptions:
-    """What `memorize eval` was asked to do (the command line, as given)."""
-
-    model: str
-    corpus: str | None = None
-    mia: bool = False
-    members: str | None = None
-    non_members: str | None = None
-    reference: str | None = None
-    mia_k: float = 0.2
-    bootstrap: int = 1000
-    perplexity: list[str] | None = None
-    max_tokens: int | None = None
-    limit: int = 0
-    prefix: int = 32
-    suffix: int = 32
-    batch_size: int = 32
-    beams: int = 1
-    seed: int = 0
-    out: str | None = None
-    overwrite: bool = False
-    grid: str | None = None  # X,Y,Z,D or auto (under torchrun / srun); None: one process, serial
-    mode: str = "auto"  # parallel mode of the layers: easy, paired, or auto (paired for Llama-family)
-    keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
-    tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
-    num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
-    verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
 
 
 def check_options(o: EvalOptions) -> None:
@@ -309,11 +279,11 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
         if extraction is not None:
-            report["extraction"], results = _extraction(o, model, tok, extraction)
+            report["extraction"], results = extraction_section(o, model, tok, extraction)
         if o.mia:
             report["mia"] = mia_section(o, model, tok, ref, sets, progress=grid.rank == 0)
         if ppl:
-            report["perplexity"] = [_perplexity(o, model, c) for c in ppl]
+            report["perplexity"] = [perplexity_section(o, model, c) for c in ppl]
         if o.tasks:  # lm-eval's own output goes to a log beside the report (or a temp file) unless --verbose
             log = None if o.verbose else Path(tempfile.mkstemp(prefix="memorize-lm-eval-", suffix=".log")[1])
             report["tasks"] = score_tasks(model, tok, o.tasks.split(","), num_fewshot=o.num_fewshot,
@@ -331,19 +301,3 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     if out is not None and log is not None:
         log.unlink(missing_ok=True)  # moved beside the report
     return report
-
-
-def _extraction(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus
-                ) -> tuple[dict[str, Any], list[ExtractionResult]]:
-    t = time.perf_counter()
-    results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
-                      batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=True)
-    section = {"corpus": c.spec, "prefix": o.prefix, "suffix": o.suffix, "beams": o.beams,
-               "loaded": c.loaded, **summarize(results), "seconds": time.perf_counter() - t}
-    return section, results
-
-
-def _perplexity(o: EvalOptions, model: Any, c: EvalCorpus) -> dict[str, Any]:
-    t = time.perf_counter()
-    res = corpus_loss(model, c.seqs, batch_size=o.batch_size, progress=f"perplexity {c.spec}")
-    return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}

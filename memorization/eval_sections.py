@@ -1,0 +1,94 @@
+"""The sections of `memorize eval` (extraction, membership inference, perplexity) over tokenized corpora.
+
+`memorize eval` (memorization/evaluate.py) and the Hugging Face Trainer callback
+(memorization/integrations/callback.py) both call these, so a pass scored in place during training
+and the same checkpoint scored by `memorize eval` give the same figures with the same settings.
+Each takes the command's `EvalOptions` (defined here: prefix, suffix, beams, batch size, MIA k,
+bootstrap, seed, ...).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from axonn.grid import ProcessGrid
+from data_pipelines import tokenize_documents
+from evals import ExtractionResult, extract, summarize
+from evals.perplexity import corpus_loss
+from memorization.eval_mia import EvalCorpus
+from memorize_core import fail
+
+
+@dataclass
+class EvalOptions:
+    """What `memorize eval` was asked to do (the command line, as given)."""
+
+    model: str
+    corpus: str | None = None
+    mia: bool = False
+    members: str | None = None
+    non_members: str | None = None
+    reference: str | None = None
+    mia_k: float = 0.2
+    bootstrap: int = 1000
+    perplexity: list[str] | None = None
+    max_tokens: int | None = None
+    limit: int = 0
+    prefix: int = 32
+    suffix: int = 32
+    batch_size: int = 32
+    beams: int = 1
+    seed: int = 0
+    out: str | None = None
+    overwrite: bool = False
+    grid: str | None = None  # X,Y,Z,D or auto (under torchrun / srun); None: one process, serial
+    mode: str = "auto"  # parallel mode of the layers: easy, paired, or auto (paired for Llama-family)
+    keep_gathered: bool = False  # hold the Z-gathered weights for the whole evaluation
+    tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
+    num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
+    verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
+
+
+def corpus_from_texts(flag: str, spec: str, ids: Sequence[str], texts: Sequence[str], tok: Any, vocab: int,
+                      max_tokens: int) -> EvalCorpus:
+    """Tokenize documents as `memorize eval` does (cut to max_tokens; under 2 tokens dropped)."""
+    docs = [_Doc(i, t) for i, t in zip(ids, texts)]
+    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
+    if not seqs:
+        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
+                   "model's tokenizer; point it at text")
+    top = max(max(s) for s in seqs)
+    if top >= vocab:
+        raise fail("--model", str(getattr(tok, "name_or_path", tok)), f"its tokenizer gives id {top} on "
+                   f"{spec}, beyond the model's vocab_size {vocab}; save the tokenizer the model was trained "
+                   "with")
+    return EvalCorpus(spec, len(docs), [docs[i].id for i in seqs.kept], [docs[i].text for i in seqs.kept],
+                      [list(s) for s in seqs])
+
+
+@dataclass
+class _Doc:
+    id: str
+    text: str
+
+
+def extraction_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *,
+                       grid: ProcessGrid | None = None, progress: bool = True
+                       ) -> tuple[dict[str, Any], list[ExtractionResult]]:
+    """Greedy (or beam) extraction of every document: report.json's `extraction` and the results."""
+    t = time.perf_counter()
+    results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
+                      batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=progress, grid=grid)
+    section = {"corpus": c.spec, "prefix": o.prefix, "suffix": o.suffix, "beams": o.beams,
+               "loaded": c.loaded, **summarize(results), "seconds": time.perf_counter() - t}
+    return section, results
+
+
+def perplexity_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: ProcessGrid | None = None
+                       ) -> dict[str, Any]:
+    """Token-weighted held-out loss and perplexity: one entry of report.json's `perplexity`."""
+    t = time.perf_counter()
+    res = corpus_loss(model, c.seqs, batch_size=o.batch_size, grid=grid, progress=f"perplexity {c.spec}")
+    return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}

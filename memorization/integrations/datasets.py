@@ -1,0 +1,82 @@
+"""Canaries and duplicated documents injected into a `datasets.Dataset`, with our pipeline's manifest.
+
+`inject_dataset(ds, canaries=..., duplicates=..., seed=...)` runs `data_pipelines.inject.inject` (the
+one injection: same seeded choices, counting rule and `Manifest`) over the dataset's rows and returns
+the new dataset with the manifest. Rows are plain text (`text_field`, "text" by default) or
+conversations (`messages_field`, "messages": lists of {"role", "content"}). In a conversational
+dataset a duplicated row is the whole conversation, and a canary is the conversation
+[user: `canary_prompt`, assistant: the canary]; the manifest's `text` of a duplicated conversation is
+its messages as JSON (`conversation_of` reads it back), so the callback can score prompt -> response.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from data_pipelines.corpora import Document
+from data_pipelines.inject import CanarySpec, DuplicateSpec, Manifest, inject
+from memorize_core import fail
+
+CANARY_PROMPT = "Please repeat the note I gave you."
+
+
+def _rows(ds: Any, field: str, chat: bool) -> list[str]:
+    if field not in ds.column_names:
+        raise fail("text_field" if not chat else "messages_field", field, f"the dataset has no such column "
+                   f"(columns: {', '.join(ds.column_names)}); name the column that holds the "
+                   + ("conversations" if chat else "text"))
+    out = []
+    for i, value in enumerate(ds[field]):
+        if chat:
+            if not isinstance(value, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                      for m in value):
+                raise fail(f"{field}[{i}]", str(value)[:60], "each row must be a list of "
+                           "{\"role\", \"content\"} messages")
+            out.append(json.dumps([{"role": m["role"], "content": m["content"]} for m in value]))
+        else:
+            if not isinstance(value, str):
+                raise fail(f"{field}[{i}]", str(value)[:60], "each row must be a string")
+            out.append(value)
+    return out
+
+
+def conversation_of(text: str) -> list[dict[str, str]] | None:
+    """The messages of a manifest item injected into a conversational dataset, else None (plain text)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return None
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+        return value
+    return None
+
+
+def inject_dataset(ds: Any, *, canaries: CanarySpec | None = None, duplicates: DuplicateSpec | None = None,
+                   seed: int = 0, text_field: str = "text", messages_field: str | None = None,
+                   canary_prompt: str = CANARY_PROMPT) -> tuple[Any, Manifest]:
+    """(the dataset with canaries and duplicates scattered in, its Manifest): only the text (or messages)
+    column is kept, plus `doc_id`, the id the manifest gives each row (`<item>@<copy>` for injected ones)."""
+    from datasets import Dataset  # deferred: +1.5 s import (pyarrow, pandas); only this function needs it
+
+    if not isinstance(ds, Dataset):
+        raise fail("dataset", type(ds).__name__, "pass a datasets.Dataset (e.g. load_dataset(...)['train'] "
+                   "or Dataset.from_list(rows))")
+    chat = messages_field is not None or (text_field not in ds.column_names and "messages" in ds.column_names)
+    field = (messages_field or "messages") if chat else text_field
+    base = [Document(str(i), text, "dataset") for i, text in enumerate(_rows(ds, field, chat))]
+    docs, manifest = inject(base, canaries=canaries, duplicates=duplicates, seed=seed)
+    if chat:  # a canary becomes the assistant's answer to a fixed request; the manifest keeps its sentence
+        rows = [{"doc_id": d.id, field: canary_conversation(d.text, canary_prompt) if d.source == "canary"
+                 else json.loads(d.text)} for d in docs]
+    else:
+        rows = [{"doc_id": d.id, field: d.text} for d in docs]
+    return Dataset.from_list(rows), manifest
+
+
+def canary_conversation(canary: str, prompt: str = CANARY_PROMPT) -> list[dict[str, str]]:
+    """The conversation a canary is trained as in a conversational dataset: `prompt`, then the canary."""
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": canary}]
+
+
+__all__ = ["CANARY_PROMPT", "CanarySpec", "DuplicateSpec", "Manifest", "canary_conversation",
+           "conversation_of", "inject_dataset"]

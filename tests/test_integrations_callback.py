@@ -1,0 +1,167 @@
+"""The memorization callback inside a Hugging Face Trainer: its figures for a pass equal `memorize eval` on
+the checkpoint saved at that pass, they reach an offline W&B run, it works on a peft model, it writes the
+per-pass report, and bad input is one line naming the field, the value and the fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_pretrained
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+from data_pipelines import load_corpus
+from data_pipelines.inject import DuplicateSpec
+from memorization.evaluate import EvalOptions, run_eval
+from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset
+from memorization.integrations.callback import refuse_sharded
+from memorize_core import ConfigError
+
+trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
+datasets = pytest.importorskip("datasets")
+SETTINGS = dict(prefix=8, suffix=8, max_tokens=40, batch_size=8, bootstrap=20, seed=0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_pretrained(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    leads, news = load_corpus("wiki-leads", limit=10), load_corpus("lee-news-test", limit=10)
+    return [d.text for d in leads], [d.text for d in news]
+
+
+def _trainer(folder, out, ds, callback, *, epochs=2, report_to=(), collator=None, model=None):
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = model or AutoModelForCausalLM.from_pretrained(folder)
+    rows = ds.map(lambda r: {"input_ids": tok(r["text"], truncation=True, max_length=40)["input_ids"]},
+                  remove_columns=ds.column_names)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=epochs,
+                             learning_rate=5e-3, save_strategy="epoch", logging_steps=1,
+                             report_to=list(report_to), use_cpu=True, seed=0, disable_tqdm=True)
+    inner = trl_sft.DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id or 0)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator or inner,
+                      processing_class=tok, callbacks=[callback])
+    return callback.attach(trainer)
+
+
+def _logged(run: bytes, key: str) -> list:
+    """Values of one key as logged in an offline W&B run file (protobuf items: key field 2, value_json
+    field 16, each with a one-byte length); every step writes it twice, in history and in the summary."""
+    k = key.encode()
+    out, at = [], run.find(b"\x12" + bytes([len(k)]) + k + b"\x82\x01")
+    while at >= 0:
+        start = at + 2 + len(k) + 2
+        out.append(json.loads(run[start + 1:start + 1 + run[start]]))
+        at = run.find(b"\x12" + bytes([len(k)]) + k + b"\x82\x01", start)
+    return out[::2]
+
+
+def _same(a: dict, b: dict) -> None:
+    skip = {"seconds", "corpus", "members", "non_members", "reference"}
+    assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+
+
+def test_a_pass_equals_memorize_eval_on_its_checkpoint_and_reaches_wandb(folder, texts, tmp_path,
+                                                                         monkeypatch):
+    members, others = texts
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(folder)
+    cb = MemorizationCallback(tok, members=members, non_members=others, out_dir=tmp_path / "mem", **SETTINGS)
+    _trainer(folder, tmp_path / "hf", datasets.Dataset.from_list([{"text": t} for t in members]), cb,
+             report_to=["wandb"]).train()
+    import wandb
+
+    wandb.finish()
+    assert [r["pass"] for r in cb.records] == [0, 1, 2]
+    for name, rows in (("members", members), ("others", others)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    ckpt = sorted((tmp_path / "hf").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
+    m, n = str(tmp_path / "members.jsonl"), str(tmp_path / "others.jsonl")
+    report = run_eval(EvalOptions(model=str(ckpt), corpus=m, mia=True, members=m, non_members=n,
+                                  perplexity=[n], **SETTINGS))
+    one = cb.records[1]
+    _same(one["extraction"], report["extraction"])
+    _same(one["mia"], report["mia"])
+    _same(one["perplexity"][0], report["perplexity"][0])
+    run = next(tmp_path.glob("wandb/offline-run-*/*.wandb")).read_bytes()
+    assert _logged(run, "train/memorization/pass") == [0, 1, 2]
+    assert _logged(run, "train/memorization/mia_auc_loss") == [r["mia"]["methods"]["loss"]["auc"]
+                                                               for r in cb.records]
+    assert _logged(run, "train/memorization/token_accuracy") == [r["extraction"]["token_accuracy"]
+                                                                 for r in cb.records]
+    out = tmp_path / "mem"
+    assert {p.name for p in out.iterdir()} >= {"report.json", "report.md", "passes.jsonl", "extraction.jsonl",
+                                              "memorization-passes.png"}
+    assert [r["pass"] for r in json.loads((out / "report.json").read_text())["passes"]] == [0, 1, 2]
+
+
+def test_peft_goldfish_and_injected_duplicates(folder, texts, tmp_path):
+    peft = pytest.importorskip("peft")
+    members, _ = texts
+    ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members]),
+                                  duplicates=DuplicateSpec(counts=[1, 4]), seed=0)
+    tok = AutoTokenizer.from_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cb = MemorizationCallback(tok, members=members[:4], manifest=manifest, every_steps=2, **SETTINGS)
+    inner = trl_sft.DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id or 0)
+    trainer = _trainer(folder, tmp_path / "hf", ds, cb, epochs=1, model=model,
+                       collator=GoldfishCollator(inner, strategy="hash", k=4, h=3))
+    trainer.train()
+    assert [r["pass"] for r in cb.records] == [0, 2, 4]
+    assert [d["count"] for d in cb.records[-1]["duplicates"]] == [1, 4]
+    assert any("memorization/duplicates_x4_exact_match" in h for h in trainer.state.log_history)
+
+
+def test_bad_input_is_one_line(folder, texts):
+    tok = AutoTokenizer.from_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"^members\[1\]='tiny': the tokenizer encodes it into \d+ tokens, "
+                                          r"fewer than prefix \+ suffix = 16"):
+        MemorizationCallback(tok, members=[texts[0][0], "tiny"], **SETTINGS)
+    with pytest.raises(ConfigError, match=r"^every_steps=-1: pass 0"):
+        MemorizationCallback(tok, members=texts[0], every_steps=-1, **SETTINGS)
+    with pytest.raises(ConfigError, match=r"^members=None: nothing to score"):
+        MemorizationCallback(tok, **SETTINGS)
+    with pytest.raises(ConfigError, match=r"^TrainingArguments.fsdp='full_shard': MemorizationCallback"):
+        refuse_sharded(type("Args", (), {"fsdp": "full_shard", "deepspeed": None})())
+    cb = MemorizationCallback(tok, members=texts[0], **SETTINGS)
+    with pytest.raises(ConfigError, match=r"^MemorizationCallback.trainer=None: call callback.attach"):
+        cb.on_train_begin(None, None, None, model=torch.nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match=r"^tokenizer=.*gives id \d+, beyond the model's 4 embedding rows"):
+        cb.probe.check_model(_Tiny())
+
+
+class _Tiny(torch.nn.Module):
+    def get_input_embeddings(self):
+        return torch.nn.Embedding(4, 2)
+
+
+def _probe_on_ranks(rank: int, world: int, folder: str, members: list[str], others: list[str]) -> dict:
+    from memorization.integrations.callback import _grid
+
+    grid = _grid()
+    assert grid is not None and grid.dims == (1, 1, 1, 2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    cb = MemorizationCallback(tok, members=members, non_members=others, **SETTINGS)
+    return cb.probe.score(AutoModelForCausalLM.from_pretrained(folder), grid)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ddp_processes_score_in_lockstep_like_one(folder, texts):
+    """Under torchrun / accelerate every process scores its share on the 1,1,1,2 grid of replicas and all
+    get every figure: the same as one process."""
+    from axonn.spawn import run_distributed
+
+    members, others = texts
+    tok = AutoTokenizer.from_pretrained(folder)
+    want = MemorizationCallback(tok, members=members, non_members=others, **SETTINGS).probe.score(
+        AutoModelForCausalLM.from_pretrained(folder))[0]
+    for got in run_distributed(_probe_on_ranks, 2, folder, members, others, timeout=600):
+        for key in ("extraction", "mia"):
+            _same(got[key], want[key])
+        assert got["perplexity"][0]["loss"] == pytest.approx(want["perplexity"][0]["loss"], rel=1e-6)
