@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,35 @@ class EvalCorpus:
     seqs: list[list[int]]
 
 
+@dataclass
+class _Doc:
+    id: str
+    text: str
+
+
+def corpus_from_texts(flag: str, spec: str, ids: Sequence[str], texts: Sequence[str], tok: Any, vocab: int,
+                      max_tokens: int) -> EvalCorpus:
+    """Tokenize documents as `memorize eval` does (cut to max_tokens; under 2 tokens dropped)."""
+    docs = [_Doc(i, t) for i, t in zip(ids, texts)]
+    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
+    if not seqs:
+        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
+                   "model's tokenizer; point it at text")
+    top = max(max(s) for s in seqs)
+    if top >= vocab:
+        raise fail("--model", str(getattr(tok, "name_or_path", tok)), f"its tokenizer gives id {top} on "
+                   f"{spec}, beyond the model's vocab_size {vocab}; save the tokenizer the model was trained "
+                   "with")
+    return EvalCorpus(spec, len(docs), [docs[i].id for i in seqs.kept], [docs[i].text for i in seqs.kept],
+                      [list(s) for s in seqs])
+
+
+@dataclass
+class _Doc:
+    id: str
+    text: str
+
+
 def eval_corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, limit: int, *,
                 ids: list[str] | None = None, text_field: str = "text",
                 label: str | None = None) -> EvalCorpus:
@@ -55,16 +85,9 @@ def eval_corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, lim
     if ids is not None:
         by_id = {d.id: d for d in docs}
         docs = [by_id[i] for i in ids if i in by_id][:limit or None]
-    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
-    if not seqs:
-        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
-                   "model's tokenizer; point it at text")
-    top = max(max(s) for s in seqs)
-    if top >= vocab:
-        raise fail("--model", str(tok.name_or_path), f"its tokenizer gives id {top} on {spec}, beyond the "
-                   f"model's vocab_size {vocab}; save the tokenizer the model was trained with")
-    return EvalCorpus(label or spec, len(docs), [docs[i].id for i in seqs.kept],
-                      [docs[i].text for i in seqs.kept], [list(s) for s in seqs])
+    c = corpus_from_texts(flag, spec, [d.id for d in docs], [d.text for d in docs], tok, vocab, max_tokens)
+    c.spec = label or spec
+    return c
 
 
 def run_documents(model: str) -> dict[str, Any]:

@@ -9,16 +9,13 @@ bootstrap, seed, ...).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from axonn.grid import ProcessGrid
-from data_pipelines import tokenize_documents
 from evals import ExtractionResult, extract, summarize
 from evals.perplexity import corpus_loss
 from memorization.eval_mia import EvalCorpus
-from memorize_core import fail
 
 
 @dataclass
@@ -49,29 +46,6 @@ class EvalOptions:
     tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
     num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
     verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
-
-
-def corpus_from_texts(flag: str, spec: str, ids: Sequence[str], texts: Sequence[str], tok: Any, vocab: int,
-                      max_tokens: int) -> EvalCorpus:
-    """Tokenize documents as `memorize eval` does (cut to max_tokens; under 2 tokens dropped)."""
-    docs = [_Doc(i, t) for i, t in zip(ids, texts)]
-    seqs = tokenize_documents(docs, tok, max_tokens=max_tokens, min_tokens=2)
-    if not seqs:
-        raise fail(flag, spec, f"none of its {len(docs)} documents has 2 tokens or more under this "
-                   "model's tokenizer; point it at text")
-    top = max(max(s) for s in seqs)
-    if top >= vocab:
-        raise fail("--model", str(getattr(tok, "name_or_path", tok)), f"its tokenizer gives id {top} on "
-                   f"{spec}, beyond the model's vocab_size {vocab}; save the tokenizer the model was trained "
-                   "with")
-    return EvalCorpus(spec, len(docs), [docs[i].id for i in seqs.kept], [docs[i].text for i in seqs.kept],
-                      [list(s) for s in seqs])
-
-
-@dataclass
-class _Doc:
-    id: str
-    text: str
 
 
 def extraction_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *,
