@@ -1,5 +1,5 @@
-"""`memorize eval`'s corpora and its membership-inference section: which documents are members and
-non-members, and the blind baseline that says whether the two sets differ in distribution.
+"""`memorize eval`'s corpora: each tokenized and checked once, and which documents are members and
+non-members (the membership-inference section itself is memorization.eval_sections.mia_section).
 
 Members and non-members come either from the command line (`--members C --non-members C`) or, when
 both are left out, from the training run that wrote the model: run.json beside `DIR` (a run's
@@ -12,15 +12,12 @@ strong on shifted sets fall to chance on such pairs). Either way a model-free te
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
-from evals.blind import blind_baseline, shift_warning
-from evals.mia import membership_inference
 from memorize_core import ConfigError, fail
 
 FIX_SPLIT = ("retrain with a held-out split of the same corpus (data.held_out='' "
@@ -150,23 +147,3 @@ def check_disjoint(members: EvalCorpus, nonmembers: EvalCorpus) -> None:
                    f"{members.spec} (same text or same tokens, e.g. {pairs[0][1]} = {pairs[0][0]}); the "
                    "two sets must be disjoint: remove the shared documents from one of them")
 
-
-def mia_section(o: Any, model: Any, tok: Any, ref: Any, sets: tuple[EvalCorpus, EvalCorpus, str, int],
-                progress: bool = True, grid: Any = None) -> dict[str, Any]:
-    """The report's `mia`: every attack's AUC/TPR (+ CIs) and the blind baseline beside them."""
-    t = time.perf_counter()
-    m, n, source, cut = sets
-    methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
-                                   batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed,
-                                   progress=progress, grid=grid)
-    # the texts the attacks scored (as cut), without the model
-    blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
-                           bootstrap=o.bootstrap, seed=o.seed)
-    counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
-              "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
-              "non_member_tokens": sum(map(len, n.seqs))}
-    return {"members": m.spec, "non_members": n.spec, "source": source, "max_tokens": cut,
-            "reference": o.reference,
-            "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
-            "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
-            "seconds": time.perf_counter() - t}

@@ -14,6 +14,8 @@ from typing import Any
 
 from axonn.grid import ProcessGrid
 from evals import ExtractionResult, extract, summarize
+from evals.blind import blind_baseline, shift_warning
+from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from memorization.eval_mia import EvalCorpus
 
@@ -66,3 +68,25 @@ def perplexity_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: Proce
     t = time.perf_counter()
     res = corpus_loss(model, c.seqs, batch_size=o.batch_size, grid=grid, progress=f"perplexity {c.spec}")
     return {"corpus": c.spec, "loaded": c.loaded, **res, "seconds": time.perf_counter() - t}
+
+
+def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
+                sets: tuple[EvalCorpus, EvalCorpus, str, int], progress: bool = True,
+                grid: ProcessGrid | None = None) -> dict[str, Any]:
+    """The report's `mia`: every attack's AUC/TPR (+ CIs) and the blind baseline beside them."""
+    t = time.perf_counter()
+    m, n, source, cut = sets
+    methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
+                                   batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed,
+                                   progress=progress, grid=grid)
+    # the texts the attacks scored (as cut), without the model
+    blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
+                           bootstrap=o.bootstrap, seed=o.seed)
+    counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
+              "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
+              "non_member_tokens": sum(map(len, n.seqs))}
+    return {"members": m.spec, "non_members": n.spec, "source": source, "max_tokens": cut,
+            "reference": o.reference,
+            "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
+            "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
+            "seconds": time.perf_counter() - t}

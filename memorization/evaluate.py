@@ -14,33 +14,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
-
-import axonn
 from axonn.config import MAX_ROWS
-from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.inference import keep_gathered
-from axonn.plan import auto_grid, load_shape
-from axonn.plan.volumes import default_mode
 from evals import ExtractionResult, to_jsonl
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
-from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, mia_section, run_documents
+from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, run_documents
 from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
-from memorization.eval_sections import EvalOptions, extraction_section, perplexity_section
+from memorization.eval_sections import EvalOptions, extraction_section, mia_section, perplexity_section
 from memorization.fits import check_fits, check_shape
-from memorization.models import load_sharded, model_folder
+from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs
-from memorization.parallel import Launch, launched_world_size, wants_grid
-from memorize_core import ConfigError, fail
+from memorization.parallel import eval_grid, eval_mode
+from memorize_core import fail
 
 # lm-eval's messages name its own CLI (`--metadata`, `--include_path`): say whose they are
 LM_EVAL_LOG_HEAD = ("# lm-evaluation-harness's own output during `memorize eval --tasks`; the flags it "
@@ -88,23 +79,6 @@ def check_options(o: EvalOptions) -> None:
         raise fail("--bootstrap", o.bootstrap, "pass the number of resamples, >= 0 (0 = no intervals)")
 
 
-def _hf_config(flag: str, path: str) -> Any:
-    """The model folder's config; ConfigError when it is not a Hugging Face model folder."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
-                   "folder such as OUT/model of a training run")
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its warnings on a bad config would precede our one line
-    try:
-        return AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as e:
-        raise fail(flag, path, f"has a config.json transformers cannot read ({type(e).__name__}: "
-                   f"{str(e).splitlines()[0][:120]})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
 def _inputs(o: EvalOptions) -> dict[str, str | None]:
     """Every path the evaluation reads (corpus names that are not paths are skipped by check_inputs)."""
     found: dict[str, str | None] = {"--model": o.model, "--reference": o.reference, "--corpus": o.corpus,
@@ -113,88 +87,9 @@ def _inputs(o: EvalOptions) -> dict[str, str | None]:
     return found
 
 
-def _unreadable(flag: str, path: str, e: BaseException) -> ConfigError:
-    first = (str(e).splitlines() or [""])[0][:120]
-    return fail(flag, path, f"cannot be loaded as a causal LM ({type(e).__name__}: {first}); pass a "
-                "save_pretrained model folder with complete weights")
-
-
-def _load(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> tuple[Any, Any]:
-    """(model, tokenizer or None) of a Hugging Face model folder, sharded over `grid` unless serial."""
-    # The weight-loading progress bar would put lines on stderr before a one-line input error.
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        if grid.distributed:  # meta -> shards -> each rank reads its slices of the safetensors
-            model = load_sharded(path, grid, mode)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path)
-    except ConfigError:
-        raise
-    except Exception as e:  # a truncated / foreign weights file: safetensors, OSError, ValueError, ...
-        raise _unreadable(flag, path, e) from None
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tok = None
-    if not grid.distributed and torch.cuda.is_available():
-        model = model.to("cuda")
-    return model, tok
-
-
-def _mode(o: EvalOptions, config: Any) -> str:
-    """--mode, with auto = the planner's default for the model: paired where its blocks pair (heads
-    split, a KV cache of local heads), else easy."""
-    return o.mode if o.mode != "auto" else default_mode(load_shape(config))
-
-
-def eval_dims(o: EvalOptions, config: Any, max_tokens: int, world: int) -> tuple[int, int, int, int]:
-    """--grid as X,Y,Z,D (auto: the planner's fastest fitting grid for `world` processes), checked
-    against the model's shapes and the launch before any process group exists."""
-    try:
-        model_dims(config)
-    except (AttributeError, TypeError, ValueError):
-        raise fail("--grid", o.grid, "needs a transformer config with hidden_size and num_attention_heads; "
-                   f"{o.model} has model_type {getattr(config, 'model_type', None)!r}") from None
-    if o.grid == "auto":  # the planner on this launch's hardware, as a training run's `auto`
-        launch = Launch.current()
-        dims = auto_grid(config, world, launch.gpus_per_node, max_tokens, max(o.batch_size, world),
-                         launch.hw())
-    else:
-        dims = parse_grid(o.grid or "1,1,1,1")
-    n = dims[0] * dims[1] * dims[2] * dims[3]
-    if n != world:
-        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={n} but the job has {world} process(es); "
-                   f"launch {n} (torchrun --nproc-per-node {n}) or change the grid")
-    validate_grid_for_model(dims, config, _mode(o, config))  # heads, KV heads, hidden, FFN, vocab
-    return dims
-
-
-def eval_grid(o: EvalOptions, config: Any, max_tokens: int) -> ProcessGrid:
-    """The grid to evaluate on: serial for one process, else --grid on the launched processes."""
-    if not wants_grid(o.grid):
-        return ProcessGrid.serial(device="cuda" if torch.cuda.is_available() else "cpu")
-    world = launched_world_size()
-    dims = eval_dims(o, config, max_tokens, world)
-    if not torch.cuda.is_available():  # gloo ranks share the CPU: one thread each unless told otherwise
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-    return axonn.init(*dims)
-
-
-def _context(cfg: Any) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        if isinstance(getattr(cfg, key, None), int):
-            return getattr(cfg, key)
-    return None
-
-
 def _max_tokens(o: EvalOptions, config: Any) -> int:
     """--max-tokens, or the default: 128 (prefix+suffix if larger), never beyond the model's context."""
-    ctx = _context(config)
+    ctx = context_length(config)
     if o.max_tokens is not None:
         if ctx is not None and o.max_tokens > ctx:
             raise fail("--max-tokens", o.max_tokens, f"exceeds the model's context of {ctx} positions; "
@@ -242,22 +137,22 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         run_documents(o.model)  # the run's members and non-members exist: refused before any loading
     if o.out:  # the report must not land in (or over) what the evaluation reads
         check_inputs("--out", o.out, _inputs(o), entries=EVAL_FILES)
-    config = _hf_config("--model", o.model)
+    config = hf_config("--model", o.model)
     check_shape("--model", o.model, config)  # 10^9 layers, a vocabulary of 0: before anything is built
     max_tokens = _max_tokens(o, config)
-    ref_config = _hf_config("--reference", o.reference) if o.mia and o.reference else None
-    grid = eval_grid(o, config, max_tokens)
+    ref_config = hf_config("--reference", o.reference) if o.mia and o.reference else None
+    mode = eval_mode(o.mode, config)
+    grid = eval_grid(o.grid, config, model=o.model, max_tokens=max_tokens, batch=o.batch_size, mode=mode)
     check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
     if ref_config is not None:
         check_fits("--reference", o.reference, ref_config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
-    mode = _mode(o, config)
-    model, tok = _load("--model", o.model, grid, mode)
+    model, tok = load_model("--model", o.model, grid, mode)
     if tok is None:
         raise fail("--model", o.model, "holds no tokenizer; save it next to the model "
                    "(tokenizer.save_pretrained(DIR))")
     ref = None
     if ref_config is not None:
-        ref, ref_tok = _load("--reference", o.reference, grid, _mode(o, ref_config))
+        ref, ref_tok = load_model("--reference", o.reference, grid, eval_mode(o.mode, ref_config))
         _check_reference(o, model, tok, ref, ref_tok)
     vocab = model.config.vocab_size
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from axonn.config import load_yaml
 from axonn.grid import ProcessGrid
@@ -209,6 +210,63 @@ def load_sharded(folder: str | Path, grid: ProcessGrid, mode: str = "easy") -> t
     config = AutoConfig.from_pretrained(folder)
     model = parallelize(meta_model(config), grid, mode=mode)
     return load_pretrained(model, folder).eval()
+
+
+def hf_config(flag: str, path: str) -> Any:
+    """The config of the Hugging Face model folder `path` given as `flag`; ConfigError (naming the flag)
+    when it is not one."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
+                   "folder such as OUT/model of a training run")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings on a bad config would precede our one line
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise fail(flag, path, f"has a config.json transformers cannot read ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:120]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def context_length(config: Any) -> int | None:
+    """The model's context in positions, when its config states one."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return None
+
+
+def load_model(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> tuple[Any, Any]:
+    """(model, tokenizer or None) of the Hugging Face model folder `path` (given as `flag`) to score:
+    sharded over `grid` when it is distributed (meta -> shards -> each rank reads its slices of the
+    safetensors), else whole, on the GPU when there is one. A folder whose weights cannot be read is
+    one ConfigError naming the flag."""
+    # The weight-loading progress bar would put lines on stderr before a one-line input error.
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        if grid.distributed:
+            model = load_sharded(path, grid, mode)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path)
+    except ConfigError:
+        raise
+    except Exception as e:  # a truncated / foreign weights file: safetensors, OSError, ValueError, ...
+        first = (str(e).splitlines() or [""])[0][:120]
+        raise fail(flag, path, f"cannot be loaded as a causal LM ({type(e).__name__}: {first}); pass a "
+                   "save_pretrained model folder with complete weights") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tok = None
+    if not grid.distributed and torch.cuda.is_available():
+        model = model.to("cuda")
+    return model, tok
 
 
 def is_pretrained(name: str) -> bool:

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import axonn
-from axonn.grid import ProcessGrid, parse_grid, validate_grid_for_model
+from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.launch import launch_env
-from axonn.plan import get_hardware, load_shape, predict, valid_grids
+from axonn.plan import auto_grid, get_hardware, load_shape, predict, valid_grids
 from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
+from axonn.plan.volumes import default_mode
 from axonn.trainer import resolve_device
 from memorization.lora import planner_adapters
 from memorization.models import meta_model
@@ -201,11 +202,56 @@ def resolve_grid(cfg: RunConfig, dims: Dims, *, distributed: bool,
         return grid
     if not distributed:
         return ProcessGrid.serial(device=resolve_device(cfg.trainer.device))
+    return init_grid(dims, timeout_s=cfg.trainer.collective_timeout_s)
+
+
+def init_grid(dims: Dims, timeout_s: float | None = None) -> ProcessGrid:
+    """torch.distributed initialised on `dims` (every collective bounded by `timeout_s`, default
+    axonn's); gloo ranks that share the CPU get one thread each unless the user said otherwise."""
     if not torch.cuda.is_available():
-        # gloo ranks share the CPU: one thread each unless the user said otherwise
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-    return axonn.init(*dims, timeout_s=cfg.trainer.collective_timeout_s)
+    return axonn.init(*dims) if timeout_s is None else axonn.init(*dims, timeout_s=timeout_s)
+
+
+def eval_mode(mode: str, config: Any) -> str:
+    """An evaluation's parallel mode: `mode`, with auto = the planner's default for the model (paired
+    where its blocks pair: heads split, a KV cache of local heads; else easy)."""
+    return mode if mode != "auto" else default_mode(load_shape(config))
+
+
+def eval_dims(spec: str | None, config: Any, *, model: str, max_tokens: int, batch: int, world: int,
+              mode: str, launch: Launch | None = None) -> Dims:
+    """An evaluation's X,Y,Z,D (`memorize eval` / `memorize scan` --grid `spec`; auto: the planner's
+    fastest fitting grid for `world` processes on `launch`, default this process's), checked against
+    the model's shapes (`mode`: its parallel mode) and the launch before any process group exists."""
+    try:
+        model_dims(config)
+    except (AttributeError, TypeError, ValueError):
+        raise fail("--grid", spec, "needs a transformer config with hidden_size and num_attention_heads; "
+                   f"{model} has model_type {getattr(config, 'model_type', None)!r}") from None
+    if spec == "auto":  # the planner on this launch's hardware, as a training run's `auto`
+        launch = launch or Launch.current()
+        dims = auto_grid(config, world, launch.gpus_per_node, max_tokens, max(batch, world), launch.hw())
+    else:
+        dims = parse_grid(spec or "1,1,1,1")
+    n = dims[0] * dims[1] * dims[2] * dims[3]
+    if n != world:
+        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={n} but the job has {world} process(es); "
+                   f"launch {n} (torchrun --nproc-per-node {n}) or change the grid")
+    validate_grid_for_model(dims, config, mode)  # heads, KV heads, hidden, FFN, vocab
+    return dims
+
+
+def eval_grid(spec: str | None, config: Any, *, model: str, max_tokens: int, batch: int,
+              mode: str) -> ProcessGrid:
+    """The grid an evaluation scores on: serial for one process that asks for no split, else `spec`
+    (eval_dims) on the launched processes."""
+    if not wants_grid(spec):
+        return ProcessGrid.serial(device="cuda" if torch.cuda.is_available() else "cpu")
+    dims = eval_dims(spec, config, model=model, max_tokens=max_tokens, batch=batch,
+                     world=launched_world_size(), mode=mode)
+    return init_grid(dims)
 
 
 def is_main_process() -> bool:

@@ -47,10 +47,10 @@ from evals.scan import score_windows
 from evals.scoring import Scorer
 from memorization.config import WANDB_MODES, WandbConfig
 from memorization.eval_report import write_files
-from memorization.evaluate import _context, _hf_config, _load, _mode, eval_grid
 from memorization.fits import check_fits, check_shape
+from memorization.models import context_length, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries
-from memorization.parallel import Launch
+from memorization.parallel import Launch, eval_grid, eval_mode
 from memorization.scan_dryrun import scan_grid
 from memorization.scan_output import (
     PNGS,
@@ -237,10 +237,10 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     inputs = {"--model": o.model, "--data": o.data, "--manifest": o.manifest}
     check_inputs("--out", o.out, {**inputs, **{f"--data[{i}]": str(p) for i, p in
                                               enumerate(_files_of(o.data))}}, entries=SCAN_FILES)
-    config = _hf_config("--model", o.model)
+    config = hf_config("--model", o.model)
     check_shape("--model", o.model, config)
     sel = o.selection()
-    ctx = _context(config)
+    ctx = context_length(config)
     if ctx is not None and sel.width > ctx:
         raise fail("--prefix", o.prefix, f"+ --suffix {o.suffix} exceeds the model's context of {ctx} "
                    "positions; shorten them")
@@ -267,9 +267,10 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
                             hardware=launch.hw(), batch=o.batch_size, width=sel.width, suffix=o.suffix,
                             mode=o.mode)
         o = replace(o, grid=",".join(map(str, dims)))
-    grid = eval_grid(o, config, sel.width)
+    mode = eval_mode(o.mode, config)
+    grid = eval_grid(o.grid, config, model=o.model, max_tokens=sel.width, batch=o.batch_size, mode=mode)
     check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
-    model, _ = _load("--model", o.model, grid, _mode(o, config))
+    model, _ = load_model("--model", o.model, grid, mode)
     if grid.distributed:  # every rank has passed its checks before rank 0 touches OUT
         torch.distributed.barrier()
     out, main = Path(o.out), grid.rank == 0

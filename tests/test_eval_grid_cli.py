@@ -127,10 +127,11 @@ def test_grid_auto_asks_the_planner_for_a_grid_that_fits_the_model(folders):
     from transformers import AutoConfig
 
     from axonn.grid import validate_grid_for_model
-    from memorization.evaluate import EvalOptions, eval_dims
+    from memorization.parallel import eval_dims
 
     config = AutoConfig.from_pretrained(folders / "model")
     for world in (1, 2, 4):
-        dims = eval_dims(EvalOptions(model=str(folders / "model"), grid="auto"), config, 64, world)
+        dims = eval_dims("auto", config, model=str(folders / "model"), max_tokens=64, batch=16, world=world,
+                         mode="paired")
         assert dims[0] * dims[1] * dims[2] * dims[3] == world
         validate_grid_for_model(dims, config, "paired")

@@ -69,12 +69,13 @@ def test_a_pass_equals_memorize_eval_on_its_checkpoint_and_reaches_wandb(folder,
     members, others = texts
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    import wandb
+
+    wandb.teardown()  # an earlier test's wandb process keeps its own directory: start a fresh one here
     tok = AutoTokenizer.from_pretrained(folder)
     cb = MemorizationCallback(tok, members=members, non_members=others, out_dir=tmp_path / "mem", **SETTINGS)
     _trainer(folder, tmp_path / "hf", datasets.Dataset.from_list([{"text": t} for t in members]), cb,
              report_to=["wandb"]).train()
-    import wandb
-
     wandb.finish()
     assert [r["pass"] for r in cb.records] == [0, 1, 2]
     for name, rows in (("members", members), ("others", others)):

@@ -23,8 +23,8 @@ from data_pipelines.chat import ChatExample, extraction_pairs, render_chat
 from data_pipelines.inject import Manifest
 from evals import extract, extract_pairs, summarize
 from memorization.downstream import check_fewshot, check_tasks, score_tasks
-from memorization.eval_mia import EvalCorpus, corpus_from_texts, mia_section
-from memorization.eval_sections import EvalOptions, extraction_section, perplexity_section
+from memorization.eval_mia import EvalCorpus, corpus_from_texts
+from memorization.eval_sections import EvalOptions, extraction_section, mia_section, perplexity_section
 from memorization.evaluate import DEFAULT_MAX_TOKENS
 from memorization.experiments.exposure import canary_scores
 from memorization.integrations.datasets import conversation_of
