@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
 import warnings
 from collections.abc import Sequence
@@ -41,12 +40,12 @@ import torch
 from safetensors.torch import save_file
 
 from axonn import checkpoint
-from axonn.engine import is_parallel, layouts_of, model_grid
+from axonn.engine import is_parallel, model_grid
 from axonn.grid import ProcessGrid
 from axonn.lora import adapter_layouts, add_lora, lora_modules, merged_layouts
 from axonn.plan.memory import Adapters
 from axonn.state import save_pretrained
-from memorization.models import is_pretrained
+from memorization.models import is_pretrained, trainable_params
 from memorize_core import fail
 
 EXPORTS = ("merged", "adapter")
@@ -235,19 +234,6 @@ def planner_adapters(settings: LoraSettings, serial: torch.nn.Module, precision:
                     frozen_bytes=2 if precision == "bf16" else 4)
 
 
-def trainable_params(model: torch.nn.Module) -> int:
-    """Number of distinct parameters the optimizer updates (requires_grad), counted at their full
-    (serial) size on a sharded model."""
-    layouts = layouts_of(model)
-    total, seen = 0, set()
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            spec = layouts.get(name)
-            total += math.prod(spec.serial_shape) if spec is not None else p.numel()
-    return total
-
-
 def _peft_config(settings: LoraSettings, targets: list[str], base_dir: str | Path) -> Any:
     """peft's LoraConfig of an adapter trained on the engine's layers (what peft would have saved)."""
     from peft import LoraConfig  # deferred: peft +2.7 s, LoRA runs only
@@ -320,5 +306,4 @@ def _write_note(model: torch.nn.Module, out: Path, settings: LoraSettings, token
 
 
 __all__ = ["LoraSettings", "apply_lora", "apply_sharded_lora", "check_lora_resume", "check_lora_run",
-           "export_lora", "frozen_dtype", "linear_names", "lora_targets", "planner_adapters", "tensor_split",
-           "trainable_params"]
+           "export_lora", "frozen_dtype", "linear_names", "lora_targets", "planner_adapters", "tensor_split"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from axonn.config import load_yaml
+from axonn.engine import layouts_of
 from axonn.grid import ProcessGrid
 from axonn.state import load_pretrained
 from axonn.swap import parallelize
@@ -323,9 +325,18 @@ def check_tokenizer(tok: Any, model_name: str, *, spec: str = "data.tokenizer") 
                        f"{model_name} ({len(mine)} vs {len(own)} ids; e.g. {example!r} differs); {fix}")
 
 
-def count_params(model: torch.nn.Module) -> int:
-    """Unique parameter count (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def count_params(model: torch.nn.Module, *, trainable: bool = False) -> int:
+    """Unique parameter count (tied weights counted once; `trainable`: only those the optimizer updates),
+    at the full (serial) size on a sharded model."""
+    layouts = layouts_of(model)
+    unique = {id(p): (name, p) for name, p in model.named_parameters()}.values()
+    return sum(math.prod(layouts[name].serial_shape) if name in layouts else p.numel()
+               for name, p in unique if p.requires_grad or not trainable)
+
+
+def trainable_params(model: torch.nn.Module) -> int:
+    """Number of distinct parameters the optimizer updates, at their full (serial) size."""
+    return count_params(model, trainable=True)
 
 
 def model_summary(model: torch.nn.Module) -> dict[str, Any]:

@@ -47,9 +47,15 @@ from memorization.lora import (
     frozen_dtype,
     lora_targets,
     tensor_split,
+)
+from memorization.models import (
+    build_model,
+    count_params,
+    is_pretrained,
+    meta_model,
+    resolve_model_dir,
     trainable_params,
 )
-from memorization.models import build_model, count_params, is_pretrained, meta_model, resolve_model_dir
 from memorization.outputs import remove_entries
 from memorization.parallel import is_main_process, resolve_grid
 from memorization.prepare import PreparedData, documents_record, mia_sets, prepare_data
@@ -303,10 +309,9 @@ def summarise(run: Run) -> dict[str, Any]:
         "name": cfg.name, "loss": "goldfish" if g.enabled else "standard",
         "goldfish_strategy": g.strategy if g.enabled else None,
         "goldfish_k": g.k if g.enabled else None, "goldfish_h": g.h if g.enabled else None,
-        # a distributed run's rank holds shards (or, at 1,1,1,D, a replica): counted from the export
-        "model": cfg.model.name, "params": None if distributed else count_params(trainer.model),
-        "trainable_params": (trainable_params(trainer.model) if cfg.model.lora.enabled or not distributed
-                             else None),
+        # counted at the serial size: a distributed rank's shards by their layouts
+        "model": cfg.model.name, "params": count_params(trainer.model),
+        "trainable_params": trainable_params(trainer.model),
         # what ran: passes over the data reached (fractional when max_steps stopped mid-pass) and the
         # step budget planned; trainer.epochs is only the budget when max_steps is 0
         "steps": trainer.state.step, "planned_steps": trainer.total_steps,

@@ -104,3 +104,42 @@ def test_bad_arms_are_refused_before_anything_is_written(pretrained, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: {needle}"), err
     assert not out.exists()
+
+
+@pytest.mark.distributed
+def test_every_arm_at_a_tensor_split_scores_as_the_serial_run(pretrained, tmp_path, cache_dir):
+    """The mitigation comparison with its weights split: 2 ranks at 1,2,1,1 (heads and vocabulary over Y)
+    train and score every arm - none, goldfish, dedup, DP-SGD (no noise, a clip norm that bites, so the
+    update is deterministic) and goldfish + LoRA - to the serial run's figures."""
+    import os
+    import subprocess
+    import sys
+
+    from axonn.spawn import free_port
+
+    arms = ARMS.replace("trainer.dp.target_epsilon=4, trainer.dp.delta=1.0e-5",
+                        "trainer.dp.noise_multiplier=0.0, trainer.dp.max_grad_norm=0.01")
+    cfg = _write(tmp_path, pretrained, arms)
+    cfg.write_text(cfg.read_text().replace("downstream: [analogies_family]\n", "downstream: []\n"))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "serial")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "memorization", "run", str(cfg),
+                           "--grid", "1,2,1,1", "--out", str(tmp_path / "split")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    serial, split = (json.loads((tmp_path / d / "report.json").read_text())["arms"]
+                     for d in ("serial", "split"))
+    assert [a["name"] for a in split] == ["none", "goldfish", "dedup", "dp", "lora"]
+    for s, g in zip(serial, split, strict=True):
+        for part in ("seen_once", "duplicated"):
+            rate = s["extraction"][part]["exact_match_rate"]
+            assert g["extraction"][part]["exact_match_rate"] == rate, s["name"]
+        exposure = s["canaries"]["exposure_mean"]
+        assert g["canaries"]["exposure_mean"] == pytest.approx(exposure, rel=1e-4), s["name"]
+        assert g["utility"]["val_loss"] == pytest.approx(s["utility"]["val_loss"], rel=1e-4), s["name"]
+        for m, rec in s["mia"].items():
+            assert g["mia"][m]["auc"] == pytest.approx(rec["auc"], abs=1e-9), (s["name"], m)
+        assert g["cost"]["trainable_params"] == s["cost"]["trainable_params"], s["name"]
+    run = json.loads((tmp_path / "split" / "runs" / "lora" / "run.json").read_text())
+    assert run["summary"]["grid"] == "1,2,1,1"

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from axonn.config import TrainerConfig, build
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
-from memorization.lora import LoraSettings, apply_lora, export_lora, trainable_params
+from memorization.lora import LoraSettings, apply_lora, export_lora
+from memorization.models import trainable_params
 from memorize_core import ConfigError
 
 CFG = {"name": "l", "seed": 0,

@@ -37,6 +37,7 @@ def test_table_and_flags(capsys):
     (["--model", "tiny", "--gpus", "8", "--top", "0"], "top=0"),
     (["--gpus", "8"], "--model"),
     (["--model", "tiny", "--gpus", "eight"], "--gpus"),
+    (["--model", "tiny", "--gpus", "8", "--loss-chunk", "0"], "--loss-chunk=0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
@@ -45,6 +46,26 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err and err.startswith("axonn-plan: error:")
+
+
+def test_the_lm_head_setting_is_the_trainers(capsys):
+    """--loss-chunk defaults to the trainer's `auto`; each setting gives what the planner predicts for a
+    run with that trainer.loss_chunk (memory differs by the head's logits, nothing else changes)."""
+    from axonn.plan import get_hardware, load_shape, plan
+
+    argv = ["--model", "llama-8b", "--gpus", "8", "--seq", "4096", "--global-batch", "8", "--json",
+            "--top", "50", "--micro-batch", "1", "--checkpoint-activations"]
+    got = {}
+    for setting in (None, "auto", "off", "2048"):
+        assert main(argv + ([] if setting is None else ["--loss-chunk", setting])) == 0
+        rows = json.loads(capsys.readouterr().out)
+        got[setting] = {(r["x"], r["y"], r["z"], r["data"]): r["memory_gb"] for r in rows}
+    assert got[None] == got["auto"]
+    want = plan(load_shape("llama-8b"), 8, None, 4096, 8, get_hardware("h100"), checkpoint=True,
+                micro_batch=1, loss_chunk="off")
+    assert got["off"] == {(r.x, r.y, r.z, r.data): r.memory_gb for r in want[:50]}
+    y1 = (1, 1, 8, 1)  # the whole vocabulary on one rank: chunking saves most of its [T, V] logits
+    assert got["auto"][y1] < got["off"][y1] and got["2048"][y1] < got["off"][y1]
 
 
 def test_model_from_hf_config_file(tmp_path, capsys):

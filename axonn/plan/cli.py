@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from axonn.config import check_loss_chunk
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.hardware import hardware_choices
 from axonn.plan.model import Prediction
@@ -19,6 +20,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
+
+
+def _loss_chunk(text: str) -> int | str:
+    """--loss-chunk as trainer.loss_chunk takes it: auto, off or a positive integer."""
+    value: int | str = int(text) if text.strip().lstrip("-").isdigit() else text
+    try:
+        check_loss_chunk(value, "--loss-chunk")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine layout (default: paired for Llama-family/GPT-family shapes)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="the trainer's precision: bf16 autocast (GPUs, default) or fp32 (CPU)")
+    p.add_argument("--loss-chunk", type=_loss_chunk, default="auto", metavar="auto|off|N",
+                   help="the trainer's LM head (trainer.loss_chunk): auto (its default: chunked cross-entropy"
+                        " when the logits are large), off (full logits) or N tokens per chunk")
     p.add_argument("--strict", action="store_true",
                    help="only grids where z divides every weight shard and z*data the batch")
     p.add_argument("--top", type=int, default=10, help="rows to show")
@@ -97,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint=args.checkpoint_activations, overlap=not args.no_overlap,
                     headroom=args.headroom, micro_batch=args.micro_batch,
                     include_unfit=args.all, strict=args.strict,
-                    mode=args.mode, precision=args.precision)
+                    mode=args.mode, precision=args.precision, loss_chunk=args.loss_chunk)
     except ConfigError as e:
         sys.stderr.write(f"axonn-plan: error: {e}\n")
         return 2
