@@ -166,3 +166,21 @@ def test_two_ddp_processes_score_in_lockstep_like_one(folder, texts):
         for key in ("extraction", "mia"):
             _same(got[key], want[key])
         assert got["perplexity"][0]["loss"] == pytest.approx(want["perplexity"][0]["loss"], rel=1e-6)
+
+
+def test_lm_eval_tasks_each_pass_equal_scoring_the_model_directly(folder, texts, tmp_path):
+    """`tasks=`: a pass scores the bundled lm-eval task on the model being trained, the figures
+    `memorize eval --tasks` gives (downstream.score_tasks on the same model and settings), and logs
+    the headline accuracy."""
+    from memorization.downstream import score_tasks
+
+    members, _ = texts
+    tok = AutoTokenizer.from_pretrained(folder)
+    cb = MemorizationCallback(tok, tasks=["analogies_family"], tasks_limit=4, **SETTINGS)
+    _trainer(folder, tmp_path / "hf", datasets.Dataset.from_list([{"text": t} for t in members]), cb,
+             epochs=1).train()
+    before = score_tasks(AutoModelForCausalLM.from_pretrained(folder), tok, ["analogies_family"], limit=4,
+                         batch_size=SETTINGS["batch_size"])
+    got = cb.records[0]["tasks"]["tasks"]["analogies_family"]
+    assert got["n"] == 4 and got == before["tasks"]["analogies_family"]
+    assert [r["pass"] for r in cb.records] == [0, 1] and "tasks" in cb.records[1]
