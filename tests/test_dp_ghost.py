@@ -266,3 +266,63 @@ def test_the_dry_run_takes_dp_on_a_tensor_split_and_counts_the_norm_buffers(tmp_
         assert main(argv[:-3]) == 0
     without = json.loads(plain.getvalue())["rank0"]
     assert abs(r0["total_bytes"] - without["total_bytes"] - r0["example_norm_bytes"]) <= 1  # int() of each
+
+
+class _Squared(torch.nn.Module):
+    """Output weight * x + weight^2: not weight * h(x) + bias, so its norms must come from torch.func."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x + self.weight ** 2
+
+
+class _Stack(torch.nn.Module):
+    """Embedding -> LayerNorm (weight and bias) -> _Squared -> RMSNorm -> linear head (q/k/v-like: two
+    linears read the same input), fp64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = torch.nn.Embedding(V, 16).double()
+        self.ln = torch.nn.LayerNorm(16).double()
+        self.sq = _Squared(16)
+        self.rms = torch.nn.RMSNorm(16, eps=1e-6).double()
+        self.a, self.b = torch.nn.Linear(16, 16).double(), torch.nn.Linear(16, 16).double()
+        self.head = torch.nn.Linear(16, V, bias=False).double()
+        with torch.no_grad():
+            for m in (self.ln, self.rms):
+                m.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.rms(self.sq(self.ln(self.emb(ids))))
+        return self.head(torch.tanh(self.a(h)) * self.b(h))
+
+
+def test_norm_layers_of_every_kind_give_per_row_backward_norms():
+    """LayerNorm with a bias and RMSNorm (weight * h(x) + bias: the direct path), a module that is not
+    of that form (torch.func) and two linears reading one input (their shared input Gram) each give
+    the norms of per-row backward passes (fp64, 1e-10)."""
+    from axonn.grid import ProcessGrid
+    from axonn.layers.per_example import ExampleNorms
+
+    ids = torch.randint(0, V, (6, 12), generator=torch.Generator().manual_seed(2))
+
+    def losses(model):
+        logits = model(ids[:, :-1])
+        token = F.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none")
+        return token.view(6, -1).mean(1)
+
+    model = _Stack()
+    norms = ExampleNorms(model, ProcessGrid.serial(), {})
+    got = norms.norms(losses(model))
+    assert norms._affine == {id(model.ln): True, id(model.sq): False, id(model.rms): True}
+    want = []
+    for i in range(6):
+        model.zero_grad()
+        losses(model)[i].backward()
+        want.append(sum(float((p.grad ** 2).sum()) for p in model.parameters()))
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-10, atol=0)

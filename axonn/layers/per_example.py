@@ -93,6 +93,29 @@ def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b.transpose(1, 2))
 
 
+def _diagonal_affine(m: nn.Module, x: torch.Tensor) -> bool:
+    """True when `m`'s output is weight * h(x) + bias elementwise over its last dimension (a norm with
+    an elementwise affine: its per-example weight gradient is sum_t g_t * h(x_t)), tested on random
+    parameters and two rows of `x`."""
+    own = dict(_own(m))
+    names = {n for n, _ in m.named_parameters(recurse=False)}
+    w = own.get("weight")
+    if w is None or not names <= {"weight", "bias"} or w.dim() != 1 or x.shape[-1] != w.numel() \
+            or not x.is_floating_point():
+        return False
+    params = dict(m.named_parameters(recurse=False))
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    rand = {n: torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) for n, p in params.items()}
+    unit = {n: torch.ones_like(p) if n == "weight" else torch.zeros_like(p) for n, p in params.items()}
+    probe = x[:2].detach()
+    with torch.no_grad():
+        out = torch.func.functional_call(m, rand, (probe,))
+        h = torch.func.functional_call(m, unit, (probe,))
+    want = rand["weight"] * h + (rand["bias"] if "bias" in rand else 0)
+    tol = 1e-12 if out.dtype == torch.float64 else 1e-5 if out.dtype == torch.float32 else 1e-2
+    return out.shape == h.shape and torch.allclose(out, want, rtol=tol, atol=tol)
+
+
 class ExampleNorms:
     """Per-example squared gradient norms of every trainable parameter of `model` (module docstring)."""
 
@@ -110,6 +133,8 @@ class ExampleNorms:
         self._tied: dict[int, _Tied] = {}
         self._seen: set[int] = set()
         self._x: dict[int, torch.Tensor | None] = {}  # id(module) -> its input in this forward
+        self._gram: tuple[torch.Tensor, torch.Tensor] | None = None  # the last linear input and A A^T
+        self._affine: dict[int, bool] = {}  # id(module) -> whether its output is weight * h(x) + bias
         self._waiting: dict[int, torch.Tensor] = {}  # id(module) -> output gradient awaiting the input
         # each forward of the whole model starts afresh (one whose loss was never measured, e.g. a
         # callback's, leaves nothing behind)
@@ -221,7 +246,7 @@ class ExampleNorms:
         gl = gl.reshape(gl.shape[0], -1, gl.shape[-1])
         t = a.shape[1]
         if t * t <= a.shape[-1] * gl.shape[-1]:
-            sq = (_gram(a, a) * _gram(gl, gl)).sum((1, 2))
+            sq = (self._input_gram(a) * _gram(gl, gl)).sum((1, 2))
         else:
             sq = torch.bmm(gl.transpose(1, 2), a).pow(2).sum((1, 2))
         self._add(m.weight, sq, m)
@@ -229,6 +254,19 @@ class ExampleNorms:
             local, mask = self._ids[id(m.weight)]
             at_ids = gl.gather(2, local.reshape(local.shape[0], 1, -1).expand(-1, t, -1))
             self._tied[id(m.weight)] = _Tied(a, at_ids * mask.reshape(mask.shape[0], 1, -1))
+
+    def _input_gram(self, a: torch.Tensor) -> torch.Tensor:
+        """A A^T of a linear layer's input, computed once for consecutive layers that read the same
+        tensor (q, k and v read one normed stream, gate and up another; their backward hooks run one
+        after another). The last input is held with its Gram, so its memory cannot be reused by
+        another tensor while the cache names it."""
+        last = self._gram
+        if last is not None and last[0].data_ptr() == a.data_ptr() and last[0].shape == a.shape \
+                and last[0].stride() == a.stride() and last[0].dtype == a.dtype:
+            return last[1]
+        gram = _gram(a, a)
+        self._gram = (a, gram)
+        return gram
 
     def _embedding(self, m: nn.Module, g: torch.Tensor) -> None:
         local, mask = self._ids[id(m.weight)]
@@ -247,7 +285,26 @@ class ExampleNorms:
         self._add(m.weight, sq, m)
 
     def _functional(self, m: nn.Module, x: torch.Tensor, g: torch.Tensor) -> None:
-        """Per-example gradients of a small module (a norm's weight) through torch.func."""
+        """Per-example gradients of a small module (a norm's weight): for one whose output is
+        weight * h(x) (+ bias), checked when first seen (RMSNorm, LayerNorm), from h(x) = its output
+        with unit weight and zero bias; any other through torch.func."""
+        if id(m) not in self._affine:
+            self._affine[id(m)] = _diagonal_affine(m, x)
+        if self._affine[id(m)]:
+            own = dict(_own(m))
+            unit = {n: torch.ones_like(p) if n == "weight" else torch.zeros_like(p)
+                    for n, p in m.named_parameters(recurse=False)}
+            self._inside = True
+            try:
+                with torch.no_grad():
+                    h = torch.func.functional_call(m, unit, (x,)).to(g.dtype)
+            finally:
+                self._inside = False
+            rows, width = g.shape[0], own["weight"].numel()
+            self._add(own["weight"], (g * h).reshape(rows, -1, width).sum(1).pow(2).sum(1), m)
+            if "bias" in own:
+                self._add(own["bias"], g.reshape(rows, -1, width).sum(1).pow(2).sum(1), m)
+            return
         params = {n: p.detach() for n, p in _own(m)}
 
         def inner(ps: dict, xi: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
@@ -289,5 +346,5 @@ class ExampleNorms:
     def reset(self) -> None:
         """Forget what a forward captured (a forward whose loss is not backpropagated)."""
         self._anchors, self._ids, self._tied, self._seen, self._x = [], {}, {}, set(), {}
-        self._waiting = {}
+        self._waiting, self._gram = {}, None
 
