@@ -20,7 +20,6 @@ from typing import Any
 
 import psutil
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import axonn
@@ -165,8 +164,6 @@ class Experiment:
         if self.is_main:
             summary = json.loads((d / "run.json").read_text())["summary"]
             summary["reused"] = reused
-            if summary.get("params") is None:  # runs on a grid leave it out; the export has every weight
-                summary["params"] = exported_params(d / "model")
         summary = self.agree(summary)
         if evaluate is not None:
             summary.update(self._evals(cfg, d, summary, evaluate, _jsonable(eval_key or {})))
@@ -222,22 +219,6 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
-
-
-def exported_params(model_dir: Path) -> int | None:
-    """Parameter count of a save_pretrained folder (tied weights are stored once)."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                n = 1
-                for dim in fh.get_slice(key).get_shape():
-                    n *= dim
-                total += n
-    return total
 
 
 def _jsonable(obj: Any) -> Any:
