@@ -84,14 +84,20 @@ def test_catastrophic_memorization_scores_every_pass(tmp_path):
     out = tmp_path / "cat"
     sizes = ("sizes=[{name: a, overrides: {hidden_size: 16, intermediate_size: 32}}, "
              "{name: b, overrides: {hidden_size: 32}}]")
-    report = _run("catastrophic-memorization", out, [sizes, "passes=3", "plot_passes=[1,3]"])
+    report = _run("catastrophic-memorization", out, [sizes, "passes=3", "plot_passes=[1,3]",
+                                                     "scan_corpus=true", "scan_stride=16"])
     r = _check_files(out, report, pngs=2)
     assert [x["name"] for x in r["runs"]] == ["a-standard", "a-goldfish", "b-standard", "b-goldfish"]
     for x in r["runs"]:
         assert [p["pass"] for p in x["passes"]] == [1, 2, 3] and x["epochs"] == 3
         assert x["em_pass_3"] == x["exact_match_rate"]
         assert (out / "runs" / x["name"] / "passes.jsonl").read_text().count("\n") == 3
+        # the training-set scan (windows every 16 tokens: more than one per document) after every pass
+        assert x["scan_windows"] == x["passes"][-1]["scan_windows"] > x["docs"]
+        assert x["scan_em_last"] == x["passes"][-1]["scan_exact_match_rate"]
     assert r["runs"][0]["params"] < r["runs"][2]["params"]
+    table = (out / "report.md").read_text()
+    assert "EM of every window, pass 3" in table and f"| {r['runs'][0]['scan_windows']:,} |" in table
 
 
 def test_canary_exposure_with_manifest(tmp_path):

@@ -112,6 +112,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             summary["size"] = size.name
             for rec in summary.get("passes", []):
                 summary[f"em_pass_{rec['pass']}"] = rec["exact_match_rate"]
+                if "scan_exact_match_rate" in rec:  # scan_corpus: every training window, last pass's
+                    summary["scan_windows"] = rec["scan_windows"]
+                    summary["scan_em_last"] = rec["scan_exact_match_rate"]
             runs.append(summary)
             samples += extraction_samples(rc.name, exp.run_dir(rc.name), data.tokenizer, min(cfg.samples, 4))
     if not exp.is_main:
@@ -121,6 +124,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     columns = [("size", "size", "{}"), ("params", "params", "{:,}"), ("loss", "loss", "{}")]
     columns += [(f"em_pass_{p}", f"EM pass {p}", "{:.0%}") for p in shown]
     columns += [("rougeL", "RougeL", "{:.3f}"), ("val_loss", "val loss", "{:.3f}")]
+    if cfg.scan_corpus:
+        columns += [("scan_windows", "windows scanned", "{:,}"),
+                    ("scan_em_last", f"EM of every window, pass {cfg.passes}", "{:.0%}")]
     b = cfg.base
     notes = [
         f"Corpus: {b.data.corpus}, {runs[0].get('docs')} training documents cut to {b.data.block_len} "
