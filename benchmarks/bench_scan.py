@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines.scan_windows import Selection, windows  # noqa: E402
 from data_pipelines.token_sources import open_source, write_indexed  # noqa: E402
-from memorization.models import smollm2_dir
-from memorization.scan import ScanOptions, load_tokenizer_of, run_scan  # noqa: E402
+from memorization.models import folder_tokenizer, smollm2_dir  # noqa: E402
+from memorization.scan import ScanOptions, run_scan  # noqa: E402
 
 
 def model_folder(name: str, root: Path) -> Path:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         p, s, width = args.prefix, args.suffix, args.prefix + args.suffix
         spec, offsets = data_spec(args.model, root, args.rows, width, model.config.vocab_size)
-        source = open_source(spec, tokenizer=load_tokenizer_of(str(folder)))
+        source = open_source(spec, tokenizer=folder_tokenizer(str(folder)))
         sel = Selection(p, s, offsets=offsets, limit=args.rows)
         ids = torch.from_numpy(np.stack([w.tokens for w in windows(source, sel)]))
         batches = list(ids.split(args.batch))

@@ -262,13 +262,17 @@ def load_model(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> t
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tok = None
     if not grid.distributed and torch.cuda.is_available():
         model = model.to("cuda")
-    return model, tok
+    return model, folder_tokenizer(path)
+
+
+def folder_tokenizer(path: str) -> Any:
+    """The tokenizer saved in the model folder `path`, or None when it holds none."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def is_pretrained(name: str) -> bool:

@@ -48,7 +48,7 @@ from evals.scoring import Scorer
 from memorization.config import WANDB_MODES, WandbConfig
 from memorization.eval_report import write_files
 from memorization.fits import check_fits, check_shape
-from memorization.models import context_length, hf_config, load_model
+from memorization.models import context_length, folder_tokenizer, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries
 from memorization.parallel import Launch, eval_grid, eval_mode
 from memorization.scan_dryrun import scan_grid
@@ -145,16 +145,6 @@ def fingerprint(o: ScanOptions) -> dict[str, Any]:
             **{k: getattr(o, k) for k in ROW_OPTIONS}}
 
 
-def load_tokenizer_of(folder: str) -> Any:
-    """The model folder's tokenizer, or None when it holds none."""
-    from transformers import AutoTokenizer  # deferred: transformers' tokenizer stack, only here
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError):
-        return None
-
-
 def duplicate_counts(o: ScanOptions, source: TokenSource) -> dict[int, int] | None:
     """Document -> times in the training set: from --manifest (1 for documents it did not inject), from
     the --count-key of each JSONL line as read, or None."""
@@ -245,7 +235,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
         raise fail("--prefix", o.prefix, f"+ --suffix {o.suffix} exceeds the model's context of {ctx} "
                    "positions; shorten them")
     state = check_scan_out(o.out, fingerprint(o), o.overwrite)
-    tok = load_tokenizer_of(o.model)
+    tok = folder_tokenizer(o.model)
     source = open_source(o.data, tokenizer=tok, dtype=o.dtype, count_key=o.count_key)
     vocab = int(config.vocab_size)
     _check_vocab(o, source, vocab)
