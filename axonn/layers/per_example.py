@@ -97,13 +97,11 @@ def _diagonal_affine(m: nn.Module, x: torch.Tensor) -> bool:
     """True when `m`'s output is weight * h(x) + bias elementwise over its last dimension (a norm with
     an elementwise affine: its per-example weight gradient is sum_t g_t * h(x_t)), tested on random
     parameters and two rows of `x`."""
-    own = dict(_own(m))
-    names = {n for n, _ in m.named_parameters(recurse=False)}
-    w = own.get("weight")
-    if w is None or not names <= {"weight", "bias"} or w.dim() != 1 or x.shape[-1] != w.numel() \
+    params = dict(m.named_parameters(recurse=False))
+    w = dict(_own(m)).get("weight")
+    if w is None or not set(params) <= {"weight", "bias"} or w.dim() != 1 or x.shape[-1] != w.numel() \
             or not x.is_floating_point():
         return False
-    params = dict(m.named_parameters(recurse=False))
     gen = torch.Generator(device=w.device).manual_seed(0)
     rand = {n: torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) for n, p in params.items()}
     unit = {n: torch.ones_like(p) if n == "weight" else torch.zeros_like(p) for n, p in params.items()}
