@@ -26,7 +26,7 @@ _EXPORTS = {
     "ParallelPlan": "axonn.parallel_plan", "plan_for": "axonn.parallel_plan",
     "EngineHandle": "axonn.engine", "engine_of": "axonn.engine", "layouts_of": "axonn.engine",
     "full_grad_dict": "axonn.state", "full_state_dict": "axonn.state", "load_pretrained": "axonn.state",
-    "save_pretrained": "axonn.state", "serial_copy": "axonn.state",
+    "save_pretrained": "axonn.state",
     "Trainer": "axonn.trainer", "TrainerConfig": "axonn.config",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """Where this process sits in the job: rank, world size, local rank and the rendezvous host, read
 from the launcher's environment (torchrun, Slurm srun, Open MPI, MPICH; else one process).
 
-`axonn.grid.init` reads it before any rendezvous; memorization.parallel asks it for the world size
+`axonn.grid.init` reads it before any rendezvous; memorization.train.parallel asks it for the world size
 and the main rank before a grid exists; the watchdog names the launcher in its message.
 """
 from __future__ import annotations
@@ -12,6 +12,14 @@ import subprocess
 from dataclasses import dataclass
 
 from memorize_core import fail
+
+# (source, rank var, size var, local-rank var) of each launcher, in the order they are looked for
+LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
 
 
 @dataclass(frozen=True)
@@ -45,14 +53,8 @@ def _slurm_master() -> str | None:
 
 def launch_env() -> LaunchEnv:
     """Read rank / world size / local rank from torchrun, Slurm srun, or MPI (else: one process)."""
-    table = [  # (source, rank var, size var, local-rank var)
-        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ]
     port = _env_int("MASTER_PORT") if "MASTER_PORT" in os.environ else 29500
-    for source, rvar, svar, lvar in table:
+    for source, rvar, svar, lvar in LAUNCHERS:
         if rvar in os.environ and svar in os.environ:
             rank, size = _env_int(rvar), _env_int(svar)
             local = _env_int(lvar) if lvar in os.environ else 0

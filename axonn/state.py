@@ -19,7 +19,6 @@ from torch import nn
 
 from axonn.engine import layouts_of, model_grid, named_layouts
 from axonn.layers.layout import ParamSpec
-from axonn.swap import _materialize_meta
 from memorize_core import fail
 
 _DTYPES = {
@@ -184,22 +183,6 @@ def load_pretrained(model: nn.Module, hf_dir: str | os.PathLike) -> nn.Module:
                        f"model's {tuple(t.shape)}; was the checkpoint saved from this config?")
         t.copy_(piece.to(dtype=t.dtype))
     return model
-
-
-def serial_copy(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """A fresh serial HF model of the same class and config holding `state` (a full state dict).
-
-    Without `state` it first calls `full_state_dict(model)` (a collective: call it on every rank).
-    Holds the whole model on the calling rank: use it where the serial model fits (evals, export)."""
-    if state is None:
-        state = full_state_dict(model)
-    with torch.device("meta"):
-        serial = type(model)(model.config)
-    serial.load_state_dict(state, assign=True)
-    if getattr(model.config, "tie_word_embeddings", False) and callable(getattr(serial, "tie_weights", None)):
-        serial.tie_weights()
-    _materialize_meta(serial, torch.device("cpu"))  # non-persistent buffers (rotary) recomputed
-    return serial
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike, *,

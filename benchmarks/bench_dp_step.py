@@ -27,7 +27,7 @@ from common import TokenRows, alternate, peak_rss, ratio, write
 from axonn.trainer import Trainer
 from memorization.config import DPConfig, RunTrainerConfig
 from memorization.models import SMOLLM2, build_model
-from memorization.privacy_ghost import make_privacy
+from memorization.mitigations.ghost_clipping import make_privacy
 
 ARMS = ("plain", "ghost", "per_sample")
 ROWS, SEQ = 8, 64

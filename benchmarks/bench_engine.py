@@ -29,7 +29,7 @@ from axonn.schedule import EngineOptions
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
 from data_pipelines import per_document
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 
 
 def _amp(autocast: str | None) -> Any:

@@ -41,10 +41,10 @@ from axonn.config import to_dict
 from axonn.loop_state import epoch_order
 from axonn.trainer import Trainer
 from memorization.config import load_run_config
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.models import build_model
-from memorization.pipeline import effective_trainer
-from memorization.prepare import prepare_data
+from memorization.train.pipeline import effective_trainer
+from memorization.train.prepare import prepare_data
 
 CONFIG = ROOT / "configs" / "train" / "smollm2-wiki.yaml"
 

@@ -1,7 +1,7 @@
 """Benchmark: `memorize scan` (exact match only) vs a bare teacher-forced forward loop and vs HF `generate`.
 
 Per round, on the same model and the same windows, batch for batch:
-  scan       `memorization.scan.run_scan` (the command's own path: the source read and cut into windows,
+  scan       `memorization.scan.scanner.run_scan` (the command's own path: the source read and cut into windows,
              one forward per batch through the scoring layer, every metric, Parquet parts and the state
              file written); its loop time (`scan_seconds`: model loading and the report excluded)
   forward    the bare loop: `model(ids[:, :-1], logits_to_keep=S).logits.argmax(-1) == suffix`
@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from data_pipelines.scan_windows import Selection, windows  # noqa: E402
 from data_pipelines.token_sources import open_source, write_indexed  # noqa: E402
 from memorization.models import folder_tokenizer, smollm2_dir  # noqa: E402
-from memorization.scan import ScanOptions, run_scan  # noqa: E402
+from memorization.scan.scanner import ScanOptions, run_scan  # noqa: E402
 
 
 def model_folder(name: str, root: Path) -> Path:

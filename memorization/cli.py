@@ -2,7 +2,7 @@
 
 Each command imports what it runs when it runs (the `# deferred` imports below): `import
 memorization.cli` takes 0.01 s, while the modules behind the commands import torch and
-transformers (memorization.pipeline 2.8 s, memorization.dryrun 3.4 s on the 2-core CI machine), so
+transformers (memorization.train.pipeline 2.8 s, memorization.train.dryrun 3.4 s on the 2-core CI machine), so
 `memorize --help` and argument errors answer at once.
 """
 from __future__ import annotations
@@ -10,18 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import fields, replace
-from pathlib import Path
 
-from memorization.outputs import check_inputs, check_writable, remove_entries
 from memorize_core import ConfigError, fail
-
-# weight files of a save_pretrained folder: an earlier export's, replaced as a whole by a new one
-EXPORT_WEIGHTS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +31,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_dry_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
-                   help="size and check the job on --world GPUs without running it (memorization/dryrun.py)")
+                   help="size and check the job on --world GPUs without running it")
     p.add_argument("--world", type=int, default=None, metavar="N", help="GPUs of the job (with --dry-run)")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
                    help="with --dry-run (default: the hardware preset's)")
@@ -207,14 +200,14 @@ def cmd_train(args) -> int:
     if args.checkpoint_every:
         cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_every=args.checkpoint_every))
     if _wants_dry_run(args):
-        from memorization.dryrun import cli_dry_run  # deferred: see the module docstring
+        from memorization.train.dryrun import cli_dry_run  # deferred: see the module docstring
 
         return cli_dry_run(args, "train", cfg)
-    from memorization.pipeline import run_training  # deferred: see the module docstring
+    from memorization.train.pipeline import run_training  # deferred: see the module docstring
 
     out = args.out or f"runs/{cfg.name}"
     summary = run_training(cfg, out, overwrite=args.overwrite, grid_spec=args.grid, resume=args.resume)
-    from memorization.parallel import is_main_process  # deferred: see the module docstring
+    from memorization.train.parallel import is_main_process  # deferred: see the module docstring
 
     if is_main_process():
         print(json.dumps(summary, indent=2))
@@ -223,9 +216,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    """Extraction, membership inference and/or perplexity of a saved model (memorization.evaluate)."""
-    from memorization.evaluate import EvalOptions, run_eval  # deferred: see the module docstring
-    from memorization.parallel import is_main_process  # deferred: see the module docstring
+    """Extraction, membership inference and/or perplexity of a saved model (memorization.eval.evaluate)."""
+    from memorization.eval.evaluate import EvalOptions, run_eval  # deferred: see the module docstring
+    from memorization.train.parallel import is_main_process  # deferred: see the module docstring
 
     report = run_eval(EvalOptions(**{f.name: getattr(args, f.name) for f in fields(EvalOptions)}))
     if is_main_process():
@@ -244,14 +237,14 @@ def _warn(result: dict) -> None:
 def cmd_scan(args) -> int:
     """Scan a training corpus (or, with --dry-run, size the scan on a cluster preset)."""
     if _wants_dry_run(args):
-        from memorization.scan_dryrun import cli_scan_dry_run  # deferred: see the module docstring
+        from memorization.scan.sizing import cli_scan_dry_run  # deferred: see the module docstring
 
         return cli_scan_dry_run(args)
     for flag in ("data", "out"):
         if getattr(args, flag) is None:
             raise fail(f"--{flag}", None, "is required to scan (a --dry-run needs neither)")
-    from memorization.parallel import is_main_process  # deferred: see the module docstring
-    from memorization.scan import ScanOptions, run_scan  # deferred: see the module docstring
+    from memorization.scan.scanner import ScanOptions, run_scan  # deferred: see the module docstring
+    from memorization.train.parallel import is_main_process  # deferred: see the module docstring
 
     report = run_scan(ScanOptions(**{f.name: getattr(args, f.name) for f in fields(ScanOptions)}))
     if is_main_process():
@@ -260,61 +253,18 @@ def cmd_scan(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Write a checkpoint as a serial Hugging Face model folder (plus its tokenizer when saved)."""
-    from axonn.checkpoint import consolidate, read_meta  # deferred: see the module docstring
+    """Write a checkpoint as a serial Hugging Face model folder (memorization.export)."""
+    from memorization.export import export_checkpoint  # deferred: see the module docstring
 
-    read_meta(args.checkpoint, verify=False)  # a clear error before anything else
-    out = Path(args.out)
-    check_inputs("out", args.out, {"checkpoint": args.checkpoint})  # it would write over what it reads
-    check_writable("out", args.out)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise fail("out", args.out, "exists and is not empty; choose a new folder or pass --overwrite "
-                   "(which replaces only the files export writes)")
-    meta, state = consolidate(args.checkpoint)  # verifies every shard's sha256
-    if not meta.get("model_config"):
-        raise fail("checkpoint", args.checkpoint, "holds no model config; it was not written by memorize")
-    from transformers import AutoConfig, AutoModelForCausalLM  # deferred: see the module docstring
-
-    cfg_dict = dict(meta["model_config"])
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    model = AutoModelForCausalLM.from_config(config)
-    tied = getattr(config, "tie_word_embeddings", False)
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not (tied and k.endswith("lm_head.weight"))]
-    if missing or result.unexpected_keys:
-        raise fail("checkpoint", args.checkpoint, f"does not match its model config (missing "
-                   f"{missing[:2]}, unexpected {result.unexpected_keys[:2]}); it is damaged")
-    if tied:
-        model.tie_weights()
-    _write_export(model, Path(args.checkpoint) / "tokenizer", out)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "step": meta["step"], "out": str(out)}))
+    result = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+    print(json.dumps(result))
     return 0
-
-
-def _write_export(model, tokenizer: Path, out: Path) -> None:
-    """save_pretrained + the tokenizer into a scratch folder in OUT, then moved in by name: --overwrite
-    replaces only those names (and stale weight shards of an earlier export), nothing else in OUT."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer.is_dir():
-            for f in tokenizer.iterdir():
-                if f.is_file():
-                    shutil.copy2(f, tmp / f.name)
-        names = sorted(p.name for p in tmp.iterdir())
-        stale = [p.name for pattern in EXPORT_WEIGHTS for p in out.glob(pattern)]
-        remove_entries(out, dict.fromkeys(names + stale))
-        for name in names:
-            (tmp / name).replace(out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cmd_run(args) -> int:
     """Run one experiment config (a sweep skips runs that already finished)."""
     if _wants_dry_run(args):
-        from memorization.dryrun import cli_dry_run  # deferred: see the module docstring
+        from memorization.train.dryrun import cli_dry_run  # deferred: see the module docstring
 
         return cli_dry_run(args, "run")
     from memorization.experiments import run_experiment  # deferred: see the module docstring

@@ -8,8 +8,8 @@ from typing import Any
 
 from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
 from data_pipelines import is_chat_spec
-from memorization.goldfish import GoldfishConfig
-from memorization.lora import LoraSettings
+from memorization.mitigations.goldfish import GoldfishConfig
+from memorization.mitigations.peft_lora import LoraSettings
 from memorization.outputs import check_name
 from memorize_core import ConfigError, fail
 
@@ -28,7 +28,7 @@ CLIPPINGS = ("ghost", "per_sample")  # trainer.dp.clipping
 
 @dataclass
 class DPConfig:
-    """DP-SGD settings (memorization.privacy runs them through Opacus; docs/usage.md, "DP-SGD").
+    """DP-SGD settings (memorization.mitigations.dp_sgd runs them through Opacus; docs/usage.md, "DP-SGD").
 
     Exactly one of noise_multiplier (sigma: noise std = sigma * max_grad_norm) and target_epsilon
     (sigma solved for the planned steps) is set. delta must also be below 1/N, checked where the
@@ -44,8 +44,8 @@ class DPConfig:
     poisson_sampling: bool = True  # false: shuffled fixed-size batches (epsilon then assumes Poisson)
     secure_rng: bool = False  # Opacus secure_mode: noise from torchcsprng, not the seed
     # ghost: per-row norms from activations and output gradients, then a second backward of the
-    # reweighted loss (any grid; memorization/privacy_ghost.py); per_sample: Opacus' per-sample
-    # gradients (serial or 1,1,1,D; memorization/privacy.py)
+    # reweighted loss (any grid; memorization/mitigations/ghost_clipping.py); per_sample: Opacus' per-sample
+    # gradients (serial or 1,1,1,D; memorization/mitigations/dp_sgd.py)
     clipping: str = "ghost"
 
     def validate(self, prefix: str = "trainer.dp") -> None:
@@ -77,7 +77,7 @@ class DPConfig:
 @dataclass
 class RunTrainerConfig(TrainerConfig):
     """A run's `trainer` section: the engine's TrainerConfig plus DP-SGD (`trainer.dp`), which the
-    Trainer carries out only through its gradient hook (memorization.privacy.OpacusPrivacy)."""
+    Trainer carries out only through its gradient hook (memorization.mitigations.dp_sgd.OpacusPrivacy)."""
 
     dp: DPConfig = field(default_factory=DPConfig)
 
@@ -90,7 +90,7 @@ class RunTrainerConfig(TrainerConfig):
         """Never train "with DP" without the hook that does it."""
         if self.dp.enabled and hook is None:
             raise fail("trainer.dp.enabled", True, "DP-SGD needs a privacy plug-in: pass gradient_hook="
-                       "memorization.privacy.OpacusPrivacy(cfg, len(train_data)) or set it false")
+                       "memorization.mitigations.dp_sgd.OpacusPrivacy(cfg, len(train_data)) or set it false")
 
 
 @dataclass
@@ -129,6 +129,9 @@ class DataConfig:
         for name in ("limit", "min_tokens", "held_out_limit"):
             if getattr(self, name) < 0:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        if self.packing == "per-document" and self.min_tokens > self.block_len:  # each row cuts at block_len
+            raise fail(f"{prefix}.min_tokens", self.min_tokens, f"must not exceed {prefix}.block_len="
+                       f"{self.block_len} (per-document rows are cut there); lower it or raise block_len")
         if not 0.0 <= self.held_out_fraction < 1.0:
             raise fail(f"{prefix}.held_out_fraction", self.held_out_fraction, "must be within [0, 1)")
 

@@ -13,10 +13,10 @@ import torch
 
 from memorization.config import RunConfig, load_run_config
 from memorization.models import REPO_ROOT
-from memorization.parallel import grid_spec, is_main_process, wants_grid
-from memorization.pipeline import check_out_dir, prepare_out_dir, run_training
-from memorization.prepare import prepare_data
 from memorization.report import read_metrics, text_table, write_report
+from memorization.train.parallel import grid_spec, is_main_process, wants_grid
+from memorization.train.pipeline import check_out_dir, prepare_out_dir, run_training
+from memorization.train.prepare import prepare_data
 
 DEMO_CONFIG = REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml"
 

@@ -343,13 +343,6 @@ def trainable_params(model: torch.nn.Module) -> int:
     return count_params(model, trainable=True)
 
 
-def model_summary(model: torch.nn.Module) -> dict[str, Any]:
-    """Shape facts for reports."""
-    c = model.config
-    return {"params": count_params(model), "hidden": c.hidden_size, "layers": c.num_hidden_layers,
-            "heads": c.num_attention_heads, "vocab": c.vocab_size}
-
-
 __all__ = ["ConfigError", "build_model", "check_tokenizer", "count_params", "is_pretrained", "meta_model",
            "model_config", "model_folder", "pretrained_config", "run_tokenizer",
            "smollm2_dir", "zoo_config", "zoo_names"]

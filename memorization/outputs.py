@@ -8,6 +8,7 @@ Every command that takes --overwrite (train, run, demo, eval, export) goes throu
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping
@@ -119,4 +120,27 @@ def remove_entries(out: str | Path, names: Iterable[str]) -> list[str]:
     return removed
 
 
-__all__ = ["check_inputs", "check_name", "check_writable", "existing_entries", "remove_entries"]
+# The ledger of what a command wrote into a folder it shares with other files (export): what a later
+# `--overwrite` may remove beyond the names it writes itself. Never a name pattern: a user's file that
+# merely looks like ours (model-00001-of-00002.safetensors) is not in the ledger and stays.
+LEDGER = ".memorize-written.json"
+
+
+def recorded_entries(out: str | Path) -> list[str]:
+    """The entry names the ledger in OUT says this tool wrote there ([] without a readable ledger)."""
+    try:
+        names = json.loads((Path(out) / LEDGER).read_text()).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [n for n in names if isinstance(n, str) and n and "/" not in n and not n.startswith(".")]
+
+
+def record_entries(out: str | Path, command: str, names: Iterable[str]) -> None:
+    """Write the ledger: `command` wrote `names` into OUT (replacing an earlier ledger)."""
+    tmp = Path(out) / (LEDGER + ".tmp")
+    tmp.write_text(json.dumps({"command": command, "entries": sorted(names)}, indent=1) + "\n")
+    tmp.replace(Path(out) / LEDGER)
+
+
+__all__ = ["LEDGER", "check_inputs", "check_name", "check_writable", "existing_entries", "record_entries",
+           "recorded_entries", "remove_entries"]

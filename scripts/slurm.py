@@ -4,7 +4,7 @@
     python scripts/slurm.py --cluster perlmutter|frontier|alps|generic --nodes N --config CONFIG
         [--grid auto|X,Y,Z,D] [--time HH:MM:SS] [--account A] [--dry-run] [-- overrides...]
 
-Before anything is written the job is dry-run (memorization/dryrun.py) on nodes x GPUs per node
+Before anything is written the job is dry-run (memorization/train/dryrun.py) on nodes x GPUs per node
 with the cluster's hardware preset: the grid is the performance model's pick (or yours, checked),
 the model must shard evenly and fit in memory. The script holds the cluster's #SBATCH lines, CPU/GPU
 binding and NCCL/RCCL environment (configs/clusters.yaml: data, no per-cluster code), the
@@ -115,9 +115,9 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
     if not args.dry_run and "{account}" in " ".join(c["sbatch"]) and not args.account:
         raise fail("--account", None, f"{args.cluster} charges a project account; pass --account")
     command = command_of(args.config)
-    # deferred: memorization.dryrun +2.8 s import (torch, transformers); --help and bad cluster, time,
+    # deferred: memorization.train.dryrun +2.8 s import (torch, transformers); --help and bad cluster, time,
     # node or account input are answered before it
-    from memorization.dryrun import dry_run_command  # deferred: +2.8 s import
+    from memorization.train.dryrun import dry_run_command  # deferred: +2.8 s import
 
     world = args.nodes * gpn
     hardware = args.hardware or c["hardware"]

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from axonn.config import TrainerConfig
 from axonn.trainer import Trainer
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import IGNORE_INDEX
 
 # A 2-layer tiny model on 12 Wikipedia leads with a 300-id BPE, 2 steps, no extraction, no W&B.

@@ -217,7 +217,7 @@ def test_check_name_accepts_plain_names():
 def test_stderr_to_takes_what_subprocesses_and_logging_write(tmp_path, capfd):
     import logging
 
-    from memorization.downstream import stderr_to
+    from memorization.eval.utility import stderr_to
 
     log = tmp_path / "lm-eval.log"
     with stderr_to(log):

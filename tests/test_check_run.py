@@ -1,4 +1,4 @@
-"""One check of a run (memorization.checks.check_run): every refusal the run makes, its dry run makes
+"""One check of a run (memorization.train.run_plan.check_run): every refusal the run makes, its dry run makes
 with the same one line; nothing is written; an experiment checks every sub-run before the first trains.
 
 Grids of several processes are refused before any collective, so a single process that announces a

@@ -213,7 +213,7 @@ def test_trainer_chunked_run_equals_full_logits_run() -> None:
     dropped-token metric): every step's loss, the dropped loss and the held-out loss agree with the
     full-logit run to float noise (1e-5 relative: after 4 steps of lr 1e-2 the weights differ by
     rounding only)."""
-    from memorization.goldfish import GoldfishConfig, GoldfishTransform
+    from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 
     _same_run(_history(7), _history("off"), 1e-5)
     fish = GoldfishConfig(enabled=True, k=3, h=2)

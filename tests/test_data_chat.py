@@ -27,7 +27,7 @@ from data_pipelines import (
 from data_pipelines.chat import PLAIN_FORMAT
 from data_pipelines.chat_sets import RECORD_SPACE
 from evals import extract_pairs
-from memorization.goldfish import GoldfishConfig, GoldfishTransform, goldfish_labels
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform, goldfish_labels
 from memorize_core import ConfigError
 
 torch.set_num_threads(1)

@@ -184,7 +184,7 @@ def check_memorize(args: list[str]) -> None:
     elif ns.command == "eval":
         from dataclasses import fields
 
-        from memorization.evaluate import EvalOptions, check_options
+        from memorization.eval.evaluate import EvalOptions, check_options
 
         check_options(EvalOptions(**{f.name: getattr(ns, f.name) for f in fields(EvalOptions)}))
 
@@ -385,9 +385,25 @@ def _output_blocks(slow: bool) -> list:
             if any(m.split() == (["output", "slow"] if slow else ["output"]) for m in b.marks)]
 
 
+# what users' commands write in the checkout: a documented command runs beside them, never in them
+USER_OUTPUTS = {"runs", "wandb", ".git"}
+
+
+def _workspace(tmp_path: Path) -> Path:
+    """A folder that reads like the checkout (every entry linked) but holds none of its `runs/`: the
+    documented commands run there, so results a user's commands left in the checkout change nothing."""
+    ws = tmp_path / "checkout"
+    ws.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in USER_OUTPUTS:
+            (ws / entry.name).symlink_to(entry)
+    return ws
+
+
 @pytest.mark.parametrize("block", _output_blocks(False) + _output_blocks(True))
-def test_quoted_output_is_what_the_command_prints(block):
+def test_quoted_output_is_what_the_command_prints(block, tmp_path, monkeypatch):
     """`<!-- docs: output -->` transcripts (`output slow`: those that take more than seconds)."""
+    monkeypatch.chdir(_workspace(tmp_path))
     for words, quoted in _transcripts(block):
         printed = _run_in_process(words)
         if "install the optional extra" in printed:
@@ -409,7 +425,8 @@ def test_runnable_blocks_run(block, tmp_path):
     env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     script = "set -euo pipefail\n" + "\n".join(block.lines) + "\n"
-    r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(["bash", "-c", script], cwd=_workspace(tmp_path), env=env, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, f"{block.where}: exit {r.returncode}\n{r.stderr[-2000:]}"
 
 

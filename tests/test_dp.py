@@ -16,8 +16,8 @@ from axonn.config import build
 from axonn.spawn import run_distributed
 from axonn.trainer import IGNORE_INDEX, Trainer
 from memorization.config import DPConfig, RunTrainerConfig
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
-from memorization.privacy import OpacusPrivacy, check_dp_grid
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.dp_sgd import OpacusPrivacy, check_dp_grid
 from memorize_core import ConfigError
 
 V = 64
@@ -237,7 +237,7 @@ def _run_cfg(**trainer_dp):
 
 
 def test_goldfish_and_dp_run_end_to_end_with_epsilon_in_metrics_and_summary(tmp_path):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     cfg = _run_cfg()
     cfg.goldfish = build(GoldfishConfig, {"enabled": True, "k": 2, "h": 4})
@@ -274,7 +274,7 @@ def test_delta_above_one_over_n_and_per_sample_tensor_grids_are_refused_before_a
     import yaml
 
     from memorization.cli import main
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     with pytest.raises(ConfigError, match=r"^trainer\.dp\.delta=0\.1: must be < 1/N = 0\.0625 for N=16"):
         run_training(_run_cfg(delta=0.1), tmp_path / "o", progress=False)
@@ -301,7 +301,7 @@ def test_delta_above_one_over_n_and_per_sample_tensor_grids_are_refused_before_a
 
 def _dp_rank(rank, world, out):
     import axonn
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     run_training(_run_cfg(), out, grid=axonn.ProcessGrid(1, 1, 1, 2), progress=False)
 
@@ -310,7 +310,7 @@ def _dp_rank(rank, world, out):
 def test_data_parallel_dp_equals_serial_dp_with_noise(tmp_path):
     from safetensors.torch import load_file
 
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     run_training(_run_cfg(), tmp_path / "serial", progress=False)
     run_distributed(_dp_rank, 2, str(tmp_path / "dp"), timeout=240)

@@ -1,4 +1,4 @@
-"""DP-SGD with ghost clipping (memorization/privacy_ghost.py, axonn/layers/per_example.py): per-row norms
+"""DP-SGD with ghost clipping (memorization/mitigations/ghost_clipping.py, axonn/layers/per_example.py): per-row norms
 equal per-row backward passes and Opacus' per-sample clipping, the update equals Opacus' on the same
 rows, every grid equals the serial run, noise lands once per coordinate, bad input is refused."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from axonn.spawn import run_distributed
 from axonn.trainer import IGNORE_INDEX, Trainer
 from memorization.config import DPConfig, RunTrainerConfig
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
-from memorization.privacy import OpacusPrivacy
-from memorization.privacy_ghost import GhostPrivacy
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.dp_sgd import OpacusPrivacy
+from memorization.mitigations.ghost_clipping import GhostPrivacy
 
 V = 64
 
@@ -224,7 +224,7 @@ def test_a_parameter_ghost_clipping_cannot_split_is_refused_in_one_line(monkeypa
     naming the field, the value, the parameter and the fix."""
     from torch import nn
 
-    from memorization import privacy
+    from memorization.mitigations import dp_sgd as privacy
     from memorize_core import ConfigError
 
     class Shared(nn.Module):

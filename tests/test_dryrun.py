@@ -65,7 +65,7 @@ def _allocated(rank: int, world: int, dims, mode: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("dims,mode", [((2, 1, 2, 1), "paired"), ((1, 1, 3, 1), "easy")])
 def test_figures_equal_what_the_shards_allocate(dims, mode):
-    from memorization.dryrun import dry_run
+    from memorization.train.dryrun import dry_run
 
     world = dims[0] * dims[1] * dims[2] * dims[3]
     got = run_distributed(_allocated, world, dims, mode, timeout=240)
@@ -81,8 +81,8 @@ def test_memory_is_the_planners_model_of_the_built_model():
     from axonn.plan import load_shape
     from axonn.plan.memory import memory_breakdown
     from axonn.plan.volumes import Grid
-    from memorization.checks import planned_model_config
-    from memorization.dryrun import dry_run
+    from memorization.train.run_plan import planned_model_config
+    from memorization.train.dryrun import dry_run
 
     cfg = _cfg("trainer.activation_checkpointing=true", "trainer.micro_batch=1", "parallel_mode=paired")
     r = dry_run(cfg, world=4, grid="1,2,2,1")
@@ -161,7 +161,7 @@ def test_finetune_configs_dry_run_clean_at_axonn_plans_grid(config, gpus):
 
     from axonn.plan import load_shape, plan
     from memorization.config import load_run_config
-    from memorization.dryrun import dry_run
+    from memorization.train.dryrun import dry_run
 
     cfg = load_run_config(ROOT / "configs" / "train" / f"{config}.yaml")
     auto = dry_run(replace(cfg, grid="auto"), world=gpus, hardware="alps-h100")
@@ -192,7 +192,7 @@ def _hf_folder(tmp_path: Path, cache: Path) -> Path:
 def test_weights_folder_is_checked_against_the_shards(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from memorization.dryrun import dry_run
+    from memorization.train.dryrun import dry_run
     from memorize_core import ConfigError
 
     folder = _hf_folder(tmp_path, tmp_path / "cache")

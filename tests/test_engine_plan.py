@@ -209,8 +209,8 @@ def test_a_plan_given_trains_like_serial() -> None:
 
 def test_the_dry_run_reports_the_plan() -> None:
     from memorization.config import load_run_config
-    from memorization.dryrun import dry_run
-    from memorization.dryrun_report import format_report
+    from memorization.train.dryrun import dry_run
+    from memorization.train.dryrun_report import format_report
 
     cfg = load_run_config(None, ["model.name=tiny", "data.vocab_size=320", "data.block_len=16",
                                  "trainer.batch_size=8", "eval.extraction=false", "parallel_mode=paired"])

@@ -18,6 +18,21 @@ STEPS, LR, CLIP = 5, 1e-3, 0.5
 TOLS = {"float64": (1e-10, 1e-10), "float32": (1e-5, 1e-3)}  # (loss and norm, parameters)
 
 
+def _serial_copy(model, state):
+    """A fresh serial HF model of `model`'s class and config holding the full state dict `state`."""
+    import torch  # in the spawned rank, as the other helpers here
+
+    from axonn.swap import _materialize_meta
+
+    with torch.device("meta"):
+        serial = type(model)(model.config)
+    serial.load_state_dict(state, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        serial.tie_weights()
+    _materialize_meta(serial, torch.device("cpu"))  # non-persistent buffers (rotary) recomputed
+    return serial
+
+
 def _step(model, grid, ids, labels, opt) -> tuple[float, float]:
     import axonn
 
@@ -56,7 +71,7 @@ def _train(rank: int, world: int, out_dir: str) -> list[dict]:
                           _step(model, grid, ids, labels, p_opt)))
         want = serial.state_dict()
         state = axonn.full_state_dict(model, rank0_only=True)
-        back = axonn.serial_copy(model, state) if state else None  # rank 0 only
+        back = _serial_copy(model, state) if state else None  # rank 0 only
         path = Path(out_dir) / f"{mode}-{dtype_name}"
         axonn.save_pretrained(model, path)
         grid.comm.all_reduce(torch.zeros(1), "world")  # rank 0 has finished writing

@@ -127,7 +127,7 @@ def test_grid_auto_asks_the_planner_for_a_grid_that_fits_the_model(folders):
     from transformers import AutoConfig
 
     from axonn.grid import validate_grid_for_model
-    from memorization.parallel import eval_dims
+    from memorization.train.parallel import eval_dims
 
     config = AutoConfig.from_pretrained(folders / "model")
     for world in (1, 2, 4):

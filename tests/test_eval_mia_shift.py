@@ -12,7 +12,7 @@ from helpers import TINY
 from evals.blind import SHIFT_AUC, blind_baseline, shift_warning
 from memorization.cli import main
 from memorization.config import load_run_config
-from memorization.pipeline import run_training
+from memorization.train.pipeline import run_training
 
 # TINY on 40 leads with half held out (a split of the same corpus), 2 steps
 SPLIT = ["data.limit=40", "data.held_out=''", "data.held_out_fraction=0.5", "data.min_tokens=16"]

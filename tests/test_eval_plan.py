@@ -8,7 +8,7 @@ from axonn.plan import get_hardware, load_shape
 from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.volumes import Grid
 from memorization.config import load_run_config
-from memorization.dryrun import dry_run
+from memorization.train.dryrun import dry_run
 from memorization.models import REPO_ROOT
 from memorize_core import ConfigError
 

@@ -1,6 +1,6 @@
 """report.md's headers say what the report holds; a group's row counts its tasks' documents."""
 from evals.harness import _group_n
-from memorization.eval_report import markdown_report
+from memorization.eval.files import markdown_report
 
 TASKS = {"tasks": {"a": {"acc": 0.5, "n": 5}, "b": {"acc": 0.2, "n": 7}},
          "groups": {"g": {"acc": 0.3, "n": 12}}, "n_shot": {"a": 0, "b": 0}, "num_fewshot": None,

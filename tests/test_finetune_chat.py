@@ -9,8 +9,8 @@ import torch
 from data_pipelines import IGNORE_INDEX
 from memorization.cli import main
 from memorization.config import load_run_config
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
-from memorization.prepare import prepare_data
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.train.prepare import prepare_data
 
 CFG = """
 name: chat

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from memorization.goldfish import (
+from memorization.mitigations.goldfish import (
     IGNORE_INDEX,
     GoldfishConfig,
     GoldfishTransform,

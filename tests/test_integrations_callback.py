@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 
 from data_pipelines import load_corpus
 from data_pipelines.inject import DuplicateSpec
-from memorization.evaluate import EvalOptions, run_eval
+from memorization.eval.evaluate import EvalOptions, run_eval
 from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset
 from memorization.integrations.callback import refuse_sharded
 from memorize_core import ConfigError
@@ -172,7 +172,7 @@ def test_lm_eval_tasks_each_pass_equal_scoring_the_model_directly(folder, texts,
     """`tasks=`: a pass scores the bundled lm-eval task on the model being trained, the figures
     `memorize eval --tasks` gives (downstream.score_tasks on the same model and settings), and logs
     the headline accuracy."""
-    from memorization.downstream import score_tasks
+    from memorization.eval.utility import score_tasks
 
     members, _ = texts
     tok = AutoTokenizer.from_pretrained(folder)

@@ -7,7 +7,7 @@ import torch
 
 from data_pipelines.chat import ChatTokens, chat_blocks
 from data_pipelines.packing import pack, per_document
-from memorization.goldfish import STRATEGIES, GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import STRATEGIES, GoldfishConfig, GoldfishTransform
 from memorization.integrations.collator import GoldfishCollator, goldfish_batch
 from memorize_core import IGNORE_INDEX, ConfigError
 

@@ -13,8 +13,8 @@ from axonn.trainer import epoch_order
 from memorization.config import load_run_config
 from memorization.integrations import GoldfishCollator
 from memorization.models import build_model
-from memorization.pipeline import run_training
-from memorization.prepare import prepare_data
+from memorization.train.pipeline import run_training
+from memorization.train.prepare import prepare_data
 
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")
 datasets = pytest.importorskip("datasets")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from axonn.config import TrainerConfig, build
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
-from memorization.lora import LoraSettings, apply_lora, export_lora
+from memorization.mitigations.peft_lora import LoraSettings, apply_lora, export_lora
 from memorization.models import trainable_params
 from memorize_core import ConfigError
 
@@ -128,7 +128,7 @@ def test_adapter_export_reloads_to_the_same_logits(trained, pretrained, tmp_path
 
 
 def test_target_modules_that_match_nothing_are_refused_before_anything_is_written(pretrained, tmp_path):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     for bad in (["q_proj", "qproj"], "attn\\..*"):
         with pytest.raises(ConfigError) as e:
@@ -142,7 +142,7 @@ def test_target_modules_that_match_nothing_are_refused_before_anything_is_writte
 
 
 def test_baseless_adapters_and_sharded_dropout_are_refused(pretrained, tmp_path):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     with pytest.raises(ConfigError, match=r"^model\.lora\.export='adapter'.*random-init.*merged"):
         run_training(_config("tiny", {"export": "adapter"}), tmp_path / "o", progress=False)
@@ -154,7 +154,7 @@ def test_baseless_adapters_and_sharded_dropout_are_refused(pretrained, tmp_path)
 
 
 def test_lora_with_goldfish_trains(pretrained, tmp_path):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     cfg = _config(pretrained, goldfish={"enabled": True, "k": 2, "h": 4})
     summary = run_training(cfg, tmp_path / "g", progress=False)
@@ -171,14 +171,14 @@ def test_lora_with_goldfish_trains(pretrained, tmp_path):
 
 def _dp_run(rank, world, model_dir, out):
     import axonn
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     run_training(_config(model_dir), out, grid=axonn.ProcessGrid(1, 1, 1, 2), progress=False)
 
 
 @pytest.mark.distributed
 def test_data_parallel_equals_serial(pretrained, tmp_path):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     serial_summary = run_training(_config(pretrained), tmp_path / "serial", progress=False)
     run_distributed(_dp_run, 2, pretrained, str(tmp_path / "dp"), timeout=240)

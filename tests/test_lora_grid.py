@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from axonn.config import TrainerConfig
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
-from memorization.lora import LoraSettings, apply_lora, export_lora, lora_targets
+from memorization.mitigations.peft_lora import LoraSettings, apply_lora, export_lora, lora_targets
 
 TOL = 1e-6
 STEPS = 10
@@ -44,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _sharded(dims: tuple[int, ...], mode: str, settings: LoraSettings = SETTINGS) -> torch.nn.Module:
     import axonn
-    from memorization.lora import apply_sharded_lora
+    from memorization.mitigations.peft_lora import apply_sharded_lora
 
     targets = lora_targets(_model(), settings)
     grid = axonn.ProcessGrid(*dims) if math.prod(dims) > 1 else axonn.ProcessGrid.serial()

@@ -11,7 +11,7 @@ from axonn.plan import load_shape
 from axonn.plan.memory import Adapters, adapter_params, local_params, memory_breakdown
 from axonn.plan.volumes import Grid
 from axonn.swap import parallelize, trainable
-from memorization.lora import LoraSettings, apply_sharded_lora, lora_targets, planner_adapters
+from memorization.mitigations.peft_lora import LoraSettings, apply_sharded_lora, lora_targets, planner_adapters
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
@@ -56,7 +56,7 @@ def test_memory_of_a_frozen_base_counts_only_adapters_for_gradients_and_state():
 ])
 def test_the_issues_lora_jobs_dry_run_clean(config, world, gpn, hardware, nodes):
     from memorization.config import load_run_config
-    from memorization.dryrun import dry_run
+    from memorization.train.dryrun import dry_run
 
     cfg = load_run_config(config, ["model.lora.enabled=true"])
     report = dry_run(cfg, world=world, gpus_per_node=gpn, hardware=hardware)

@@ -36,7 +36,7 @@ def _config(model_dir, **lora):
 
 def _grid_run(rank, world, model_dir, out, dims):
     import axonn
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     return run_training(_config(model_dir), out, grid=axonn.ProcessGrid(*dims), progress=False)
 
@@ -47,7 +47,7 @@ def _losses(path):
 
 @pytest.mark.distributed
 def test_a_head_splitting_grid_equals_the_serial_peft_run(pretrained, tmp_path):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     serial = run_training(_config(pretrained), tmp_path / "serial", progress=False)
     sharded = run_distributed(_grid_run, 2, pretrained, str(tmp_path / "grid"), (1, 2, 1, 1), timeout=300)[0]

@@ -53,7 +53,7 @@ def _cfg() -> TrainerConfig:
 
 def _settings():
     from axonn.config import build
-    from memorization.lora import LoraSettings
+    from memorization.mitigations.peft_lora import LoraSettings
 
     return build(LoraSettings, SETTINGS, prefix="model.lora")
 
@@ -64,7 +64,7 @@ def _grid(rank, world, model_dir):
     import axonn
     from axonn.lora import adapter_layouts
     from axonn.trainer import Trainer
-    from memorization.lora import apply_sharded_lora, lora_targets
+    from memorization.mitigations.peft_lora import apply_sharded_lora, lora_targets
 
     grid = axonn.ProcessGrid(1, 3, 1, 1)
     config = AutoConfig.from_pretrained(model_dir)
@@ -85,7 +85,7 @@ def test_smollm2_lora_at_a_head_splitting_grid_equals_serial_peft(model_dir):
     from transformers import AutoModelForCausalLM
 
     from axonn.trainer import Trainer
-    from memorization.lora import apply_lora
+    from memorization.mitigations.peft_lora import apply_lora
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     model = apply_lora(base, _settings(), seed=0)

@@ -4,6 +4,7 @@ touched, and an --out that is, contains or lies inside the command's own input i
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from helpers import TINY, checkpoint_trainer, tiny_model
 
 from memorization.cli import main
-from memorization.outputs import check_inputs, remove_entries
+from memorization.outputs import LEDGER, check_inputs, remove_entries
 from memorize_core import ConfigError
 
 
@@ -61,24 +62,42 @@ def test_export_overwrite_keeps_everything_it_does_not_write(capsys, tmp_path, c
     (out / "notes").mkdir(parents=True)
     (out / "precious.txt").write_text("mine")
     (out / "notes" / "a.md").write_text("mine too")
-    (out / "config.json").write_text("{}")  # an earlier export's files: replaced
-    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")  # an earlier export's: removed
+    (out / "config.json").write_text("{}")  # a name export writes: replaced
+    # a user's sharded model: looks like an export's weights, but no export wrote it: kept
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"user shard 1")
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"user shard 2")
+    (out / "model.safetensors.index.json").write_text("{}")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "w.bin").write_bytes(b"target")
     os.symlink(elsewhere / "w.bin", out / "model.safetensors")  # a link: replaced, its target kept
     before_out, before_else = tree(out), tree(elsewhere)
     assert main(["export", str(ckpt), str(out), "--overwrite"]) == 0
-    written = {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"}
+    written = {"config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json",
+               LEDGER}
     after = tree(out)
     assert written <= set(after), after
-    assert "model-00001-of-00002.safetensors" not in after
     assert not (out / "model.safetensors").is_symlink()
-    keep = {k: v for k, v in before_out.items() if k not in written | {"model-00001-of-00002.safetensors"}}
+    keep = {k: v for k, v in before_out.items() if k not in written}
+    assert "model-00002-of-00002.safetensors" in keep
     assert {k: after[k] for k in keep} == keep  # every byte outside what export writes is unchanged
     assert set(after) - written == set(keep)  # and nothing else was added (no scratch folder left)
     assert tree(elsewhere) == before_else
     assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}\n'
+
+
+def test_export_overwrite_removes_an_earlier_exports_files_by_its_ledger(capsys, tmp_path, ckpt):
+    out = tmp_path / "exp"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"an earlier export's shard")
+    (out / "mine.txt").write_text("mine")
+    ledger = json.loads((out / LEDGER).read_text())
+    ledger["entries"].append("model-00001-of-00002.safetensors")  # as a sharded export would record it
+    (out / LEDGER).write_text(json.dumps(ledger))
+    assert main(["export", str(ckpt), str(out), "--overwrite"]) == 0
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    assert (out / "mine.txt").read_text() == "mine"
+    assert "model-00001-of-00002.safetensors" not in json.loads((out / LEDGER).read_text())["entries"]
 
 
 @pytest.mark.parametrize("where,how", [("contains", "contains"), ("is", "is"), ("inside", "lies inside")])

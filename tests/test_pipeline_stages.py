@@ -9,8 +9,8 @@ import pytest
 from memorization.config import load_run_config
 from memorization.experiments.passes import train_with_passes
 from memorization.models import REPO_ROOT
-from memorization.pipeline import finish, run_training, start_run, train
-from memorization.prepare import prepare_data
+from memorization.train.pipeline import finish, run_training, start_run, train
+from memorization.train.prepare import prepare_data
 from memorization.report import read_metrics
 
 MICRO = [
@@ -103,7 +103,7 @@ def test_a_failing_run_closes_its_sinks(setup, tmp_path):
 
 def _grid_runs(rank, world, cfg, out):
     from axonn.grid import ProcessGrid
-    from memorization.prepare import prepare_data as prep
+    from memorization.train.prepare import prepare_data as prep
 
     data = prep(cfg)  # every rank prepares the same rows (the tokenizer cache is shared)
     grid = ProcessGrid(1, 1, 2, 1)

@@ -33,7 +33,7 @@ def _grid_run(rank, world, model_dir, out, dims):
     from transformers import AutoModelForCausalLM
 
     import axonn
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     loads = []
 
@@ -54,7 +54,7 @@ def _grid_run(rank, world, model_dir, out, dims):
 @pytest.mark.distributed
 @pytest.mark.parametrize("dims", [(1, 1, 2, 1), (2, 1, 1, 1)])
 def test_pretrained_streams_into_shards_and_equals_serial(pretrained, tmp_path, dims):
-    from memorization.pipeline import run_training
+    from memorization.train.pipeline import run_training
 
     run_training(_config(pretrained), tmp_path / "serial", progress=False)
     loads = run_distributed(_grid_run, 2, pretrained, str(tmp_path / "grid"), dims, timeout=240)

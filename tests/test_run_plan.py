@@ -1,4 +1,4 @@
-"""One resolved plan of a run (memorization.checks.plan_run): the grid a launched run takes is the grid
+"""One resolved plan of a run (memorization.train.run_plan.plan_run): the grid a launched run takes is the grid
 its dry run prints, for every shipped config and launches of 1-8 processes here and 8 / 64 / 6,144
 simulated; `auto` honours the run's micro-batch; a real 4-rank launch trains on the dry run's grid.
 """
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from axonn.spawn import run_ranks
-from memorization.checks import plan_run
+from memorization.train.run_plan import plan_run
 from memorization.config import load_run_config
-from memorization.dryrun import dry_run
-from memorization.prepare import prepare_data
+from memorization.train.dryrun import dry_run
+from memorization.train.prepare import prepare_data
 from memorize_core import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def _launched(monkeypatch, world: int, per_node: int, hardware: str) -> None:
     for k, v in {"WORLD_SIZE": world, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": per_node,
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 1}.items():
         monkeypatch.setenv(k, str(v))
-    monkeypatch.setattr("memorization.parallel.detect_hardware", lambda: hardware)
+    monkeypatch.setattr("memorization.train.parallel.detect_hardware", lambda: hardware)
 
 
 def _dry_grid(cfg, world: int, per_node: int, hardware: str) -> tuple[int, ...]:

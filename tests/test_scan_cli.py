@@ -17,7 +17,7 @@ import pytest
 from helpers import tiny_scan_folder
 
 from data_pipelines.token_sources import write_indexed
-from memorization import scan as scan_module
+from memorization.scan import scanner as scan_module
 from memorization.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from memorization.experiments import load_experiment
 from memorization.experiments.corpus_scan import scan_training_set
 from memorization.experiments.passes import train_with_passes
 from memorization.models import REPO_ROOT
-from memorization.prepare import prepare_data
+from memorization.train.prepare import prepare_data
 from memorize_core import ConfigError
 
 MICRO = [

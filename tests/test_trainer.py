@@ -12,7 +12,7 @@ from axonn.hooks import GradientHook
 from axonn.loop_state import lr_lambda
 from axonn.sinks import JsonlSink
 from axonn.trainer import IGNORE_INDEX, Trainer
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 
 

@@ -57,7 +57,7 @@ def _losses(grid, goldfish: bool, mode: str = "easy", options=None, grad_accum: 
     import axonn
     from axonn.config import TrainerConfig
     from axonn.trainer import Trainer
-    from memorization.goldfish import GoldfishConfig, GoldfishTransform
+    from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 
     model = _model()
     if grid.distributed:

@@ -1,7 +1,7 @@
 """Per-GPU memory: sharded weights, gradients and AdamW states, Z buffers, and activations.
 
 This is the project's one model of memory: `axonn-plan` applies it to a shape, the dry run
-(`memorize train --dry-run`, memorization/dryrun.py) to the parameter count of the sharded model it
+(`memorize train --dry-run`, memorization/train/dryrun.py) to the parameter count of the sharded model it
 builds. It describes the trainer as it runs: fp32 parameters (the master copy), fp32 gradients and
 AdamW's two fp32 moments per local parameter -- 16 bytes, whatever the compute precision -- with
 activations in bf16 under autocast ("bf16") or fp32 ("fp32").

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 import axonn
-from memorization.checks import check_runs
 from memorization.experiments.reporting import write_outputs
 from memorization.experiments.runner import Experiment
 from memorization.experiments.spec import build_experiment, load_experiment_dict
-from memorization.parallel import grid_spec, wants_grid
+from memorization.train.parallel import grid_spec, wants_grid
+from memorization.train.run_plan import check_runs
 from memorize_core import fail
 
 KINDS = {
@@ -55,7 +55,7 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
     """Run (or resume) an experiment; write OUT/report.{json,md}, plots and a W&B run; return the report.
 
     `grid` is the --grid text (None: the base config's `grid`); each sub-run resolves it into the
-    ProcessGrid that fits its own model (memorization.parallel.resolve_grid)."""
+    ProcessGrid that fits its own model (memorization.train.parallel.resolve_grid)."""
     module, cfg = load_experiment(config_path, overrides)
     check_runs(module.run_configs(cfg), spec=grid)  # every sub-run, before anything is written
     _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)

@@ -21,9 +21,9 @@ from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
-from memorization.goldfish import goldfish_mask
+from memorization.mitigations.goldfish import goldfish_mask
 from memorization.models import run_tokenizer
-from memorization.prepare import prepare_documents
+from memorization.train.prepare import prepare_documents
 from memorize_core import fail
 
 DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
@@ -145,7 +145,7 @@ def run_data(cfg: Config) -> list:
 
 
 def run_configs(cfg: Config) -> list:
-    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    """Every sub-run's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
     return [loss_config(cfg, loss) for loss in cfg.losses]
 
 

@@ -87,7 +87,7 @@ def size_config(cfg: Config, size: ModelSize, loss: str) -> RunConfig:
 
 
 def run_configs(cfg: Config) -> list[RunConfig]:
-    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    """Every sub-run's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
     return [size_config(cfg, size, loss) for size in cfg.sizes for loss in cfg.losses]
 
 

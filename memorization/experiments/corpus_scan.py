@@ -23,7 +23,7 @@ from data_pipelines.scan_windows import Selection, windows
 from data_pipelines.token_sources import in_memory
 from evals.scan import score_windows
 from evals.scoring import Scorer
-from memorization.scan_report import wilson
+from memorization.scan.summary import wilson
 from memorize_core import fail
 
 

@@ -47,7 +47,7 @@ def variant_config(cfg: Config, variant: str):
 
 
 def run_configs(cfg: Config) -> list:
-    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    """Every sub-run's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
     return [variant_config(cfg, v) for v in cfg.variants]
 
 

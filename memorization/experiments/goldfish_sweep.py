@@ -64,7 +64,7 @@ def sweep_configs(cfg: Config) -> list[RunConfig]:
 
 
 def run_configs(cfg: Config) -> list[RunConfig]:
-    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    """Every sub-run's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
     return sweep_configs(cfg)
 
 

@@ -48,8 +48,8 @@ from memorization.experiments.runner import Experiment, PeakRSS, load_documents,
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
-from memorization.pipeline import run_training
-from memorization.prepare import PreparedData
+from memorization.train.pipeline import run_training
+from memorization.train.prepare import PreparedData
 from memorize_core import fail
 
 
@@ -96,7 +96,7 @@ def arm_config(cfg: Config, arm: Arm, where: str = "overrides") -> RunConfig:
 
 
 def run_configs(cfg: Config) -> list[RunConfig]:
-    """Every arm's RunConfig, in training order (memorization.checks checks them all first)."""
+    """Every arm's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
     return [arm_config(cfg, arm) for arm in cfg.arms]
 
 

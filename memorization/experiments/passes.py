@@ -1,6 +1,6 @@
 """One training run that scores extraction after every pass over the data (a Trainer callback).
 
-The run's stages (memorization.pipeline) with a per-epoch extraction callback: same model,
+The run's stages (memorization.train.pipeline) with a per-epoch extraction callback: same model,
 trainer, goldfish, checkpoints, files and summary, plus passes.jsonl (one extraction summary per
 evaluated pass) and the same list as `summary["passes"]` in run.json. The last pass is always
 scored, and its results are the run's final extraction, so it is scored once.
@@ -17,7 +17,7 @@ from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.experiments.corpus_scan import scan_training_set
-from memorization.pipeline import (
+from memorization.train.pipeline import (
     EXTRACTION_KEYS,
     effective_trainer,
     extraction_results,
@@ -25,7 +25,7 @@ from memorization.pipeline import (
     start_run,
     train,
 )
-from memorization.prepare import PreparedData
+from memorization.train.prepare import PreparedData
 
 
 class PassExtraction(Callback):

@@ -49,7 +49,7 @@ from memorization.experiments.spec import (
 )
 from memorization.models import is_pretrained, zoo_names
 from memorization.outputs import check_name
-from memorization.pipeline import extraction_results, finish, start_run, train
+from memorization.train.pipeline import extraction_results, finish, start_run, train
 from memorize_core import fail
 
 
@@ -215,7 +215,7 @@ def _arms(cfg: Config) -> list[tuple[ModelSize | None, str, bool, Arm | None]]:
 
 
 def run_configs(cfg: Config) -> list[RunConfig]:
-    """Every sub-run's RunConfig, in training order (memorization.checks checks them all first)."""
+    """Every sub-run's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
     return [run_config(cfg, loss, pretrained, size, arm) for size, loss, pretrained, arm in _arms(cfg)]
 
 

@@ -19,10 +19,10 @@ from data_pipelines import load_corpus, tokenize_documents
 from evals.mia import bootstrap_ci, roc_metrics, score_sequences
 from evals.perplexity import corpus_loss
 from memorization.config import RunConfig
-from memorization.downstream import check_fewshot, check_tasks, headline, score_tasks
+from memorization.eval.utility import check_fewshot, check_tasks, headline, score_tasks
 from memorization.experiments.spec import choice_list
 from memorization.models import build_model, load_sharded, model_config, resolve_model_dir
-from memorization.parallel import run_dims
+from memorization.train.parallel import run_dims
 from memorize_core import fail
 
 MIA_METHODS = ("loss", "zlib", "min_k", "min_k_plus_plus", "ref_ratio")
@@ -100,7 +100,7 @@ class PrivacyUtility:
                                                        batch_size=16)["loss"]
 
     def downstream(self, model: torch.nn.Module, grid: ProcessGrid | None = None) -> dict[str, Any] | None:
-        """The downstream tasks' results (memorization.downstream.score_tasks) plus `headline`, or None
+        """The downstream tasks' results (memorization.eval.utility.score_tasks) plus `headline`, or None
         when the experiment names no task."""
         if not self.s.downstream:
             return None

@@ -26,13 +26,13 @@ import axonn
 from axonn.config import to_dict
 from axonn.grid import parse_grid
 from data_pipelines import load_corpus, split_documents, tokenize_documents
-from memorization.checks import check_runs
 from memorization.config import RunConfig
 from memorization.models import load_sharded
 from memorization.outputs import check_writable, remove_entries
-from memorization.parallel import is_main_process
-from memorization.pipeline import run_training
-from memorization.prepare import PreparedData, prepare_documents
+from memorization.train.parallel import is_main_process
+from memorization.train.pipeline import run_training
+from memorization.train.prepare import PreparedData, prepare_documents
+from memorization.train.run_plan import check_runs
 
 REPORT_FILES = ("report.json", "report.md")
 
@@ -66,7 +66,7 @@ class Experiment:
 
     out: Path
     # the --grid text ("X,Y,Z,D" or "auto"), or None for each sub-run's config grid; every sub-run
-    # resolves it into the grid that fits its own model (memorization.parallel.resolve_grid)
+    # resolves it into the grid that fits its own model (memorization.train.parallel.resolve_grid)
     grid_spec: str | None = None
     overwrite: bool = False
     prepared: bool = False  # OUT made (and cleared with overwrite): prepare_out
@@ -101,7 +101,7 @@ class Experiment:
 
     def check(self, configs: list[RunConfig], data: Any) -> None:
         """Every sub-run checked on its prepared data (PreparedData, or one per config) before the first
-        trains: the row-dependent refusals (DP-SGD's delta < 1/N, ...) too (memorization.checks)."""
+        trains: the row-dependent refusals (DP-SGD's delta < 1/N, ...) too (memorization.train.run_plan)."""
         check_runs(configs, data, spec=self.grid_spec)
         self.prepare_out()  # nothing is written before every refusal had its chance
 

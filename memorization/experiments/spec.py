@@ -18,7 +18,7 @@ from typing import Any
 
 from axonn.config import apply_overrides, build, load_yaml, to_dict
 from memorization.config import RunConfig
-from memorization.goldfish import STRATEGIES
+from memorization.mitigations.goldfish import STRATEGIES
 from memorization.outputs import check_name
 from memorize_core import fail
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memorization.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import IGNORE_INDEX, Batch, fail
 
 

@@ -2,7 +2,7 @@
 
 `Probe` holds the tokenized evaluation sets (built once, checked before training starts) and
 `Probe.score(model, grid)` returns one pass's record: the same sections `memorize eval` writes
-(memorization/eval_sections.py: extraction, mia, perplexity; memorization/downstream.py: tasks) plus,
+(memorization/eval/sections.py: extraction, mia, perplexity; memorization/eval/utility.py: tasks) plus,
 from an injection manifest, extraction of every duplicated document and exposure of every canary
 by copy count (memorization/experiments/exposure.py). Members may be plain texts or conversations
 (lists of {"role", "content"}): a conversation is extracted as prompt -> last response, as
@@ -22,10 +22,10 @@ from data_pipelines.canaries import SecretSpace
 from data_pipelines.chat import ChatExample, extraction_pairs, render_chat
 from data_pipelines.inject import Manifest
 from evals import extract, extract_pairs, summarize
-from memorization.downstream import check_fewshot, check_tasks, score_tasks
-from memorization.eval_mia import EvalCorpus, corpus_from_texts
-from memorization.eval_sections import EvalOptions, extraction_section, mia_section, perplexity_section
-from memorization.evaluate import DEFAULT_MAX_TOKENS
+from memorization.eval.evaluate import DEFAULT_MAX_TOKENS
+from memorization.eval.membership import EvalCorpus, corpus_from_texts
+from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
+from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.experiments.exposure import canary_scores
 from memorization.integrations.datasets import conversation_of
 from memorize_core import fail

@@ -1,6 +1,6 @@
 """The memorization callback's files, rewritten after every scored pass: passes.jsonl, report.json,
 report.md (a per-pass table, then the last pass as `memorize eval`'s report.md tells it), PNGs and the
-last pass's extraction.jsonl. Text files land all at once (memorization.eval_report.write_files)."""
+last pass's extraction.jsonl. Text files land all at once (memorization.eval.files.write_files)."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from evals import to_jsonl
-from memorization.downstream import headline
-from memorization.eval_report import markdown_report, write_files
+from memorization.eval.files import markdown_report, write_files
+from memorization.eval.utility import headline
 from memorization.experiments.reporting import figure, json_safe, save
 from memorization.report import markdown_table
 

@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from memorization.downstream import task_table
+from memorization.eval.utility import task_table
 from memorization.outputs import check_writable
-from memorization.pipeline import RESULT_FILES
+from memorization.train.pipeline import RESULT_FILES
 from memorize_core import fail
 
 EVAL_FILES = ("report.json", "report.md", "extraction.jsonl", "lm-eval.log")

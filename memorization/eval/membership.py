@@ -1,10 +1,10 @@
 """`memorize eval`'s corpora: each tokenized and checked once, and which documents are members and
-non-members (the membership-inference section itself is memorization.eval_sections.mia_section).
+non-members (the membership-inference section itself is memorization.eval.sections.mia_section).
 
 Members and non-members come either from the command line (`--members C --non-members C`) or, when
 both are left out, from the training run that wrote the model: run.json beside `DIR` (a run's
 `OUT/model`) lists by id the documents it trained on and those its held-out split of the same corpus
-kept back (`documents`, memorization.prepare.documents_record), so the attack compares exactly the
+kept back (`documents`, memorization.train.prepare.documents_record), so the attack compares exactly the
 training documents with documents of their own distribution (Duan et al. 2024: attacks that look
 strong on shifted sets fall to chance on such pairs). Either way a model-free text classifier
 (evals.blind) is scored beside the attacks; far from chance it flags a distribution shift.

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from memorization.scan_output import PARTS, PNGS, read_parts
+from memorization.scan.parts import PARTS, PNGS, read_parts
 
 POSITION_BINS = 20
 Z95 = 1.959963984540054

@@ -70,7 +70,7 @@ def check_dp_grid(dp: Any, grid: ProcessGrid | Sequence[int] | None) -> None:
     """Refuse what DP-SGD's clipping cannot do on a grid: Opacus' per-sample gradients on a tensor split
     (X, Y or Z > 1), secure noise on several ranks with ghost clipping.
 
-    `grid`: the run's ProcessGrid, or the requested X,Y,Z,D (memorization.parallel.requested_grid),
+    `grid`: the run's ProcessGrid, or the requested X,Y,Z,D (memorization.train.parallel.requested_grid),
     None for `auto` (checked again once resolved)."""
     if not dp.enabled or not grid:
         return
@@ -100,7 +100,7 @@ def check_dp_model(dp: Any, model_config: Any) -> None:
 
 def check_dp(cfg: RunTrainerConfig, rows: int | None,
              grid: ProcessGrid | Sequence[int] | None, model_config: Any = None) -> float | None:
-    """Every refusal of a DP-SGD run (memorization.checks.check_run calls it before anything is built);
+    """Every refusal of a DP-SGD run (run_plan.check_run calls it before anything is built);
     returns the noise multiplier sigma (None when DP is off or the row count N is not known yet).
 
     `cfg` is the trainer config the run trains with (goldfish's token budget stretched: planned steps
@@ -173,7 +173,7 @@ class OpacusPrivacy(GradientHook):
     objective, Opacus per-sample clipping after every backward, noise and the sum over ranks in place
     of the engine's gradient sync (reduce), epsilon and delta per step (metrics).
 
-    Its settings were checked by `check_dp` (memorization.checks.check_run: delta against N, the grid,
+    Its settings were checked by `check_dp` (memorization.train.run_plan.check_run: delta against N, the grid,
     the budget) before anything was built; pass it to Trainer(gradient_hook=...).
     """
 
@@ -181,7 +181,7 @@ class OpacusPrivacy(GradientHook):
 
     def __init__(self, cfg: RunTrainerConfig, rows: int, *, grid: ProcessGrid | None = None,
                  sigma: float | None = None):
-        # the run's plan (memorization.checks.plan_run) refused every bad setting and solved sigma
+        # the run's plan (memorization.train.run_plan.plan_run) refused every bad setting and solved sigma
         dp = cfg.dp
         self.cfg, self.dp, self.rows = cfg, dp, rows
         self.batch_size = cfg.batch_size

@@ -1,6 +1,6 @@
 """The sections of `memorize eval` (extraction, membership inference, perplexity) over tokenized corpora.
 
-`memorize eval` (memorization/evaluate.py) and the Hugging Face Trainer callback
+`memorize eval` (memorization/eval/evaluate.py) and the Hugging Face Trainer callback
 (memorization/integrations/callback.py) both call these, so a pass scored in place during training
 and the same checkpoint scored by `memorize eval` give the same figures with the same settings.
 Each takes the command's `EvalOptions` (defined here: prefix, suffix, beams, batch size, MIA k,
@@ -17,7 +17,7 @@ from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
-from memorization.eval_mia import EvalCorpus
+from memorization.eval.membership import EvalCorpus
 
 
 @dataclass

@@ -23,14 +23,14 @@ from typing import Any
 from axonn.config import MAX_ROWS
 from axonn.inference import keep_gathered
 from evals import ExtractionResult, to_jsonl
-from memorization.downstream import check_fewshot, check_tasks, score_tasks
-from memorization.eval_mia import EvalCorpus, eval_corpus, mia_corpora, run_documents
-from memorization.eval_report import EVAL_FILES, check_eval_out, markdown_report, write_files
-from memorization.eval_sections import EvalOptions, extraction_section, mia_section, perplexity_section
-from memorization.fits import check_fits, check_shape
+from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
+from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
+from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs
-from memorization.parallel import eval_grid, eval_mode
+from memorization.train.fits import check_fits, check_shape
+from memorization.train.parallel import eval_grid, eval_mode
 from memorize_core import fail
 
 # lm-eval's messages name its own CLI (`--metadata`, `--include_path`): say whose they are
@@ -142,7 +142,8 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     max_tokens = _max_tokens(o, config)
     ref_config = hf_config("--reference", o.reference) if o.mia and o.reference else None
     mode = eval_mode(o.mode, config)
-    grid = eval_grid(o.grid, config, model=o.model, max_tokens=max_tokens, batch=o.batch_size, mode=mode)
+    grid = eval_grid(o.grid, config, model=o.model, max_tokens=max_tokens, batch=o.batch_size, mode=mode,
+                     suffix=o.suffix)
     check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
     if ref_config is not None:
         check_fits("--reference", o.reference, ref_config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])

@@ -104,7 +104,7 @@ def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
     """ConfigError before any work when LoRA cannot run as configured (dropout on a tensor split,
     adapter export without a base on disk).
 
-    `dims` is the requested X,Y,Z,D (memorization.parallel.requested_grid), None for `auto`."""
+    `dims` is the requested X,Y,Z,D (memorization.train.parallel.requested_grid), None for `auto`."""
     lora = cfg.model.lora
     if not lora.enabled:
         return

@@ -2,13 +2,13 @@
 built or written.
 
 `plan_run(cfg, data, launch=..., spec=..., out=...)` turns a config, the launch (processes, per node,
-hardware: `memorization.parallel.Launch`) and, when known, the data into a `RunPlan`: the grid
+hardware: `memorization.train.parallel.Launch`) and, when known, the data into a `RunPlan`: the grid
 (`auto` chosen by the planner for this config and launch), the batch split and accumulation, the
 checkpoint to resume, DP-SGD's noise multiplier, the membership sets' sizes, the evaluation batch and
 the files the run writes. Every entry point takes its decision from it: `start_run` (so `memorize
 train`, the demo and every sub-run of an experiment), `memorize run` (every sub-run before anything is
 written, again with the prepared data before the first one trains: `check_runs`), `--dry-run`
-(memorization/dryrun.py prints the plan, for each sub-run) and, through the dry run,
+(memorization/train/dryrun.py prints the plan, for each sub-run) and, through the dry run,
 scripts/slurm.py. The constructors after it (the model, LoRA, OpacusPrivacy, the Trainer) take what it
 decided and do not decide again. Each refusal is a ConfigError: one line naming the field as the user
 writes it, the bad value and the fix; the dry run refuses with the same line as the run because it is
@@ -22,10 +22,10 @@ What `check_run` (the refusals, given the grid) checks, in order (each section a
 4. `check_model`: the model builds (a meta copy, no storage); LoRA's target_modules match modules
    peft can adapt; activation checkpointing is supported; a checkpoint to resume holds every tensor
    of this model with its shape (a LoRA one, saved at a grid of this run's kind: lora.py).
-5. `check_dp` (memorization.privacy): DP-SGD's settings against the grid and the model (ghost
+5. `check_dp` (memorization.mitigations.dp_sgd): DP-SGD's settings against the grid and the model (ghost
    clipping sees every parameter) and, once the row count N is known, batch_size <= N, delta < 1/N,
    a reachable target epsilon.
-6. `mia_sets` (memorization.prepare): with eval.mia, at least 2 members and 2 held-out documents.
+6. `mia_sets` (memorization.train.prepare): with eval.mia, at least 2 members and 2 held-out documents.
 """
 from __future__ import annotations
 
@@ -40,11 +40,14 @@ from typing import Any
 import torch
 
 from axonn import checkpoint
+from axonn.compile import resolve as compile_resolve
 from axonn.grid import ProcessGrid, validate_grid_for_model
+from axonn.lm_head import LossHead
+from axonn.trainer import resolve_device
 from data_pipelines import load_tokenizer
 from memorization.config import RunConfig
-from memorization.fits import check_shape
-from memorization.lora import apply_lora, check_lora_resume, check_lora_run
+from memorization.mitigations.dp_sgd import check_dp, check_dp_grid
+from memorization.mitigations.peft_lora import apply_lora, check_lora_resume, check_lora_run, tensor_split
 from memorization.models import (
     check_tokenizer,
     meta_model,
@@ -57,9 +60,9 @@ from memorization.models import (
 )
 from memorization.models import model_config as memorization_model_config
 from memorization.outputs import check_inputs, check_writable, existing_entries
-from memorization.parallel import Dims, Launch, run_dims
-from memorization.prepare import mia_sets
-from memorization.privacy import check_dp, check_dp_grid
+from memorization.train.fits import check_shape
+from memorization.train.parallel import Dims, Launch, run_dims
+from memorization.train.prepare import mia_sets
 from memorize_core import fail
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
@@ -103,12 +106,14 @@ def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, 
              grid: ProcessGrid | None = None, model_config: Any = None, out: str | Path | None = None,
              overwrite: bool = False, resume: str | None = None,
              model: torch.nn.Module | None = None) -> RunPlan:
-    """The run's plan on `launch` (default: this process's launch): the grid (`grid`, an initialised
+    """The run's plan on `launch` (default: this process's launch, which also checks what only this
+    machine answers, e.g. whether torch.compile can run here): the grid (`grid`, an initialised
     ProcessGrid, as given; else `spec`, the --grid text, or cfg.grid; `auto` chosen by the planner)
     and every refusal (check_run); ConfigError on the first.
 
     `data`: the run's PreparedData, a row count, or None (the data-dependent checks wait).
     `model_config`: the HF config the run builds (default: from the data's tokenizer, else planned)."""
+    here = launch is None
     launch = launch or Launch.current()
     if grid is not None:
         launch = replace(launch, world=grid.world_size)
@@ -121,7 +126,7 @@ def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, 
                                                   overrides=cfg.model.overrides))
     dims, chosen_by = run_dims(cfg, model_config, spec=spec, grid=grid, launch=launch)
     checked = check_run(cfg, data, dims, world=launch.world, model_config=model_config, out=out,
-                        overwrite=overwrite, resume=resume, model=model)
+                        overwrite=overwrite, resume=resume, model=model, here=here)
     distributed = grid.distributed if grid is not None else launch.world > 1 or dims != (1, 1, 1, 1)
     return replace(checked, chosen_by=chosen_by, launch=launch, distributed=distributed,
                    eval_batch=cfg.eval.batch_size, files=run_files(cfg),
@@ -142,7 +147,7 @@ def effective_trainer(cfg: RunConfig):
 
 def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, model_config: Any,
               out: str | Path | None = None, overwrite: bool = False, resume: str | None = None,
-              model: torch.nn.Module | None = None) -> RunPlan:
+              model: torch.nn.Module | None = None, here: bool = False) -> RunPlan:
     """Every refusal of the run `cfg` on grid `dims` over `world` processes; ConfigError on the first
     (plan_run's refusals once the grid is known).
 
@@ -160,7 +165,7 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
-    check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims)
+    check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims, here=here)
     sigma = check_dp(effective_trainer(cfg), rows, dims, model_config)
     mia = None
     if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents
@@ -268,9 +273,10 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
 
 # -- 4. the model ----------------------------------------------------------------------------------
 def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = None,
-                model: torch.nn.Module | None = None, dims: Dims | None = None) -> None:
+                model: torch.nn.Module | None = None, dims: Dims | None = None, here: bool = False) -> None:
     """What only the model's structure answers (on a meta copy: no weights, no storage); `dims` is the
-    run's grid (a LoRA checkpoint resumes at a grid of its own kind)."""
+    run's grid (a LoRA checkpoint resumes at a grid of its own kind); `here`: the run launches on
+    this machine (check_trainer)."""
     lora, t = cfg.model.lora, cfg.trainer
     check_shape("model.name", cfg.model.name, model_config)  # before a meta build of 10^9 layers
     if model is None:
@@ -278,12 +284,27 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
     if t.activation_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise fail("trainer.activation_checkpointing", True, f"{type(model).__name__} does not support "
                    "gradient checkpointing; use a Hugging Face causal LM or set it to false")
+    trains = model  # what the Trainer receives: peft's model where peft adapts it (not on a tensor split)
     if lora.enabled:  # peft's own refusals, on a fresh meta copy (peft wraps the model it is given)
         with warnings.catch_warnings():  # a throwaway copy: its FutureWarnings would precede our line
             warnings.simplefilter("ignore", FutureWarning)
             model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
+        if dims is None or not tensor_split(dims):
+            trains = model
+    check_trainer(cfg, trains, here=here)
     if checkpoint is not None:
         check_resume_fits(checkpoint, model, dims=dims if lora.enabled else None)
+
+
+def check_trainer(cfg: RunConfig, model: torch.nn.Module, *, here: bool) -> None:
+    """The Trainer's own refusals, made here so that they come before OUT is touched (and in a dry
+    run): the chunked LM head on this model and hook, and, for a launch on this machine (`here`),
+    `trainer.compile=true` where torch.compile has no code generator."""
+    t = cfg.trainer
+    # a DP-SGD hook watches the head as a module (per-example hooks): the Trainer's hook_ok
+    LossHead(model, ProcessGrid.serial(device="cpu"), t.loss_chunk, hook_ok=not t.dp.enabled)
+    if here and t.compile is True:
+        compile_resolve(True, resolve_device(t.device))
 
 
 def _meta(cfg: RunConfig, model_config: Any) -> torch.nn.Module:
@@ -311,6 +332,6 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module, dims: Dims | None = No
         checkpoint.check_fits(ckpt, meta, model)
 
 
-__all__ = ["RunPlan", "check_grid", "check_model", "check_out", "check_out_dir",
+__all__ = ["RunPlan", "check_grid", "check_model", "check_trainer", "check_out", "check_out_dir",
            "check_out_inputs", "check_resume_fits", "check_run", "check_runs", "effective_trainer",
            "plan_run", "planned_model_config", "resolve_resume", "run_files"]

@@ -1,6 +1,6 @@
 """One training run in four named stages, which the CLI, the demo and every experiment compose:
 
-1. `prepare_data(cfg)` (memorization/prepare.py): corpus -> tokenizer -> token rows (PreparedData);
+1. `prepare_data(cfg)` (memorization/train/prepare.py): corpus -> tokenizer -> token rows (PreparedData);
 2. `start_run(cfg, out, data, ...)`: every check, the model built on its grid, OUT, sinks, the
    Trainer (a `Run`, used as a context manager);
 3. `train(run)`: resume, fit, held-out loss;
@@ -25,22 +25,16 @@ from axonn.config import to_dict
 from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
 from axonn.hooks import Callback
-from axonn.sinks import JsonlSink, MetricSink
+from axonn.sinks import JsonlSink
 from axonn.state import load_pretrained
 from axonn.swap import parallelize
 from axonn.trainer import Trainer
 from axonn.watchdog import Watchdog, start_watchdog
-from memorization.checks import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
-    CHECKPOINTS,
-    RESULT_FILES,
-    check_out_dir,
-    check_out_inputs,
-    effective_trainer,
-    plan_run,
-)
 from memorization.config import RunConfig
-from memorization.goldfish import GoldfishTransform
-from memorization.lora import (
+from memorization.mitigations.dp_sgd import OpacusPrivacy
+from memorization.mitigations.ghost_clipping import make_privacy
+from memorization.mitigations.goldfish import GoldfishTransform
+from memorization.mitigations.peft_lora import (
     apply_lora,
     apply_sharded_lora,
     export_lora,
@@ -57,11 +51,17 @@ from memorization.models import (
     trainable_params,
 )
 from memorization.outputs import remove_entries
-from memorization.parallel import is_main_process, resolve_grid
-from memorization.prepare import PreparedData, documents_record, mia_sets, prepare_data
-from memorization.privacy import OpacusPrivacy
-from memorization.privacy_ghost import make_privacy
 from memorization.tracking import WandbSink
+from memorization.train.parallel import is_main_process, resolve_grid
+from memorization.train.prepare import PreparedData, documents_record, mia_sets, prepare_data
+from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
+    CHECKPOINTS,
+    RESULT_FILES,
+    check_out_dir,
+    check_out_inputs,
+    effective_trainer,
+    plan_run,
+)
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
 
@@ -161,12 +161,12 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
               callbacks: list[Callback] | None = None) -> Run:
     """Stage 2: check everything, build the model on its grid, open OUT and the sinks, make the Trainer.
 
-    The run's decision is its plan (memorization.checks.plan_run, the one every entry point takes):
+    The run's decision is its plan (memorization.train.run_plan.plan_run, the one every entry point takes):
     bad input (an occupied OUT, a checkpoint of another model, a grid the model cannot split, a
     tokenizer the model cannot take, ...) fails there, before anything is built or written.
     `grid` is an initialised ProcessGrid to train on; without one the grid's X,Y,Z,D come from
     `grid_spec` (the --grid text) or cfg.grid (`auto`: the planner for this config and launch), and
-    the ProcessGrid is made once the plan is made (memorization.parallel).
+    the ProcessGrid is made once the plan is made (memorization.train.parallel).
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
     `callbacks` are Trainer callbacks (axonn.hooks.Callback: on_fit_start, on_step_end,
     on_epoch_end), called on every rank: the hook for per-pass evaluation.
@@ -196,16 +196,6 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     tcfg = effective_trainer(cfg)
     privacy = (make_privacy(tcfg, len(data.train), grid=grid, sigma=plan.noise_multiplier)
                if cfg.trainer.dp.enabled else None)
-    if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
-        dist.barrier()
-    if resume:  # keep checkpoints and metrics; later results are rewritten
-        out_dir = Path(out)
-        if is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            _truncate_metrics(out_dir / "metrics.jsonl", 0 if ckpt is None else
-                              json.loads((ckpt / "meta.json").read_text())["step"])
-    else:
-        out_dir = prepare_out_dir(out, overwrite) if is_main else Path(out)
     # A serial run keeps the plain HF model; peft's LoRA and per-sample DP-SGD at 1,1,1,D: data-parallel,
     # unswapped (lora.py, privacy.py); ghost-clipped DP-SGD runs on the engine's layers (privacy_ghost.py)
     if grid.distributed and (not lora.enabled or sharded_lora) and not per_sample:
@@ -216,19 +206,29 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
         if sharded_lora:  # after the load: the base's names are still the serial model's there
             model = apply_sharded_lora(model, lora, targets, seed=cfg.seed)
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
-    sinks: list[MetricSink] = []
-    wb = None
-    if is_main:
-        wb = WandbSink(cfg.wandb, name=cfg.name, out_dir=out_dir, config=to_dict(cfg))
-        sinks += [JsonlSink(out_dir / "metrics.jsonl"), wb]
-    tok = data.tokenizer
+    tok, out_dir = data.tokenizer, Path(out)
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out,
                       label_transform=GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled
                       else None,
-                      grid=grid, sinks=sinks, checkpoint_dir=out_dir / CHECKPOINTS,
+                      grid=grid, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
                       name=cfg.name, progress_position=progress_position, callbacks=callbacks,
                       gradient_hook=privacy, micro_batches=plan.micro_batches)
+    # OUT is touched only now, after every constructor that can refuse (the plan made their refusals
+    # already; this order keeps a refusal it missed from costing an earlier run its results)
+    if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
+        dist.barrier()
+    if resume:  # keep checkpoints and metrics; later results are rewritten
+        if is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _truncate_metrics(out_dir / "metrics.jsonl", 0 if ckpt is None else
+                              json.loads((ckpt / "meta.json").read_text())["step"])
+    elif is_main:
+        prepare_out_dir(out, overwrite)
+    wb = None
+    if is_main:
+        wb = WandbSink(cfg.wandb, name=cfg.name, out_dir=out_dir, config=to_dict(cfg))
+        trainer.sinks = [JsonlSink(out_dir / "metrics.jsonl"), wb]
     return Run(cfg, data, out_dir, trainer, checkpoint=ckpt, privacy=privacy, wandb=wb,
                watchdog=start_watchdog(grid, tcfg.collective_timeout_s))  # None for one process
 

@@ -1,4 +1,4 @@
-"""The dry run's report as text: `format_report` turns memorization.dryrun.dry_run's dict (the run's
+"""The dry run's report as text: `format_report` turns memorization.train.dryrun.dry_run's dict (the run's
 plan with its memory and time figures) into the short block `memorize train|run --dry-run` prints."""
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ The source is streamed (data_pipelines/token_sources.py, windows cut by data_pip
 batches of windows go through one teacher-forced forward each (evals/scan.py, the scoring layer, so a
 model sharded on any grid under torchrun / srun scores there: batch shards score their share in
 lockstep and the main rank writes), and rows are written in parts that make the scan resumable after
-SIGKILL (memorization/scan_output.py); the report comes last (memorization/scan_report.py).
+SIGKILL (memorization/scan/parts.py); the report comes last (memorization/scan/summary.py).
 
 Every input is checked before anything is written (flags, OUT and the resume, the model folder, the
 source, its dtype against the vocabulary, the grid): one ConfigError line, exit 2, OUT untouched.
@@ -46,13 +46,10 @@ from evals.metrics import ids_text
 from evals.scan import score_windows
 from evals.scoring import Scorer
 from memorization.config import WANDB_MODES, WandbConfig
-from memorization.eval_report import write_files
-from memorization.fits import check_fits, check_shape
+from memorization.eval.files import write_files
 from memorization.models import context_length, folder_tokenizer, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries
-from memorization.parallel import Launch, eval_grid, eval_mode
-from memorization.scan_dryrun import scan_grid
-from memorization.scan_output import (
+from memorization.scan.parts import (
     PNGS,
     SCAN_FILES,
     STATE,
@@ -61,8 +58,11 @@ from memorization.scan_output import (
     write_part,
     write_state,
 )
-from memorization.scan_report import build_report, dumps, markdown, plot
+from memorization.scan.sizing import scan_grid
+from memorization.scan.summary import build_report, dumps, markdown, plot
 from memorization.tracking import WandbSink
+from memorization.train.fits import check_fits, check_shape
+from memorization.train.parallel import Launch, eval_grid, eval_mode
 from memorize_core import ConfigError, fail
 
 

@@ -6,7 +6,7 @@ current launch's from its environment, or the dry run's `--world/--gpus-per-node
 `run_dims` reads the grid a caller passes in, else the `--grid` text (`grid_spec`: it wins over the
 config's `grid` key), and `auto` is `choose_grid`: the planner's predicted-fastest grid that runs this
 config as written (its micro-batch, activation checkpointing, parallel mode and precision) and fits
-the launch's hardware. memorization.checks.plan_run checks those X,Y,Z,D against the model and the
+the launch's hardware. memorization.train.run_plan.plan_run checks those X,Y,Z,D against the model and the
 launch (no collective), and `resolve_grid` makes the ProcessGrid: a single process that asks for no
 split trains on `ProcessGrid.serial()` (the 1x1x1x1 grid: no process group, every collective a no-op);
 anything else initialises torch.distributed.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,12 +23,14 @@ import torch
 import axonn
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.launch import launch_env
-from axonn.plan import auto_grid, get_hardware, load_shape, predict, valid_grids
+from axonn.plan import get_hardware, load_shape
+from axonn.plan.choose import Inference, Train
+from axonn.plan.choose import choose_grid as choose
 from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
 from axonn.plan.volumes import default_mode
 from axonn.trainer import resolve_device
-from memorization.lora import planner_adapters
+from memorization.mitigations.peft_lora import planner_adapters
 from memorization.models import meta_model
 from memorize_core import ConfigError, fail
 
@@ -142,47 +144,55 @@ def head_setting(cfg: RunConfig) -> int | str:
 
 
 def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
-    """`grid: auto`: the predicted-fastest grid of `launch.world` processes that runs this config as
-    written (micro-batch, activation checkpointing, parallel mode, precision) and fits in memory."""
-    t, mode, world = cfg.trainer, cfg.parallel_mode, launch.world
+    """`grid: auto`: the planner's one chooser (axonn.plan.choose) with the training objective: the
+    predicted-fastest grid of `launch.world` processes that runs this config as written (micro-batch,
+    activation checkpointing, parallel mode, precision, LoRA, the LM head) and fits in memory, its
+    in-place scoring included."""
+    t, mode = cfg.trainer, cfg.parallel_mode
     hw = launch.hw()
     shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
     adapters = run_adapters(cfg, model_config, precision)
-    best, least, reasons = None, None, []
-    for g in valid_grids(shape, world, t.batch_size, strict=True, mode=mode):
-        try:
-            validate_grid_for_model((g.x, g.y, g.z, g.data), model_config, mode)
-            _, mb = t.accumulation(g.z * g.data)
-        except ConfigError as e:
-            reasons.append(str(e))
-            continue
-        p = predict(shape, g, cfg.data.block_len, t.batch_size, hw, gpus_per_node=launch.gpus_per_node,
-                    micro_batch=mb, checkpoint=t.activation_checkpointing, headroom=launch.headroom,
-                    mode=mode, precision=precision, adapters=adapters, loss_chunk=head_setting(cfg))
-        if p.fits and eval_bytes(cfg, shape, g, mode, precision, adapters=adapters) \
-                > hw.memory_bytes * (1 - launch.headroom):
-            reasons.append(f"eval.batch_size={cfg.eval.batch_size}: scoring in place does not fit at {g}")
-            continue  # the run scores its model where it trained: that must fit too
-        if least is None or p.memory_gb < least.memory_gb:
-            least = p
-        if p.fits and (best is None or p.time_s < best.time_s):
-            best = p
-    if best is not None:
-        return best.grid
-    if least is None:
-        why = reasons[0] if reasons else (f"no (x, y, z, data) of {world} divides the model's heads, "
-                                          f"hidden, FFN and vocab and trainer.batch_size={t.batch_size}")
-        raise fail("--grid", "auto", f"no grid of {world} processes can run this config: {why}")
-    raise fail("--grid", "auto", f"no grid of {world} processes fits {shape.name} in {hw.name} memory; "
-               f"the smallest needs {least.memory_gb:.1f} GiB at {least.grid} ({memory_fix(t)})")
+
+    def check(g: Any) -> None:
+        validate_grid_for_model((g.x, g.y, g.z, g.data), model_config, mode)
+        t.accumulation(g.z * g.data)
+
+    objective = Train(seq=cfg.data.block_len, batch=t.batch_size,
+                      micro_batch=lambda g: t.accumulation(g.z * g.data)[1],
+                      checkpoint=t.activation_checkpointing,
+                      precision=precision, adapters=adapters, loss_chunk=head_setting(cfg),
+                      extra_bytes=lambda g: eval_bytes(cfg, shape, g, mode, precision, adapters=adapters))
+    try:
+        return choose(shape, launch.world, launch.gpus_per_node, hw, objective, mode=mode,
+                      headroom=launch.headroom, check=check).grid
+    except ConfigError as e:
+        if "memory" in str(e):
+            raise fail("--grid", "auto", f"{str(e).split(': ', 1)[-1]}; {memory_fix(t)}") from None
+        raise
+
+
+def inference_dims(config: Any, launch: Launch, *, batch: int, width: int, suffix: int, mode: str,
+                   windows: int = 1000) -> tuple[Dims, str]:
+    """`--grid auto` of `memorize eval` and `memorize scan`: the one chooser with the inference objective
+    (weights and activations, no optimizer state), so both pick the same grid for the same model,
+    launch and batch; (X,Y,Z,D, what chose it)."""
+    hw = launch.hw()
+    shape = load_shape(config)
+    mode = mode if mode != "auto" else default_mode(shape)
+    objective = Inference(batch=batch, width=width, suffix=suffix, windows=windows,
+                          precision=precision_for("auto", hw))
+    got = choose(shape, launch.world, launch.gpus_per_node, hw, objective, mode=mode,
+                 headroom=launch.headroom,
+                 check=lambda g: validate_grid_for_model((g.x, g.y, g.z, g.data), config, mode))
+    return got.grid, f"{got.chosen_by} on {hw.name}"
 
 
 def run_dims(cfg: RunConfig, model_config: Any, *, spec: str | None = None, grid: ProcessGrid | None = None,
              launch: Launch | None = None) -> tuple[Dims, str]:
     """(the run's X,Y,Z,D, what chose them) before anything is built: `grid`'s; else `spec` (the --grid
     text, or cfg.grid) parsed, `auto` asking the planner (choose_grid) about this config on `launch`
-    (default: this process's). Whether it fits the model and the launch is memorization.checks'
+    (default: this process's). Whether it fits the model and the launch is memorization.train.run_plan'
     question."""
     if isinstance(grid, ProcessGrid):
         return grid.dims, "the given process grid"
@@ -195,7 +205,7 @@ def run_dims(cfg: RunConfig, model_config: Any, *, spec: str | None = None, grid
 
 def resolve_grid(cfg: RunConfig, dims: Dims, *, distributed: bool,
                  grid: ProcessGrid | None = None) -> ProcessGrid:
-    """The run's ProcessGrid once its plan is made (memorization.checks.plan_run: `dims`, whether it is
+    """The run's ProcessGrid once its plan is made (run_plan.plan_run: `dims`, whether it is
     `distributed`): `grid` as given; else the serial grid on cfg.trainer.device; else torch.distributed
     initialised on `dims` (every collective bounded by trainer.collective_timeout_s)."""
     if isinstance(grid, ProcessGrid):
@@ -221,7 +231,7 @@ def eval_mode(mode: str, config: Any) -> str:
 
 
 def eval_dims(spec: str | None, config: Any, *, model: str, max_tokens: int, batch: int, world: int,
-              mode: str, launch: Launch | None = None) -> Dims:
+              mode: str, launch: Launch | None = None, suffix: int | None = None) -> Dims:
     """An evaluation's X,Y,Z,D (`memorize eval` / `memorize scan` --grid `spec`; auto: the planner's
     fastest fitting grid for `world` processes on `launch`, default this process's), checked against
     the model's shapes (`mode`: its parallel mode) and the launch before any process group exists."""
@@ -230,9 +240,10 @@ def eval_dims(spec: str | None, config: Any, *, model: str, max_tokens: int, bat
     except (AttributeError, TypeError, ValueError):
         raise fail("--grid", spec, "needs a transformer config with hidden_size and num_attention_heads; "
                    f"{model} has model_type {getattr(config, 'model_type', None)!r}") from None
-    if spec == "auto":  # the planner on this launch's hardware, as a training run's `auto`
+    if spec == "auto":  # the one chooser, inference objective, on this launch's hardware
         launch = launch or Launch.current()
-        dims = auto_grid(config, world, launch.gpus_per_node, max_tokens, max(batch, world), launch.hw())
+        dims, _ = inference_dims(config, replace(launch, world=world), batch=batch, width=max_tokens,
+                                 suffix=suffix or max_tokens, mode=mode)
     else:
         dims = parse_grid(spec or "1,1,1,1")
     n = dims[0] * dims[1] * dims[2] * dims[3]
@@ -244,13 +255,13 @@ def eval_dims(spec: str | None, config: Any, *, model: str, max_tokens: int, bat
 
 
 def eval_grid(spec: str | None, config: Any, *, model: str, max_tokens: int, batch: int,
-              mode: str) -> ProcessGrid:
+              mode: str, suffix: int | None = None) -> ProcessGrid:
     """The grid an evaluation scores on: serial for one process that asks for no split, else `spec`
     (eval_dims) on the launched processes."""
     if not wants_grid(spec):
         return ProcessGrid.serial(device="cuda" if torch.cuda.is_available() else "cpu")
     dims = eval_dims(spec, config, model=model, max_tokens=max_tokens, batch=batch,
-                     world=launched_world_size(), mode=mode)
+                     world=launched_world_size(), mode=mode, suffix=suffix)
     return init_grid(dims)
 
 

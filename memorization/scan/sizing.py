@@ -18,13 +18,14 @@ import math
 from typing import Any
 
 from axonn.grid import parse_grid, validate_grid_for_model
-from axonn.plan import get_hardware, load_shape, valid_grids
-from axonn.plan.evaluation import eval_memory, eval_time
+from axonn.plan import get_hardware, load_shape
+from axonn.plan.choose import Inference, inference_cost
 from axonn.plan.volumes import Grid, default_mode
 from data_pipelines.scan_windows import Selection, check_selection, parse_offsets
 from data_pipelines.token_sources import open_source
 from memorization.models import pretrained_config, resolve_model_dir, zoo_config
-from memorize_core import ConfigError, fail
+from memorization.train.parallel import Launch, inference_dims, precision_for
+from memorize_core import fail
 
 GiB = 2**30
 
@@ -53,48 +54,23 @@ def count_windows(args: Any) -> int:
 
 def _cost(shape: Any, g: Grid, hw: Any, *, batch: int, width: int, suffix: int, mode: str, windows: int,
           gpus_per_node: int) -> tuple[dict[str, float], dict[str, float], str]:
-    """(rank-0 bytes by category, the planner's time, precision) of scanning on grid `g`."""
-    shards = g.z * g.data
-    per_rank = math.ceil(batch / shards)
-    precision = "fp32" if hw.name.startswith("local") else "bf16"
-    mem = eval_memory(shape, g, batch=per_rank, context=width, new=0, seq=suffix, mode=mode,
-                      precision=precision, optimizer_state=False)
-    mem["kv_cache"] = 0.0  # one forward without a cache
-    t = eval_time(shape, g, hw, docs=windows, batch=per_rank, context=width - 1, new=0,
-                  gpus_per_node=gpus_per_node, mode=mode, precision=precision)
+    """(rank-0 bytes by category, the planner's time, precision) of scanning on grid `g`: the one
+    chooser's inference cost (axonn.plan.choose), so what the dry run prints is what chose the grid."""
+    precision = precision_for("auto", hw)
+    obj = Inference(batch=batch, width=width, suffix=suffix, windows=windows, precision=precision)
+    mem, t = inference_cost(shape, g, hw, obj, mode=mode, gpus_per_node=gpus_per_node)
     return mem, t, precision
 
 
 def scan_grid(config: Any, *, world: int, gpus_per_node: int, hardware: Any, batch: int, width: int,
               suffix: int, mode: str = "auto", spec: str | None = None, windows: int = 1000,
               headroom: float = 0.1) -> tuple[tuple[int, int, int, int], str]:
-    """(X,Y,Z,D, what chose it): `spec`, or for auto the predicted-fastest grid of `world` processes
-    whose scan fits in memory (weights without optimizer state: a scan fits where training may not)."""
-    shape = load_shape(config)
-    mode = mode if mode != "auto" else default_mode(shape)
+    """(X,Y,Z,D, what chose it): `spec`, or for auto the one chooser's inference objective
+    (memorization.train.parallel.inference_dims, as `memorize eval --grid auto`)."""
     if spec not in (None, "auto"):
         return parse_grid(spec), "--grid"
-    hw = get_hardware(hardware)
-    best, least = None, None
-    for g in valid_grids(shape, world, batch, strict=False, mode=mode):
-        try:
-            validate_grid_for_model((g.x, g.y, g.z, g.data), config, mode)
-        except ConfigError:
-            continue
-        mem, t, _ = _cost(shape, g, hw, batch=batch, width=width, suffix=suffix, mode=mode, windows=windows,
-                          gpus_per_node=min(gpus_per_node, world))
-        need = sum(mem.values())
-        if least is None or need < least[0]:
-            least = (need, g)
-        if need <= hw.memory_bytes * (1 - headroom) and (best is None or t["seconds"] < best[0]):
-            best = (t["seconds"], g)
-    if best is None:
-        why = (f"the smallest needs {least[0] / GiB:.1f} GiB per GPU at {least[1]}" if least else
-               "no grid divides the model's heads, hidden, FFN and vocab")
-        raise fail("--grid", "auto", f"no grid of {world} processes scans {shape.name} in {hw.name} memory "
-                   f"({why}); lower --batch-size or use more GPUs")
-    g = best[1]
-    return (g.x, g.y, g.z, g.data), f"the performance model ({hw.name})"
+    launch = Launch(world, gpus_per_node, hardware, headroom)
+    return inference_dims(config, launch, batch=batch, width=width, suffix=suffix, mode=mode, windows=windows)
 
 
 def scan_dry_run(args: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from axonn.engine import param_layouts, sync_gradients
 from axonn.grid import ProcessGrid
 from axonn.layers.per_example import ExampleNorms
 from memorization.config import RunTrainerConfig
-from memorization.privacy import _NOISE, OpacusPrivacy, _seed
+from memorization.mitigations.dp_sgd import _NOISE, OpacusPrivacy, _seed
 from memorize_core import IGNORE_INDEX
 
 

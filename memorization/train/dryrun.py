@@ -1,6 +1,6 @@
 """`memorize train|run CONFIG --dry-run --world N`: prove that a job fits before it is queued.
 
-The dry run is the run's plan printed: it calls the run's own `memorization.checks.plan_run` for
+The dry run is the run's plan printed: it calls the run's own `memorization.train.run_plan.plan_run` for
 every sub-run (each arm of an experiment) on the stated launch (`--world`, `--gpus-per-node`,
 `--hardware`), so it shows the grid the launch will take and refuses with the run's line. No process
 group and no weights; the data only where the plan depends on it (DP-SGD's rows, eval.mia's sets:
@@ -9,7 +9,7 @@ it (`axonn.ProcessGrid.virtual` + `axonn.parallelize`; its parallel plan is repo
 count of that sharded model goes through the planner's memory and performance models (`axonn.plan`),
 so the project has one model of memory. On top of the plan: memory against the hardware preset, the
 in-place evaluation's memory and, for a local weights folder, the safetensors headers against the
-sharded model. The text report is memorization/dryrun_report.py.
+sharded model. The text report is memorization/train/dryrun_report.py.
 """
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ from axonn.plan.volumes import Grid
 from axonn.state import check_pretrained
 from axonn.swap import parallelize, trainable
 from data_pipelines.corpora import CORPORA
-from memorization.checks import plan_run, planned_model_config
 from memorization.config import RunConfig, load_run_config
-from memorization.dryrun_report import format_report
 from memorization.experiments import load_experiment
-from memorization.lora import apply_sharded_lora, lora_targets
+from memorization.mitigations.peft_lora import apply_sharded_lora, lora_targets
 from memorization.models import meta_model
-from memorization.parallel import Launch, head_setting, memory_fix, precision_for, run_adapters
-from memorization.prepare import prepare_data
+from memorization.train.dryrun_report import format_report
+from memorization.train.parallel import Launch, head_setting, memory_fix, precision_for, run_adapters
+from memorization.train.prepare import prepare_data
+from memorization.train.run_plan import plan_run, planned_model_config
 from memorize_core import ConfigError, fail
 
 GiB = 2**30
@@ -120,7 +120,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
             overwrite: bool = False, resume: str | None = None, data: Any = None) -> dict[str, Any]:
     """Check and size one run on `world` GPUs as rank 0 would see it; ConfigError on any problem.
 
-    The checks are the run's own (memorization.checks.check_run); `out`, `overwrite` and `resume`
+    The checks are the run's own (memorization.train.run_plan.check_run); `out`, `overwrite` and `resume`
     are the run's --out, --overwrite and --resume (OUT is checked only when given); `data` the
     run's prepared rows, where an experiment prepares its own (else counted here when needed)."""
     hw = get_hardware(hardware)
@@ -137,7 +137,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
     serial = meta_model(hf_config)
-    # the run's own plan (memorization.checks.plan_run): the grid the launch takes, every refusal the
+    # the run's own plan (memorization.train.run_plan.plan_run): the grid the launch takes, every refusal the
     # launched run would make, with the same line
     run_plan = plan_run(cfg, data, launch=Launch(world, gpn, hardware, headroom), spec=grid,
                         model_config=hf_config, out=out, overwrite=overwrite, resume=resume, model=serial)
@@ -158,7 +158,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora, targets)))
 
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
-    # the LM head as the launched trainer runs it (memorization.parallel.head_setting; a model whose
+    # the LM head as the launched trainer runs it (memorization.train.parallel.head_setting; a model whose
     # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
     chunk = head_setting(cfg) if LossHead(model, virtual, head_setting(cfg)).head is not None else "off"
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
@@ -208,7 +208,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         "predicted": {"step_s": p.time_s, "tokens_per_s": tokens / p.time_s, "mfu": p.pct_peak / 100,
                       "tflops_per_gpu": p.tflops_per_gpu, "exposed_comm_s": p.exposed_comm_s},
         "planner_best": best, "weights": weights_info, "evaluation": evaluation,
-        "checks": ["the run's plan (memorization.checks.plan_run): OUT and --resume when given, "
+        "checks": ["the run's plan (memorization.train.run_plan.plan_run): OUT and --resume when given, "
                    "tokenizer, LoRA, DP-SGD, activation checkpointing", f"data: {data_note}",
                    "grid product = GPUs", f"grid divides heads, KV heads, hidden, FFN, vocab ({mode})",
                    f"batch {t.batch_size} = {accum} micro-batches x {mb} rows x {dims[2] * dims[3]} "

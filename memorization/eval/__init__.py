@@ -1,0 +1,1 @@
+"""`memorize eval`: extraction, membership inference and utility of a trained model."""

@@ -1,0 +1,1 @@
+"""The memorization mitigations: goldfish loss, LoRA (peft) and DP-SGD (ghost clipping, Opacus)."""

@@ -1,0 +1,34 @@
+"""One grid chooser (axonn/plan/choose.py): `memorize eval --grid auto` and `memorize scan --grid auto`
+choose the same grid for the same model, launch and batch (inference objective), and an inference fits
+where training of the same model does not (no optimizer state)."""
+from __future__ import annotations
+
+import pytest
+
+from axonn.plan import get_hardware, load_shape
+from axonn.plan.choose import Inference, Train, choose_grid
+from memorization.models import zoo_config
+from memorization.scan.sizing import scan_grid
+from memorization.train.parallel import Launch, eval_dims, eval_mode
+from memorize_core import ConfigError
+
+
+@pytest.mark.parametrize("model", ["llama-8b", "llama-70b"])
+@pytest.mark.parametrize("batch", [64, 1024])
+def test_eval_and_scan_auto_choose_the_same_grid(model, batch):
+    config = zoo_config(model)
+    launch = Launch(8, 8, "h100")
+    scan, chosen_by = scan_grid(config, world=8, gpus_per_node=8, hardware="h100", batch=batch, width=64,
+                                suffix=32)
+    ev = eval_dims("auto", config, model=model, max_tokens=64, batch=batch, world=8,
+                   mode=eval_mode("auto", config), launch=launch, suffix=32)
+    assert tuple(ev) == tuple(scan), (model, batch, ev, scan)
+    assert "inference" in chosen_by
+
+
+def test_inference_fits_where_training_does_not():
+    shape, hw = load_shape(zoo_config("llama-70b")), get_hardware("h100")
+    got = choose_grid(shape, 8, 8, hw, Inference(batch=64, width=64, suffix=32))
+    assert got.bytes <= hw.memory_bytes * 0.9 and got.objective == "inference"
+    with pytest.raises(ConfigError, match=r"can train .* in h100 memory: the smallest needs"):
+        choose_grid(shape, 8, 8, hw, Train(seq=2048, batch=8))
