@@ -31,16 +31,23 @@ from memorize_core import ConfigError
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(
+        "SmolLM2-135M fine-tuned with the plain Hugging Face Trainer on Wikipedia leads into which "
+        "duplicated leads and canaries were injected, standard loss vs goldfish, memorization measured "
+        "pass by pass."))
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a Hugging Face model folder")
-    p.add_argument("--passes", type=int, default=4)
+    p.add_argument("--passes", type=int, default=4,
+                   help="passes over the leads, i.e. epochs (default %(default)s)")
     p.add_argument("--members", type=int, default=16, help="leads trained on (as many held out)")
     p.add_argument("--block-len", type=int, default=64, help="tokens per lead")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--arms", default="standard,goldfish")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="leads per device per step (default %(default)s)")
+    p.add_argument("--arms", default="standard,goldfish",
+                   help="comma-separated arms to train, of standard and goldfish (default %(default)s)")
     p.add_argument("--report-to", default="none", help="the Trainer's report_to, e.g. wandb")
-    p.add_argument("--out", default="runs/trainer-wiki")
+    p.add_argument("--out", default="runs/trainer-wiki",
+                   help="output folder: one subfolder per arm and summary.md (default %(default)s)")
     return p.parse_args(argv)
 
 
