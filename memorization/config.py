@@ -160,6 +160,10 @@ class EvalConfig:
     mia_docs: int = 1000  # documents of each side (the first ones; 0 = all)
     mia_k: float = 0.2  # Min-K% fraction
     bootstrap: int = 1000  # resamples for 95% CIs of AUC and TPR@1%FPR (0 = none)
+    # the one-run privacy audit (memorization/eval/dp_audit.py): m random canaries, each trained on with
+    # probability 1/2, and an epsilon lower bound at 95% from how well their losses tell which
+    audit: bool = False
+    audit_canaries: int = 64
 
     def validate(self, prefix: str = "eval") -> None:
         """Range checks."""
@@ -172,6 +176,9 @@ class EvalConfig:
             raise fail(f"{prefix}.mia_k", self.mia_k, "pass a fraction in (0, 1], e.g. 0.2")
         if self.bootstrap < 0:
             raise fail(f"{prefix}.bootstrap", self.bootstrap, "must be >= 0 (0 = no intervals)")
+        if self.audit and not 4 <= self.audit_canaries <= 100_000:
+            raise fail(f"{prefix}.audit_canaries", self.audit_canaries, "must be within [4, 100000] (the "
+                       "audit guesses on the highest and lowest scores of m canaries), e.g. 64")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 import os
@@ -53,6 +54,18 @@ def run_vocab(name: str, tokenizer_spec: str, target: int, ids: int) -> int:
     return ids
 
 
+@contextlib.contextmanager
+def quiet_config():
+    """transformers' config validation logs nothing in the block (a vocab_size of 0 makes it warn about
+    every special token id): the sizes are checked by us (train.fits.check_shape), in one line."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None = None):
     """A transformers config for a zoo name (vocab follows the tokenizer when given: run_vocab)."""
     path = ZOO_DIR / f"{name}.yaml"
@@ -65,7 +78,8 @@ def zoo_config(name: str, vocab_size: int | None = None, overrides: dict | None 
         fields["vocab_size"] = vocab_size
     model_type = fields.pop("model_type", "llama")
     try:
-        return AutoConfig.for_model(model_type, **fields)
+        with quiet_config():
+            return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # transformers/huggingface_hub raise several types for a bad field
         raise fail("model.overrides", overrides, f"not a valid {model_type} config ({reason(e)}); "
                    "fix or drop the override") from None
@@ -185,7 +199,8 @@ def pretrained_config(name: str, overrides: dict | None = None):
     if local is None:
         raise fail("model.name", name, "is a random-init zoo shape, not a pretrained model")
     try:
-        return AutoConfig.from_pretrained(local, **(overrides or {}))
+        with quiet_config():
+            return AutoConfig.from_pretrained(local, **(overrides or {}))
     except Exception as e:
         field = "model.overrides" if overrides else "model.name"
         raise fail(field, overrides if overrides else name,
@@ -201,9 +216,39 @@ def model_config(name: str, *, vocab_size: int | None = None, overrides: dict | 
 
 
 def meta_model(config: Any) -> torch.nn.Module:
-    """The model of `config` with fp32 parameters (as the trainer builds it) and no storage."""
+    """The model of `config` with fp32 parameters (as the trainer builds it) and no storage.
+
+    Each call returns a model of its own (callers parallelize or wrap it in place), copied from one
+    built per config in this process: a 405B meta build takes seconds, its copy a fraction of one,
+    and an experiment's dry run plans several arms of one model."""
+    key = config.to_json_string() if hasattr(config, "to_json_string") else None
+    if key is None:
+        return _build_meta(config)
+    if key not in _META:
+        _META.clear()  # one model at a time: an experiment's arms come grouped by model
+        _META[key] = _build_meta(config)
+    return copy.deepcopy(_META[key])
+
+
+_META: dict[str, torch.nn.Module] = {}
+
+
+def _build_meta(config: Any) -> torch.nn.Module:
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def shallow_config(config: Any, layers: int = 2) -> Any:
+    """`config` with at most `layers` blocks: the same module names and types per block, for checks
+    that ask only about the model's structure (peft's target modules) without building it whole."""
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n <= layers:
+        return config
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = layers
+    if getattr(small, "layer_types", None):  # per-layer attention kinds must match the layer count
+        small.layer_types = small.layer_types[:layers]
+    return small
 
 
 def load_sharded(folder: str | Path, grid: ProcessGrid, mode: str = "easy") -> torch.nn.Module:
@@ -221,15 +266,12 @@ def hf_config(flag: str, path: str) -> Any:
     if not (folder / "config.json").is_file():
         raise fail(flag, path, "not a Hugging Face model folder (no config.json); pass a save_pretrained "
                    "folder such as OUT/model of a training run")
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its warnings on a bad config would precede our one line
     try:
-        return AutoConfig.from_pretrained(folder)
+        with quiet_config():  # its warnings on a bad config would precede our one line
+            return AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise fail(flag, path, f"has a config.json transformers cannot read ({type(e).__name__}: "
                    f"{str(e).splitlines()[0][:120]})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
 
 
 def context_length(config: Any) -> int | None:
@@ -270,7 +312,8 @@ def load_model(flag: str, path: str, grid: ProcessGrid, mode: str = "easy") -> t
 def folder_tokenizer(path: str) -> Any:
     """The tokenizer saved in the model folder `path`, or None when it holds none."""
     try:
-        return AutoTokenizer.from_pretrained(path)
+        with quiet_config():  # AutoTokenizer reads the model's config.json too
+            return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
         return None
 
@@ -294,11 +337,13 @@ def run_tokenizer(tokenizer: str, model_name: str, *, texts: list[str], vocab_si
         if not _has_tokenizer(local):
             raise fail("data.tokenizer", "auto", f"the model folder {local} has no tokenizer files; set "
                        "data.tokenizer=<the folder of the tokenizer this model was trained with>")
-        return load_tokenizer(str(local))
+        with quiet_config():  # AutoTokenizer reads the model's config.json too
+            return load_tokenizer(str(local))
     if local is not None and tokenizer == "bpe":  # refused before a BPE is trained for nothing
         raise fail("data.tokenizer", tokenizer, f"a corpus BPE never matches the ids {model_name} was "
                    "trained with; use data.tokenizer=auto (the model's own tokenizer)")
-    tok = load_tokenizer(tokenizer, texts=texts, vocab_size=vocab_size)
+    with quiet_config():
+        tok = load_tokenizer(tokenizer, texts=texts, vocab_size=vocab_size)
     if local is not None:
         check_tokenizer(tok, model_name, spec=tokenizer)
     return tok

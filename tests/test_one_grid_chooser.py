@@ -30,5 +30,5 @@ def test_inference_fits_where_training_does_not():
     shape, hw = load_shape(zoo_config("llama-70b")), get_hardware("h100")
     got = choose_grid(shape, 8, 8, hw, Inference(batch=64, width=64, suffix=32))
     assert got.bytes <= hw.memory_bytes * 0.9 and got.objective == "inference"
-    with pytest.raises(ConfigError, match=r"can train .* in h100 memory: the smallest needs"):
+    with pytest.raises(ConfigError, match=r"fits llama in h100 memory \(training\); the smallest needs"):
         choose_grid(shape, 8, 8, hw, Train(seq=2048, batch=8))

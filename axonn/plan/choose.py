@@ -130,14 +130,14 @@ def choose_grid(shape: ModelShape, world: int, gpus_per_node: int, hw: Hardware,
             best = Choice((g.x, g.y, g.z, g.data), seconds, need, objective.name)
     if best is not None:
         return best
-    what = "train" if train else "score"
     if least is None:
         why = reasons[0] if reasons else (f"no (x, y, z, data) of {world} divides the model's heads, hidden, "
                                           f"FFN and vocab and the batch of {batch}")
-        raise fail("--grid", "auto", f"no grid of {world} processes can {what} {shape.name}: {why}")
-    raise fail("--grid", "auto", f"no grid of {world} processes can {what} {shape.name} in {hw.name} "
-               f"memory: the smallest needs {least[0] / GiB:.1f} GiB per GPU at {least[1]} "
-               f"({usable / GiB:.1f} GiB usable)")
-
+        raise fail("--grid", "auto", f"no grid of {world} processes can run this "
+                   f"{'config' if train else 'evaluation'}: {why}")
+    fix = "" if train else "; lower --batch-size or use more GPUs"
+    raise fail("--grid", "auto", f"no grid of {world} processes fits {shape.name} in {hw.name} memory "
+               f"({'training' if train else 'scoring'}); the smallest needs {least[0] / GiB:.1f} GiB per GPU "
+               f"at {least[1]} ({usable / GiB:.1f} GiB usable){fix}")
 
 __all__ = ["Choice", "Inference", "Train", "choose_grid", "inference_cost"]

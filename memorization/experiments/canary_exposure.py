@@ -16,6 +16,7 @@ import torch
 
 from data_pipelines import CanarySpec, DuplicateSpec, inject, record_token_positions, tokenize_documents
 from evals import extract
+from memorization.eval.dp_audit import audit_set, tokenize_audit
 from memorization.experiments.exposure import canary_scores
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
@@ -111,8 +112,13 @@ def build_corpus(cfg: InjectionConfig, exp: Experiment | None = None):
     docs = [docs[i] for i in long_enough]  # min_tokens applies to corpus documents, never to canaries
     injected, manifest = inject(docs, canaries=cfg.canary_spec(), duplicates=cfg.duplicate_spec(),
                                 seed=b.seed)
-    keep_all = replace(b, data=replace(b.data, min_tokens=1))
+    audit = None
+    if b.eval.audit:  # the one-run privacy audit's canaries, half of them trained on (eval/dp_audit.py)
+        audit = tokenize_audit(audit_set(b.eval.audit_canaries, b.seed), tok, max_tokens=b.data.block_len)
+        injected = injected + audit.documents()
+    keep_all = replace(b, data=replace(b.data, min_tokens=1), eval=replace(b.eval, audit=False))
     data = prepare_documents(keep_all, injected, held, tokenizer=tok)
+    data.audit = audit
     kept = data.train_doc_ids  # ids of the documents that became rows
     missing = [it.id for it in manifest.items if not set(it.copy_ids) <= set(kept)]
     if missing:

@@ -115,7 +115,8 @@ def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple
     kept, manifest = deduplicate(injected_docs, tokenize_documents(injected_docs, tok), cfg.dedup)
     cut = [t[:block] for t in kept]
     rows = per_document(cut, block, tok.eos_token_id)
-    return PreparedData(tok, rows, cut, [injected_docs[i].id for i in kept.kept], data.held_out), manifest
+    return PreparedData(tok, rows, cut, [injected_docs[i].id for i in kept.kept], data.held_out,
+                        audit=data.audit), manifest
 
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
@@ -221,6 +222,7 @@ def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -
         "utility": {"val_loss": s["val_loss"], "other_val_loss": s["other_val_loss"],
                     "downstream": s.get("downstream")},
         "privacy": {"epsilon": s.get("epsilon"), "delta": s.get("delta")},
+        "audit": s.get("audit"),
         "cost": {"steps": steps, "train_seconds": s.get("train_seconds"),
                  "step_seconds": (s.get("train_seconds") or 0) / steps if steps else None,
                  "peak_rss_gb": (s.get("peak_rss_bytes") or 0) / 2**30 or None,
@@ -235,6 +237,14 @@ def _relative_cost(arms: list[dict[str, Any]]) -> None:
     for a in arms:
         st = a["cost"]["step_seconds"]
         a["cost"]["step_time_vs_none"] = st / ref if ref and st else None
+
+
+def _audit_cell(audit: dict[str, Any] | None) -> str:
+    """The audit's epsilon lower bound as a table cell: 'bound (correct/guesses)', flagged above nominal."""
+    if not audit:
+        return ""
+    flag = " ABOVE NOMINAL" if audit["above_nominal"] else ""
+    return f"{audit['eps_lower_bound']:.2f} ({audit['correct']}/{audit['guesses']}){flag}"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -254,6 +264,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                "val": a["utility"]["val_loss"], "other": a["utility"]["other_val_loss"],
                "time": a["cost"]["step_time_vs_none"], "rss": a["cost"]["peak_rss_gb"],
                "trainable": a["cost"]["trainable_params"], "eps": a["privacy"]["epsilon"],
+               "eps_lb": _audit_cell(a.get("audit")),
                "ds": format_acc(a["utility"].get("downstream"))}
         for m in methods:
             row[f"auc_{m}"] = format_auc(a["mia"].get(m))
@@ -269,6 +280,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     cols += [
              ("time", "step time x", "{:.2f}"), ("rss", "peak RSS GiB", "{:.1f}"),
              ("trainable", "trainable params", "{:,}"), ("eps", "epsilon", "{:.2f}")]
+    if any(a.get("audit") for a in arms):
+        cols += [("eps_lb", "audit epsilon >= (95%)", "{}")]
     by_count = [{"arm": a["name"], "copies": int(n), **v}
                 for a in arms for n, v in a["by_copy_count"].items()]
     ccols = [("arm", "arm", "{}"), ("copies", "copies", "{}"),
@@ -293,6 +306,19 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
         "while the arm trained; trainable parameters (LoRA: adapters only).",
     ]
+    audited = [a for a in arms if a.get("audit")]
+    if audited:
+        au = audited[0]["audit"]
+        notes.append(
+            f"Audit (one training run, Steinke et al. 2023): {au['m']} random-word canaries, each trained on "
+            f"with probability 1/2 ({au['included']} were); score = minus the canary's mean token loss; "
+            f"guesses on the highest and lowest scores, over a pre-registered list of guess counts with "
+            f"Bonferroni correction; 'audit epsilon >=' is the lower bound at {au['confidence']:.0%} "
+            "(a lower bound: it can show a run leaks more than its epsilon, never certify that it does not).")
+        over = [a["name"] for a in audited if a["audit"]["above_nominal"]]
+        notes.append("WARNING: the audit bound exceeds the accountant's epsilon for " + ", ".join(over)
+                     + ": the DP-SGD implementation or its accounting is wrong." if over else
+                     "No DP arm's audit bound exceeds its accountant's epsilon.")
     if cfg.downstream:
         notes.append(f"Downstream: accuracy ± standard error (lm-eval) on {', '.join(cfg.downstream)} "
                      f"({limit_words(cfg)}); the un-fine-tuned base model scores "

@@ -27,6 +27,7 @@ time (`axonn.lora.merged_layouts`), adapters gathered into peft's adapter file.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -203,11 +204,25 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int = 0)
 def lora_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """Names of the modules peft adapts in `model` (a serial model, e.g. a meta copy: peft wraps it),
     in module order: the layers `axonn.lora.add_lora` adapts on a grid."""
-    with warnings.catch_warnings():  # a throwaway copy: transformers' FutureWarnings would precede our lines
-        warnings.simplefilter("ignore", FutureWarning)
+    # on a meta model, peft's adapters go to the meta device too: drawn on the CPU, a 405B model's
+    # adapters took a minute of random init for a list of names
+    meta = next(model.parameters()).is_meta
+    config = getattr(model, "config", None)
+    key = (config.to_json_string(), repr(settings)) if meta and hasattr(config, "to_json_string") else None
+    if key is not None and key in _TARGETS:  # a plan asks it of every arm of one model
+        return list(_TARGETS[key])
+    with warnings.catch_warnings(), torch.device("meta") if meta else contextlib.nullcontext():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' would precede our lines
         peft_model = apply_lora(model, settings)
-    return [name.removeprefix(PEFT_PREFIX) for name, m in peft_model.named_modules()
-            if name.startswith(PEFT_PREFIX) and hasattr(m, "lora_A")]
+    names = [name.removeprefix(PEFT_PREFIX) for name, m in peft_model.named_modules()
+             if name.startswith(PEFT_PREFIX) and hasattr(m, "lora_A")]
+    if key is not None:
+        _TARGETS.clear()
+        _TARGETS[key] = tuple(names)
+    return names
+
+
+_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def apply_sharded_lora(model: torch.nn.Module, settings: LoraSettings, targets: Sequence[str], *,

@@ -167,7 +167,7 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
         return choose(shape, launch.world, launch.gpus_per_node, hw, objective, mode=mode,
                       headroom=launch.headroom, check=check).grid
     except ConfigError as e:
-        if "memory" in str(e):
+        if "memory" in str(e):  # the trainer's own ways out of memory
             raise fail("--grid", "auto", f"{str(e).split(': ', 1)[-1]}; {memory_fix(t)}") from None
         raise
 

@@ -31,6 +31,7 @@ from axonn.swap import parallelize
 from axonn.trainer import Trainer
 from axonn.watchdog import Watchdog, start_watchdog
 from memorization.config import RunConfig
+from memorization.eval.dp_audit import run_audit
 from memorization.mitigations.dp_sgd import OpacusPrivacy
 from memorization.mitigations.ghost_clipping import make_privacy
 from memorization.mitigations.goldfish import GoldfishTransform
@@ -266,9 +267,15 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         summary.update(_record_extraction(run, results))
     if cfg.eval.mia:
         summary["mia"] = membership(trainer.model, cfg, run.data, grid=run.grid)
+    if run.data.audit is not None:  # eval.audit: the epsilon lower bound beside the accountant's
+        summary["audit"] = run_audit(trainer.model, run.data.audit, epsilon=summary.get("epsilon"),
+                                     delta=summary.get("delta") or 0.0, batch_size=cfg.eval.batch_size,
+                                     grid=run.grid)
     summary.update(extra or {})
     if run.is_main:
         record = {"summary": summary, "config": to_dict(cfg), "documents": documents_record(cfg, run.data)}
+        if run.data.audit is not None:
+            record["audit"] = run.data.audit.record()
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
         if run.wandb is not None:
             run.wandb.summary(summary)

@@ -23,6 +23,7 @@ from data_pipelines import (
     tokenize_documents,
 )
 from memorization.config import RunConfig
+from memorization.eval.dp_audit import AuditSet, audit_set, tokenize_audit
 from memorization.models import run_tokenizer
 from memorize_core import fail
 
@@ -43,6 +44,7 @@ class PreparedData:
     # plain documents: the held-out documents' token lists (cut to block_len), MIA's non-members
     held_out_docs: list[list[int]] | None = None
     held_out_doc_ids: list[str] | None = None  # their ids (a split of data.corpus, or data.held_out's)
+    audit: AuditSet | None = None  # eval.audit's canaries (the included ones are among the rows)
 
     @property
     def is_chat(self) -> bool:
@@ -75,9 +77,14 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
                                      vocab_size=d.vocab_size)
     cut = d.block_len if d.packing == "per-document" else None
     tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
-    kept = tokens.kept
     if not tokens:
         raise fail("data.min_tokens", d.min_tokens, f"no document of '{d.corpus}' is that long; lower it")
+    audit = None
+    if cfg.eval.audit:  # after the tokenizer (it never sees a canary) and after min_tokens (never cut)
+        audit = tokenize_audit(audit_set(cfg.eval.audit_canaries, cfg.seed), tok, max_tokens=d.block_len)
+        docs = [docs[i] for i in tokens.kept] + audit.documents()
+        tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=1)
+    kept = tokens.kept
     if check_lengths and cfg.eval.extraction:
         need = cfg.eval.prefix + cfg.eval.suffix
         longest = max(len(t) for t in tokens)
@@ -95,7 +102,8 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
         held = per_document(held_tokens, d.block_len, eos)
     return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held,
                         held_out_docs=[list(t) for t in held_tokens] if held_tokens else None,
-                        held_out_doc_ids=[held_docs[i].id for i in held_tokens.kept] if held_tokens else None)
+                        held_out_doc_ids=[held_docs[i].id for i in held_tokens.kept] if held_tokens else None,
+                        audit=audit)
 
 
 def is_chat_data(cfg: RunConfig) -> bool:
@@ -133,7 +141,8 @@ def prepare_chat(cfg: RunConfig) -> PreparedData:
 def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:
     """eval.mia's members and non-members (checked when the run starts: at least 2 of each)."""
     n = cfg.eval.mia_docs or None
-    members = [list(t[:cfg.data.block_len]) for t in data.train_docs][:n]
+    members = [list(t[:cfg.data.block_len]) for i, t in zip(data.train_doc_ids, data.train_docs)
+               if not (data.audit is not None and str(i).startswith("audit-"))][:n]
     nonmembers = (data.held_out_docs or [])[:n]
     if len(members) < 2 or len(nonmembers) < 2:
         raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
@@ -146,7 +155,8 @@ def documents_record(cfg: RunConfig, data: PreparedData) -> dict:
     `memorize eval --mia` can take exactly these members and same-distribution non-members."""
     d = cfg.data
     split = not d.held_out and d.held_out_fraction > 0  # held-out documents of data.corpus itself
+    audit = {f"audit-{i}" for i in range(len(data.audit.texts))} if data.audit is not None else set()
     return {"corpus": d.corpus, "text_field": d.text_field, "format": "chat" if data.is_chat else "text",
-            "block_len": d.block_len, "members": list(data.train_doc_ids),
+            "block_len": d.block_len, "members": [i for i in data.train_doc_ids if i not in audit],
             "non_members": list(data.held_out_doc_ids or []) if split else None,
             "held_out": d.held_out or None}

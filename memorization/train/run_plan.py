@@ -56,6 +56,7 @@ from memorization.models import (
     resolve_model_dir,
     run_tokenizer,
     run_vocab,
+    shallow_config,
     zoo_config,
 )
 from memorization.models import model_config as memorization_model_config
@@ -286,9 +287,12 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
                    "gradient checkpointing; use a Hugging Face causal LM or set it to false")
     trains = model  # what the Trainer receives: peft's model where peft adapts it (not on a tensor split)
     if lora.enabled:  # peft's own refusals, on a fresh meta copy (peft wraps the model it is given)
-        with warnings.catch_warnings():  # a throwaway copy: its FutureWarnings would precede our line
-            warnings.simplefilter("ignore", FutureWarning)
-            model = apply_lora(_meta(cfg, model_config), lora, seed=cfg.seed)
+        # peft's check is structural (which modules its targets name), and wrapping a 405B model takes
+        # a minute: two blocks answer it, unless a checkpoint must be matched tensor by tensor
+        shape = model_config if checkpoint is not None else shallow_config(model_config)
+        with warnings.catch_warnings(), torch.device("meta"):  # a throwaway copy, adapters on meta too
+            warnings.simplefilter("ignore", FutureWarning)  # its FutureWarnings would precede our line
+            model = apply_lora(_meta(cfg, shape), lora, seed=cfg.seed)
         if dims is None or not tensor_split(dims):
             trains = model
     check_trainer(cfg, trains, here=here)
