@@ -34,7 +34,8 @@ from data_pipelines.corpora import Document
 from data_pipelines.packing import TokenLists
 from memorize_core import fail
 
-__all__ = ["KINDS", "DedupConfig", "DedupManifest", "Removal", "deduplicate", "normalize_whitespace"]
+__all__ = ["KINDS", "DedupConfig", "DedupManifest", "Removal", "deduplicate", "normalize_whitespace",
+           "repeated_spans"]
 
 KINDS = ("exact-document", "repeated-span", "short-remainder")
 _BASE = 0x9E3779B97F4A7C15  # odd, so it has an inverse mod 2**64
@@ -186,6 +187,14 @@ def deduplicate(docs: Sequence[Document], token_lists: Sequence[Sequence[int]],
         num_kept_documents=len(result), num_kept_tokens=sum(map(len, result)), removals=removals,
         dropped=[ids[j] for j in range(len(lists)) if gone[j]], counts=_counts(removals))
     return result, manifest
+
+
+def repeated_spans(token_lists: Sequence[Sequence[int]], n: int) -> list[tuple[int, int, int, int, int]]:
+    """(doc, start, end, first doc, first start) of every stretch whose n-token windows occurred earlier
+    (the repeated-span pass without removing anything; e.g. to group near-duplicates by shared n-grams)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise fail("min_repeat_tokens", n, "use an integer >= 1 (a number of tokens), e.g. 50")
+    return _repeated_spans([list(t) for t in token_lists], n)
 
 
 def _counts(removals: list[Removal]) -> dict:

@@ -5,11 +5,22 @@ document is taken out of its original place and its `count` copies are scattered
 the seen-once control. Copy `c` of item `x` is the output document with id `x.id@c`, at output
 index `x.positions[c]`; after tokenization and packing, `record_token_positions` adds, per copy,
 the (row, start, end) token spans it occupies (end exclusive, pack's EOS separator excluded).
+
+Near-duplicates: with `duplicates.edit_rate` r > 0, the copies of a duplicated document (all but copy
+0 when `keep_original`) are near-copies: each unit (`edit_unit`: a whitespace-separated word, or a
+token of `tokenizer`) is edited with probability r -- substituted by a unit drawn from the corpus'
+words (or the vocabulary), preceded by an inserted one, or deleted -- from a generator seeded by
+(seed, document, copy). Word edits change the text, which is then tokenized like any other; token
+edits are decoded back to text. The item records its cluster (the original's id), each copy's text
+and its edits ({"kind", "pos", "old", "new"}, pos in the original's units). Nothing else changes:
+the copies sit where exact copies would, and every other document is byte-identical.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,17 +67,36 @@ class CanarySpec:
         self.repeats = _check_counts("canaries.repeats", self.repeats)
 
 
+EDIT_KINDS = ("substitute", "insert", "delete")
+EDIT_UNITS = ("word", "token")
+
+
 @dataclass
 class DuplicateSpec:
-    """Pick `per_count` base documents for each n in `counts` (seeded) and make each appear n times."""
+    """Pick `per_count` base documents for each n in `counts` (seeded) and make each appear n times
+    (near-copies with edits at `edit_rate` per word or token; 0: exact copies)."""
 
     counts: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     per_count: int = 1
+    edit_rate: float = 0.0  # probability that a unit of a near-copy is edited
+    edit_unit: str = "word"  # word: edit the text's words, then tokenize; token: edit the token ids
+    edit_kinds: list[str] = field(default_factory=lambda: list(EDIT_KINDS))  # drawn uniformly per edit
+    keep_original: bool = True  # copy 0 stays verbatim; false: every copy is a near-copy
 
     def __post_init__(self) -> None:
         self.counts = _check_counts("duplicates.counts", self.counts)
         if isinstance(self.per_count, bool) or not isinstance(self.per_count, int) or self.per_count < 1:
             raise fail("duplicates.per_count", self.per_count, "use a positive integer")
+        rate = self.edit_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise fail("duplicates.edit_rate", rate, "use a fraction in [0, 1], e.g. 0.05 (0: exact copies)")
+        if self.edit_unit not in EDIT_UNITS:
+            raise fail("duplicates.edit_unit", self.edit_unit, f"choose one of {', '.join(EDIT_UNITS)}")
+        kinds = self.edit_kinds
+        if (not isinstance(kinds, (list, tuple)) or not kinds or any(k not in EDIT_KINDS for k in kinds)
+                or len(set(kinds)) != len(kinds)):
+            raise fail("duplicates.edit_kinds", kinds, f"use distinct names from {', '.join(EDIT_KINDS)}")
+        self.edit_kinds = list(kinds)
 
 
 @dataclass
@@ -82,6 +112,10 @@ class InjectedItem:
     template: str | None = None  # canaries
     space: dict | None = None  # canaries: SecretSpace.to_dict()
     source_id: str | None = None  # duplicates: id of the base document
+    cluster: str | None = None  # duplicates: the cluster of every copy, the original's document id
+    # near-duplicates: per copy, its text (item.text is the original's) and its edits, in copy order
+    copy_texts: list[str] | None = None
+    edits: list[list[dict]] | None = None
     # Per copy, the [row, start, end) spans it occupies in the blocks; [] if it was dropped.
     token_positions: list[list[list[int]]] | None = None
 
@@ -126,8 +160,10 @@ class Manifest:
 
 
 def inject(base_docs: list[Document], *, canaries: CanarySpec | None = None,
-           duplicates: DuplicateSpec | None = None, seed: int) -> tuple[list[Document], Manifest]:
-    """Base documents with canaries and duplicates scattered at seeded places, plus the manifest."""
+           duplicates: DuplicateSpec | None = None, seed: int,
+           tokenizer: Any = None) -> tuple[list[Document], Manifest]:
+    """Base documents with canaries and duplicates scattered at seeded places, plus the manifest
+    (`tokenizer` only for duplicates.edit_unit=token)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise fail("seed", seed, "use an integer seed, e.g. 0")
     items: list[InjectedItem] = []
@@ -148,13 +184,24 @@ def inject(base_docs: list[Document], *, canaries: CanarySpec | None = None,
         if wanted > len(base_docs):
             raise fail("duplicates.counts", duplicates.counts, f"needs {wanted} distinct base documents but "
                        f"the corpus has {len(base_docs)}; lower per_count or use fewer counts")
+        if duplicates.edit_rate > 0 and duplicates.edit_unit == "token" and tokenizer is None:
+            raise fail("duplicates.edit_unit", "token", "token edits need the tokenizer: pass tokenizer=, "
+                       "or use edit_unit=word")
         perm = torch.randperm(len(base_docs), generator=seeded_generator("duplicates", seed))
         chosen = perm[:wanted].tolist()
+        pool = _unit_pool(base_docs, duplicates, tokenizer) if duplicates.edit_rate > 0 else []
         for j, idx in enumerate(chosen):
             doc, count = base_docs[idx], duplicates.counts[j // duplicates.per_count]
             item_id = f"duplicate/{doc.id}"
-            items.append(InjectedItem(item_id, "duplicate", doc.text, count, [], source_id=doc.id))
-            copies += [Document(f"{item_id}@{c}", doc.text, doc.source) for c in range(count)]
+            item = InjectedItem(item_id, "duplicate", doc.text, count, [], source_id=doc.id, cluster=doc.id)
+            texts = [doc.text] * count
+            if duplicates.edit_rate > 0:
+                near = [near_copy(doc.text, duplicates, pool, (seed, doc.id, c), tokenizer)
+                        if c or not duplicates.keep_original else (doc.text, []) for c in range(count)]
+                texts, item.edits = [t for t, _ in near], [e for _, e in near]
+                item.copy_texts = texts
+            items.append(item)
+            copies += [Document(f"{item_id}@{c}", texts[c], doc.source) for c in range(count)]
         picked = set(chosen)
         rest = [d for i, d in enumerate(base_docs) if i not in picked]
 
@@ -166,6 +213,58 @@ def inject(base_docs: list[Document], *, canaries: CanarySpec | None = None,
                         canaries=dataclasses.asdict(canaries) if canaries is not None else None,
                         duplicates=dataclasses.asdict(duplicates) if duplicates is not None else None)
     return out, manifest
+
+
+_WORDS = re.compile(r"\S+")
+
+
+def _unit_pool(docs: Sequence[Document], spec: DuplicateSpec, tokenizer: Any) -> list:
+    """What a substitution or insertion draws from: the corpus' distinct words, or the plain token ids."""
+    if spec.edit_unit == "word":
+        return sorted({w for d in docs for w in _WORDS.findall(d.text)})
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def near_copy(text: str, spec: DuplicateSpec, pool: Sequence, key: Any,
+              tokenizer: Any = None) -> tuple[str, list[dict]]:
+    """(the edited text, its edits): each unit edited with probability spec.edit_rate, seeded by `key`."""
+    rng = random.Random(repr(key))  # str seeds hash with sha512: the same copy on every platform
+    if spec.edit_unit == "word":
+        units: list = _WORDS.findall(text)
+        gaps = _WORDS.split(text)  # gaps[i] precedes units[i]; gaps[-1] trails the text
+    else:
+        units = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out, seps, edits = [], [], []
+    for i, unit in enumerate(units):
+        sep = gaps[i] if spec.edit_unit == "word" else ""
+        if rng.random() >= spec.edit_rate:
+            out.append(unit)
+            seps.append(sep)
+            continue
+        kind = rng.choice(spec.edit_kinds)
+        new = None if kind == "delete" else _draw(rng, pool, unit)
+        edits.append({"kind": kind, "pos": i, "old": None if kind == "insert" else unit, "new": new})
+        if kind == "insert":
+            out += [new, unit]
+            seps += [sep, " " if spec.edit_unit == "word" else ""]
+        elif kind == "substitute":
+            out.append(new)
+            seps.append(sep)
+        # delete: the unit goes with the gap before it
+    if spec.edit_unit == "token":
+        return tokenizer.decode(out), edits
+    seps = [gaps[0] if j == 0 else s for j, s in enumerate(seps)]  # the text keeps its own start
+    return (gaps[0] if not out else "") + "".join(s + u for s, u in zip(seps, out)) + gaps[-1], edits
+
+
+def _draw(rng: random.Random, pool: Sequence, old: Any) -> Any:
+    """A unit from the pool that differs from `old` (a substitution always changes something)."""
+    for _ in range(8):
+        new = pool[rng.randrange(len(pool))]
+        if new != old:
+            return new
+    return new
 
 
 def _scatter(rest: list[Document], copies: list[Document], seed: int) -> list[Document]:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
+from axonn.launch import LAUNCHERS  # pure Python: the launchers' variables, no torch
 from memorize_core import ConfigError, fail
 
 
@@ -127,6 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--keep-gathered", action="store_true",
                    help="with a Z split: gather the weights once and hold them for the whole evaluation")
     _add_scan(sub)
+    c = sub.add_parser("coverage", help="goldfish mask coverage of duplicate clusters (no training, seconds)")
+    c.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")
+    c.add_argument("--strategy", default="hash,hash-table,apertus,static",
+                   help="comma-separated goldfish strategies and/or none (default: the four hashes/static)")
+    c.add_argument("--k", type=int, default=4, help="drop 1 token in k (default 4)")
+    c.add_argument("--h", type=int, default=13, help="hash context width (default 13)")
+    c.add_argument("--near-copies", type=int, default=0, metavar="N",
+                   help="inject N near-copies of --clusters documents and audit them (default: find the "
+                        "corpus' own near-duplicate clusters by shared n-grams)")
+    c.add_argument("--clusters", type=int, default=8, help="with --near-copies: documents copied (default 8)")
+    c.add_argument("--edit-rate", type=float, default=0.05, help="with --near-copies: edits per word (0.05)")
+    c.add_argument("--edit-unit", default="word", choices=["word", "token"], help="with --near-copies")
+    c.add_argument("--manifest", default=None, help="audit the duplicates of this injection manifest.json "
+                   "(--corpus is then the injected corpus)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the injection (and of `random`)")
+    c.add_argument("--tokenizer", default="gpt2", help="bpe, gpt2 or a tokenizer folder (default gpt2)")
+    c.add_argument("--limit", type=int, default=0, help="first N documents of the corpus only")
+    c.add_argument("--max-tokens", type=int, default=128, help="cut documents like rows (default 128)")
+    c.add_argument("--prefix", type=int, default=32, help="eval prefix P: the suffix starts there (32)")
+    c.add_argument("--suffix", type=int, default=32, help="suffix tokens S (default 32)")
+    c.add_argument("--ngram", type=int, default=13, help="shared n-gram length for finding clusters (13)")
+    c.add_argument("--min-shared", type=float, default=0.5,
+                   help="share of a document in shared n-grams to join a cluster (0.5)")
+    c.add_argument("--out", default=None, help="write report.json and report.md here")
+    c.add_argument("--overwrite", action="store_true", help="replace a report already in --out")
     k = sub.add_parser("tasks", help="the bundled offline downstream tasks (lm-eval task YAMLs)")
     k.add_argument("--path", action="store_true",
                    help="print only their folder, for lm_eval --include_path")
@@ -290,14 +316,16 @@ def cmd_tasks(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export,
-            "tasks": cmd_tasks, "scan": cmd_scan}
+            "tasks": cmd_tasks, "scan": cmd_scan,
+            # deferred import: see the module docstring
+            "coverage": lambda args: __import__("memorization.mitigations.coverage",
+                                                fromlist=["cmd_coverage"]).cmd_coverage(args)}
 
 
 def _main_rank() -> bool:
     """Whether this process is rank 0 of a torchrun / srun / MPI launch (or not launched at all), read
     from the launcher's variables without importing torch (an argument error answers at once)."""
-    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
-                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+    for _source, rank_var, size_var, _local in LAUNCHERS:
         if rank_var in os.environ and size_var in os.environ:
             return os.environ[rank_var].strip() in ("0", "")
     return True

@@ -9,6 +9,8 @@ Kinds (configs/experiments/<kind>.yaml):
                              from pass 0, standard vs goldfish vs the random-init control
   mitigations                goldfish vs DP-SGD vs LoRA vs dedup on one fine-tune with canaries and
                              duplicates: extraction, exposure, MIA, utility and cost per arm
+  goldfish-near-duplicates   copies x edit rate x goldfish strategy: extraction, mask coverage and
+                             held-out loss when the duplicates are near-copies
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ KINDS = {
     "canary-exposure": "memorization.experiments.canary_exposure",
     "pretrained-memorization": "memorization.experiments.pretrained",
     "mitigations": "memorization.experiments.mitigations",
+    "goldfish-near-duplicates": "memorization.experiments.near_duplicates",
 }
 
 

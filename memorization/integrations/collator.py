@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform, special_token_ids
 from memorize_core import IGNORE_INDEX, Batch, fail
 
 
@@ -87,14 +87,17 @@ class GoldfishCollator:
     """Wrap a collator: its batches come back with goldfish-dropped labels set to -100."""
 
     def __init__(self, inner: Callable[[list[Any]], Mapping[str, Any]],
-                 goldfish: GoldfishConfig | None = None, *, seed: int = 0, **settings: Any):
-        """`goldfish` (or keywords strategy=, k=, h=, seed of the random strategy) as `memorize train`
-        takes it; `seed` is the run seed the `random` strategy's generator mixes in."""
+                 goldfish: GoldfishConfig | None = None, *, seed: int = 0, tokenizer: Any = None,
+                 **settings: Any):
+        """`goldfish` (or keywords strategy=, k=, h=, seed of the random strategy, exempt_special=,
+        preset=) as `memorize train` takes it; `seed` is the run seed the `random` strategy's generator
+        mixes in; `tokenizer` names the special tokens a strategy exempts (apertus by default)."""
         if not callable(inner):
             raise fail("inner", type(inner).__name__, "pass the collator to wrap, e.g. trainer.data_collator")
         cfg = replace(goldfish or GoldfishConfig(), enabled=True, **_settings(settings))
         self.inner, self.cfg = inner, cfg
-        self.transform = GoldfishTransform(cfg, seed=seed)  # validates: unknown strategy, k, h
+        special = special_token_ids(tokenizer) if tokenizer is not None else None
+        self.transform = GoldfishTransform(cfg, seed=seed, special_ids=special)  # validates strategy, k, h
 
     def __call__(self, examples: list[Any]) -> dict[str, Any]:
         """Collate with the inner collator, then replace `labels` with the goldfish-masked ones."""
@@ -114,7 +117,7 @@ class GoldfishCollator:
 
 
 def _settings(settings: dict[str, Any]) -> dict[str, Any]:
-    known = {"strategy", "k", "h", "seed"}
+    known = {"strategy", "k", "h", "seed", "exempt_special", "preset"}
     for key, value in settings.items():
         if key not in known:
             raise fail(f"goldfish.{key}", value, f"unknown setting; use {', '.join(sorted(known))}")

@@ -1,0 +1,209 @@
+"""goldfish-near-duplicates: does goldfish still stop extraction when the copies are near-copies?
+
+Goldfish's guarantee is per exact copy: a dropped token is dropped in every copy, because the mask is
+a function of the token ids. A near-copy (a few words edited) changes the hash keys of the h windows
+after each edit, so across many near-copies the union of supervised tokens can cover the original.
+One cell per (copies n, edit rate r, strategy): `clusters` documents of the base corpus each appear n
+times (copy 0 verbatim, the others with each word edited at rate r: data_pipelines.inject), a tiny
+model is trained from scratch on that corpus, and the cell reports extraction of the originals
+(greedy suffix from the prefix: exact match, RougeL), their mask coverage (the share of each
+original's suffix tokens supervised in at least one copy: memorization.mitigations.coverage) and the
+held-out loss. With one copy every edit rate trains the same corpus, so that cell is trained once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from data_pipelines import DuplicateSpec, inject, tokenize_documents
+from evals import extract
+from memorization.config import RunConfig
+from memorization.experiments.reporting import Outputs, Table, save
+from memorization.experiments.runner import Experiment, load_documents, say
+from memorization.experiments.spec import ExperimentConfig, choice_list, int_list
+from memorization.mitigations.coverage import audit, clusters_from_manifest
+from memorization.mitigations.goldfish import STRATEGIES
+from memorization.models import run_tokenizer
+from memorization.train.prepare import prepare_documents
+from memorize_core import fail
+
+CHOICES = ("none",) + STRATEGIES  # none: standard loss
+COLUMNS = (
+    ("strategy", "strategy", "{}"), ("copies", "copies", "{}"), ("edit_rate", "edit rate", "{:.0%}"),
+    ("exact_match_rate", "EM", "{:.0%}"), ("rougeL", "RougeL", "{:.3f}"),
+    ("single_copy_suffix", "one copy supervises", "{:.0%}"),
+    ("suffix_coverage", "copies supervise", "{:.0%}"),
+    ("fully_covered", "suffix 100%", "{}"), ("val_loss", "held-out loss", "{:.3f}"),
+)
+
+
+@dataclass
+class Config(ExperimentConfig):
+    """The grid: copies x edit rates x strategies (goldfish k and h from base.goldfish)."""
+
+    copies: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    edit_rates: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.05, 0.1])
+    strategies: list[str] = field(default_factory=lambda: ["none", "hash", "hash-table", "apertus", "static"])
+    clusters: int = 4  # originals copied in every cell
+    edit_unit: str = "word"  # word: edit the text's words; token: edit its token ids
+
+    def validate(self, prefix: str = "") -> None:
+        """Copies >= 1, rates in [0, 1], known strategies, at least one cluster."""
+        super().validate(prefix)
+        int_list("copies", self.copies, minimum=1)
+        if not self.edit_rates or len(set(self.edit_rates)) != len(self.edit_rates):
+            raise fail("edit_rates", self.edit_rates, "give distinct rates in [0, 1], e.g. [0, 0.05]")
+        for i, r in enumerate(self.edit_rates):
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+                raise fail(f"edit_rates[{i}]", r, "must be a fraction in [0, 1], e.g. 0.05")
+        choice_list("strategies", self.strategies, CHOICES)
+        int_list("clusters", [self.clusters], minimum=1)
+        DuplicateSpec(counts=[1], edit_unit=self.edit_unit)  # checks the unit
+
+
+def cells(cfg: Config) -> list[tuple[int, float]]:
+    """The (copies, edit rate) corpora, in training order; one copy is one corpus whatever the rate."""
+    out: list[tuple[int, float]] = []
+    for r in cfg.edit_rates:
+        for n in cfg.copies:
+            cell = (n, 0.0 if n == 1 else float(r))
+            if cell not in out:
+                out.append(cell)
+    return out
+
+
+def cell_config(cfg: Config, strategy: str, n: int, rate: float) -> RunConfig:
+    """The RunConfig of one cell: the base with this strategy (none: standard loss), all rows kept."""
+    b = cfg.base
+    gold = replace(b.goldfish, enabled=strategy != "none", strategy=b.goldfish.strategy if strategy == "none"
+                   else strategy, token_budget=False)
+    return replace(b, name=f"{strategy}-x{n}-r{rate:g}", goldfish=gold, data=replace(b.data, min_tokens=1),
+                   eval=replace(b.eval, extraction=False))
+
+
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every sub-run's RunConfig, in training order (memorization.train.run_plan checks them all first)."""
+    return [cell_config(cfg, s, n, r) for n, r in cells(cfg) for s in cfg.strategies]
+
+
+def _base(cfg: Config) -> tuple[list, list | None, Any]:
+    """(base documents long enough for prefix + suffix, held-out documents, the shared tokenizer)."""
+    b = cfg.base
+    docs, held, _ = load_documents(b)
+    tok = run_tokenizer(b.data.tokenizer, b.model.name, texts=[d.text for d in docs],
+                        vocab_size=b.data.vocab_size)
+    docs = [docs[i] for i in tokenize_documents(docs, tok, min_tokens=b.data.min_tokens).kept]
+    if len(docs) <= cfg.clusters:
+        raise fail("clusters", cfg.clusters, f"needs more than {cfg.clusters} base documents of >= "
+                   f"{b.data.min_tokens} tokens; the corpus has {len(docs)}: lower it or raise data.limit")
+    return docs, held, tok
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Train every cell (reusing finished ones) and report extraction, coverage and held-out loss."""
+    b = cfg.base
+    docs, held, tok = _base(cfg)
+    corpora = {}
+    for n, r in cells(cfg):
+        spec = DuplicateSpec(counts=[n], per_count=cfg.clusters, edit_rate=r, edit_unit=cfg.edit_unit)
+        injected, manifest = inject(docs, duplicates=spec, seed=b.seed, tokenizer=tok)
+        keep_all = replace(b, data=replace(b.data, min_tokens=1))  # a near-copy may come out shorter
+        data = prepare_documents(keep_all, injected, held, tokenizer=tok)
+        clusters = clusters_from_manifest(injected, manifest, tok, max_tokens=b.data.block_len)
+        corpora[(n, r)] = (data, clusters, spec)
+    exp.check(run_configs(cfg), [corpora[(n, r)][0] for n, r in cells(cfg) for _ in cfg.strategies])
+    gold = b.goldfish
+    rows = []
+    for n, r in cells(cfg):
+        data, clusters, spec = corpora[(n, r)]
+        originals = [c.original for c in clusters]
+
+        def evaluate(model, run_dir, originals=originals) -> dict[str, Any]:
+            res = extract(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix, tokenizer=tok,
+                          batch_size=b.eval.batch_size)
+            return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res]}
+
+        for strategy in cfg.strategies:
+            rc = cell_config(cfg, strategy, n, r)
+            summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb,
+                              extra_key={"duplicates": vars(spec), "seed": b.seed},
+                              eval_key={"prefix": b.eval.prefix, "suffix": b.eval.suffix})
+            if not exp.is_main:
+                continue
+            cov = audit(clusters, [strategy], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
+                        seed=rc.goldfish.seed)["strategies"][strategy]
+            ext = summary["extraction"]
+            rows.append({"name": rc.name, "strategy": strategy, "copies": n, "edit_rate": r,
+                         "exact_match_rate": _mean([x["exact_match"] for x in ext]),
+                         "rougeL": _mean([x["rougeL"] for x in ext]), "extracted_docs": len(ext),
+                         "suffix_coverage": cov["suffix_coverage"], "coverage": cov["coverage"],
+                         "single_copy_suffix": cov["single_copy_suffix"],
+                         "fully_covered": f"{cov['clusters_fully_covered']}/{len(clusters)}",
+                         "val_loss": summary.get("val_loss"), "train_seconds": summary.get("train_seconds"),
+                         "rows": len(data.train)})
+            say(f"{rc.name}: EM {rows[-1]['exact_match_rate']:.0%}, suffix coverage "
+                f"{rows[-1]['suffix_coverage']:.0%}")
+    if not exp.is_main:
+        return None
+    table = _expand(rows, cfg)
+    notes = [
+        f"Corpus: {b.data.corpus} (limit {b.data.limit}), {len(docs)} base documents of >= "
+        f"{b.data.min_tokens} tokens; {cfg.clusters} of them are copied n times per cell (copy 0 verbatim, "
+        f"the others edited: each {cfg.edit_unit} substituted, preceded by an insertion or deleted with "
+        f"probability r); rows cut to "
+        f"{b.data.block_len} tokens; model {b.model.name} {b.model.overrides or ''} from scratch, "
+        f"{b.trainer.epochs} epochs, lr {b.trainer.lr}.",
+        f"Goldfish k={gold.k}, h={gold.h} for every strategy; none = standard loss.",
+        f"EM / RougeL: greedy {b.eval.suffix} tokens from the first {b.eval.prefix} of each original.",
+        "Coverage: the share of each original's suffix tokens supervised in at least one copy (copies "
+        "aligned to the original by difflib on token ids); 'one copy': what one exact copy supervises. "
+        "'suffix 100%': clusters whose whole suffix is supervised somewhere (goldfish withholds nothing).",
+        f"Held-out loss: {b.data.held_out or f'a {b.data.held_out_fraction:.0%} split of {b.data.corpus}'}.",
+        "One copy is the same corpus at every edit rate: that cell is trained once, repeated in the table.",
+    ]
+    plot = _plot(table, cfg, exp.out / "goldfish-near-duplicates.png")
+    title = "Goldfish under near-duplicates: extraction and mask coverage vs copies and edit rate"
+    return Outputs(title=title, kind=cfg.kind, runs=table, tables=[Table("Cells", table, COLUMNS)],
+                   notes=notes, plots=[plot])
+
+
+def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
+    """Every (rate, copies, strategy) row of the grid, the one-copy cell repeated at each rate."""
+    by = {(x["strategy"], x["copies"], x["edit_rate"]): x for x in rows}
+    out = []
+    for r in cfg.edit_rates:
+        for n in cfg.copies:
+            for s in cfg.strategies:
+                out.append({**by[(s, n, 0.0 if n == 1 else float(r))], "edit_rate": float(r)})
+    return out
+
+
+def _mean(values: list) -> float | None:
+    return sum(map(float, values)) / len(values) if values else None
+
+
+def _plot(rows: list[dict[str, Any]], cfg: Config, path):
+    """EM (top) and suffix coverage (bottom) vs copies, one panel per edit rate, one line per strategy."""
+    import matplotlib  # deferred: matplotlib +0.7 s
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred: matplotlib +0.7 s
+
+    n = len(cfg.edit_rates)
+    fig, axes = plt.subplots(2, n, figsize=(3.6 * n, 6.4), squeeze=False, sharey="row")
+    for j, r in enumerate(cfg.edit_rates):
+        for s in cfg.strategies:
+            mine = sorted((x for x in rows if x["strategy"] == s and x["edit_rate"] == r),
+                          key=lambda x: x["copies"])
+            xs = [x["copies"] for x in mine]
+            style = dict(marker="o", label=s, linestyle=":" if s == "none" else "-")
+            axes[0][j].plot(xs, [x["exact_match_rate"] for x in mine], **style)
+            axes[1][j].plot(xs, [x["suffix_coverage"] for x in mine], **style)
+        for i, label in enumerate(("exact match of the originals", "suffix coverage (union of copies)")):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set(ylim=(-0.03, 1.03), xlabel="copies", title=f"edit rate {r:.0%}")
+            if j == 0:
+                ax.set_ylabel(label)
+    axes[0][0].legend(fontsize=7)
+    return save(fig, path)

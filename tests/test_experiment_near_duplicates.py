@@ -1,0 +1,62 @@
+"""goldfish-near-duplicates end to end on its smallest grid, its config checks, and its 70B dry run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memorization.cli import main
+from memorization.experiments import load_experiment, run_experiment
+from memorization.experiments.near_duplicates import cells, run_configs
+from memorize_core import ConfigError
+
+CONFIG = "configs/experiments/goldfish-near-duplicates.yaml"
+SMALL = ["copies=[1,3]", "edit_rates=[0,0.2]", "strategies=[none,apertus]", "clusters=2",
+         "base.data.limit=10", "base.data.vocab_size=300", "base.trainer.epochs=1",
+         "base.trainer.warmup_steps=1",
+         "base.model.overrides={hidden_size: 32, num_hidden_layers: 1, intermediate_size: 64, "
+         "num_attention_heads: 2, num_key_value_heads: 2}"]
+
+
+def test_default_grid_trains_each_corpus_once():
+    _, cfg = load_experiment(CONFIG)
+    assert len(cells(cfg)) == 13 and len(run_configs(cfg)) == 65  # the one-copy cell once, not four times
+    names = [rc.name for rc in run_configs(cfg)]
+    assert len(set(names)) == len(names) and "apertus-x64-r0.1" in names
+    assert {rc.goldfish.enabled for rc in run_configs(cfg) if rc.name.startswith("none-")} == {False}
+
+
+@pytest.mark.parametrize("override,field", [("edit_rates=[0.5,2]", "edit_rates[1]"),
+                                            ("strategies=[hash,md5]", "strategies[1]"),
+                                            ("copies=[0]", "copies[0]"), ("clusters=0", "clusters[0]")])
+def test_bad_grid_names_the_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_experiment(CONFIG, [override])
+    assert str(info.value).startswith(f"{field}=")
+
+
+def test_smallest_grid_end_to_end(tmp_path):
+    report = run_experiment(CONFIG, out=tmp_path, overrides=SMALL)
+    rows = report["runs"] if "runs" in report else json.loads((tmp_path / "report.json").read_text())["runs"]
+    assert len(rows) == 2 * 2 * 2  # copies x rates x strategies (the one-copy cell repeated)
+    assert len(list((tmp_path / "runs").iterdir())) == 3 * 2  # corpora (1, 3@0, 3@0.2) x strategies
+    for r in rows:
+        assert 0 <= r["exact_match_rate"] <= 1 and r["val_loss"] > 0
+        if r["strategy"] == "none":
+            assert r["suffix_coverage"] == 1.0
+        else:
+            assert r["single_copy_suffix"] < 1.0 and r["suffix_coverage"] >= r["single_copy_suffix"]
+    exact = [r for r in rows if r["strategy"] == "apertus" and r["copies"] == 3 and r["edit_rate"] == 0]
+    assert exact[0]["suffix_coverage"] == exact[0]["single_copy_suffix"]  # exact copies add nothing
+    assert (tmp_path / "goldfish-near-duplicates.png").stat().st_size > 0
+    assert "copies supervise" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_70b_version_dry_runs(capsys):
+    rc = main(["run", CONFIG, "--dry-run", "--world", "64", "--hardware", "alps-h100",
+               "base.model.name=llama-70b", "base.model.overrides={}", "base.grid=auto",
+               "base.parallel_mode=paired", "base.data.vocab_size=128256", "base.data.block_len=2048",
+               "base.trainer.batch_size=64"])
+    assert rc == 0
+    assert "llama-70b" in capsys.readouterr().out
