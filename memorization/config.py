@@ -160,6 +160,13 @@ class EvalConfig:
     mia_docs: int = 1000  # documents of each side (the first ones; 0 = all)
     mia_k: float = 0.2  # Min-K% fraction
     bootstrap: int = 1000  # resamples for 95% CIs of AUC and TPR@1%FPR (0 = none)
+    # extraction beyond greedy (evals/probabilistic.py): p_z of each decoding scheme from one forward
+    # per window, the (n, p)-extractable fraction for each n at probability np_p, at each prefix offset
+    # into the documents ("" = greedy only)
+    sampling: str = "t=1.0;t=0.7,top_k=40;top_p=0.9"
+    offsets: list = field(default_factory=lambda: [0])
+    np_ns: list = field(default_factory=lambda: [1, 10, 100, 1000])
+    np_p: float = 0.5
     # the one-run privacy audit (memorization/eval/dp_audit.py): m random canaries, each trained on with
     # probability 1/2, and an epsilon lower bound at 95% from how well their losses tell which
     audit: bool = False
@@ -176,6 +183,17 @@ class EvalConfig:
             raise fail(f"{prefix}.mia_k", self.mia_k, "pass a fraction in (0, 1], e.g. 0.2")
         if self.bootstrap < 0:
             raise fail(f"{prefix}.bootstrap", self.bootstrap, "must be >= 0 (0 = no intervals)")
+        # eval.sampling's schemes are parsed by the run's plan (evals.sampling: torch, not at config load)
+        if not isinstance(self.sampling, str):
+            raise fail(f"{prefix}.sampling", self.sampling,
+                       'a string such as "t=1.0;t=0.7,top_k=40;top_p=0.9"')
+        if not self.offsets or any(isinstance(o, bool) or not isinstance(o, int) or o < 0
+                                   for o in self.offsets):
+            raise fail(f"{prefix}.offsets", self.offsets, "a list of token offsets >= 0, e.g. [0, 16, 32]")
+        if not self.np_ns or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.np_ns):
+            raise fail(f"{prefix}.np_ns", self.np_ns, "a list of sample counts >= 1, e.g. [1, 10, 100, 1000]")
+        if isinstance(self.np_p, bool) or not isinstance(self.np_p, (int, float)) or not 0 < self.np_p < 1:
+            raise fail(f"{prefix}.np_p", self.np_p, "a probability in (0, 1), e.g. 0.5")
         if self.audit and not 4 <= self.audit_canaries <= 100_000:
             raise fail(f"{prefix}.audit_canaries", self.audit_canaries, "must be within [4, 100000] (the "
                        "audit guesses on the highest and lowest scores of m canaries), e.g. 64")

@@ -69,9 +69,13 @@ def test_goldfish_extreme_then_resume_and_partial_change(tmp_path):
 def test_goldfish_sweep_grid_and_table(tmp_path, capsys):
     out = tmp_path / "sweep"
     report = _run("goldfish-sweep", out, ["ks=[2,8]", "hs=[1]", "static_ks=[3]", "token_budget=[true]"])
-    r = _check_files(out, report, pngs=2)
+    r = _check_files(out, report, pngs=3)  # + the (n, p) plot
     names = [x["name"] for x in r["runs"]]
     assert names == ["standard", "hash-k2-h1-budget", "hash-k8-h1-budget", "static-k3-budget"]
+    beyond = r["tables"]["Extraction beyond greedy: (n, p)-extractable fraction"]
+    assert {x["scheme"] for x in beyond} == {"greedy", "t=1.0", "t=0.7,top_k=40", "top_p=0.9"}
+    for x in r["runs"]:  # greedy p_z from the one forward agrees with the greedy decode's exact match
+        assert x["sampled"]["offsets"]["0"]["exact_match_rate"] == x["exact_match_rate"]
     by = {x["name"]: x for x in r["runs"]}
     assert by["hash-k2-h1-budget"]["epochs"] == 4 and by["standard"]["epochs"] == 2  # k/(k-1) = 2
     assert by["hash-k8-h1-budget"]["goldfish_k"] == 8 and by["static-k3-budget"]["goldfish_h"] is None
@@ -86,8 +90,12 @@ def test_catastrophic_memorization_scores_every_pass(tmp_path):
              "{name: b, overrides: {hidden_size: 32}}]")
     report = _run("catastrophic-memorization", out, [sizes, "passes=3", "plot_passes=[1,3]",
                                                      "scan_corpus=true", "scan_stride=16"])
-    r = _check_files(out, report, pngs=2)
+    r = _check_files(out, report, pngs=3)  # + the (n, p) plot
     assert [x["name"] for x in r["runs"]] == ["a-standard", "a-goldfish", "b-standard", "b-goldfish"]
+    for x in r["runs"]:  # every pass scores (n, p) and exact match at the offsets 0, 16, 32
+        assert all(set(p["sampled"]["offsets"]) == {"0", "16", "32"} for p in x["passes"])
+        assert x["sampled"] == x["passes"][-1]["sampled"]
+    assert "Exact match by prefix offset" in r["tables"]
     for x in r["runs"]:
         assert [p["pass"] for p in x["passes"]] == [1, 2, 3] and x["epochs"] == 3
         assert x["em_pass_3"] == x["exact_match_rate"]

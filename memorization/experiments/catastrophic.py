@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memorization.config import ModelConfig, RunConfig
+from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
 from memorization.experiments.corpus_scan import ScanSettings
 from memorization.experiments.passes import train_with_passes
 from memorization.experiments.reporting import Outputs, Table, figure, save
@@ -138,8 +139,12 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     ]
     plots = [_plot_sizes(runs, shown, exp.out / "catastrophic-sizes.png"),
              _plot_passes(runs, exp.out / "catastrophic-passes.png")]
+    extra_tables, np_plots = beyond_greedy(runs, exp.out, "catastrophic")
+    if extra_tables:
+        notes.append(NP_NOTE.format(passes=cfg.passes))
     return Outputs(title="Catastrophic memorization: exact match vs model size and passes", kind=cfg.kind,
-                   runs=runs, tables=[Table("Summary", runs, tuple(columns))], notes=notes, plots=plots,
+                   runs=runs, tables=[Table("Summary", runs, tuple(columns)), *extra_tables], notes=notes,
+                   plots=plots + np_plots,
                    samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"passes": cfg.passes, "shown_passes": shown})
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memorization.config import RunConfig
+from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples, mia_metrics
@@ -104,8 +105,12 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         f"MIA AUC: loss score, {len(data.train_docs)} training vs {len(split.nonmembers)} held-out documents "
         f"from {split.held_out_source}; validation loss on the same held-out documents.",
     ]
+    extra_tables, np_plots = beyond_greedy(runs, exp.out, "goldfish-sweep")
+    if extra_tables:
+        notes.append(NP_NOTE.format(passes=b.trainer.epochs))
     return Outputs(title="Goldfish sweep: memorization vs validation loss over k and h", kind=cfg.kind,
-                   runs=runs, tables=[Table("Summary", runs, COLUMNS)], notes=notes, plots=plots,
+                   runs=runs, tables=[Table("Summary", runs, COLUMNS), *extra_tables], notes=notes,
+                   plots=plots + np_plots,
                    samples=samples, sample_columns=SAMPLE_COLUMNS, extra={"held_out": split.held_out_source})
 
 

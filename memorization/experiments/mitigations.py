@@ -16,6 +16,7 @@ arm is data, not code), or on the deduplicated corpus. Then every arm is asked:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ import numpy as np
 from axonn.config import to_dict
 from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
 from evals import extract, summarize
+from evals.probabilistic import sampled_extraction
 from memorization.config import RunConfig
+from memorization.experiments.beyond_greedy import NP_NOTE, np_plot
 from memorization.experiments.canary_exposure import (
     InjectionConfig,
     build_corpus,
@@ -50,6 +53,7 @@ from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
 from memorization.train.pipeline import run_training
 from memorization.train.prepare import PreparedData
+from memorization.train.run_plan import run_schemes
 from memorize_core import fail
 
 
@@ -148,13 +152,20 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
            "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
                         "space": cfg.canaries.space}}
 
+    schemes = run_schemes(b)
+    dup_docs = [t for t in dup_tokens.values()]
+
     def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
         e = b.eval
         seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
                                       tokenizer=data.tokenizer, batch_size=e.batch_size))
+        beyond = {name: _beyond(sampled_extraction(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                                                   schemes=schemes, offsets=[0], ns=e.np_ns, p=e.np_p,
+                                                   batch_size=e.batch_size))
+                  for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
                 "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens),
-                **questions(model, downstream=True)}
+                "sampled": beyond, **questions(model, downstream=True)}
 
     arms, samples = [], []
     for arm in cfg.arms:
@@ -185,6 +196,20 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     _relative_cost(arms)
     return _outputs(cfg, arms, len(members), len(nonmembers), len(data.train_docs),
                     len(dedup_data.train_docs) if dedup_data else None, exp.out, samples, base_downstream)
+
+
+PZ_FLOOR = 1e-3  # "hidden" memorization: a suffix some scheme emits at least once in a thousand draws
+
+
+def _beyond(result: dict[str, Any]) -> dict[str, Any]:
+    """The (n, p) summary at offset 0 and, per scheme, the share of documents with p_z >= PZ_FLOOR."""
+    at = result["offsets"]["0"]
+    floor = math.log(PZ_FLOOR)
+    share = {}
+    for name in ["greedy", *result["schemes"]]:
+        vals = [r["logpz"][name] for r in at["rows"]]
+        share[name] = sum(v is not None and v >= floor for v in vals) / len(vals) if vals else None
+    return {"docs": at["docs"], "np": at["np"], "pz_at_least_1e-3": share}
 
 
 def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
@@ -223,6 +248,7 @@ def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -
                     "downstream": s.get("downstream")},
         "privacy": {"epsilon": s.get("epsilon"), "delta": s.get("delta")},
         "audit": s.get("audit"),
+        "sampled": s.get("sampled") or {},
         "cost": {"steps": steps, "train_seconds": s.get("train_seconds"),
                  "step_seconds": (s.get("train_seconds") or 0) / steps if steps else None,
                  "peak_rss_gb": (s.get("peak_rss_bytes") or 0) / 2**30 or None,
@@ -237,6 +263,21 @@ def _relative_cost(arms: list[dict[str, Any]]) -> None:
     for a in arms:
         st = a["cost"]["step_seconds"]
         a["cost"]["step_time_vs_none"] = st / ref if ref and st else None
+
+
+def _beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tuple]:
+    """One row per (arm, documents, scheme): (n, p) fractions and the share with p_z >= PZ_FLOOR."""
+    rows, ns, p = [], [], None
+    for a in arms:
+        for part, v in a["sampled"].items():
+            ns, p = v["np"]["ns"], v["np"]["p"]
+            for scheme, per in v["np"]["schemes"].items():
+                rows.append({"arm": a["name"], "docs": f"{part} ({v['docs']})", "scheme": scheme,
+                             "pz": v["pz_at_least_1e-3"].get(scheme),
+                             **{f"n{n}": per[f"n={n}"]["fraction"] for n in ns}})
+    cols = [("arm", "arm", "{}"), ("docs", "documents", "{}"), ("scheme", "decoding", "{}")]
+    cols += [(f"n{n}", f"(n={n}, p={p})", "{:.0%}") for n in ns] + [("pz", f"p_z >= {PZ_FLOOR:g}", "{:.0%}")]
+    return rows, tuple(cols)
 
 
 def _audit_cell(audit: dict[str, Any] | None) -> str:
@@ -325,9 +366,19 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                      f"{format_acc(base_downstream) or 'n/a'}.")
     plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"),
              _plot_bars(arms, methods, out / "mitigations-bars.png")]
+    beyond_rows, beyond_cols = _beyond_table(arms)
+    extra_tables = [Table("Beyond greedy", beyond_rows, beyond_cols)] if beyond_rows else []
+    if beyond_rows:
+        notes.append(NP_NOTE.format(passes=cfg.passes) + f" 'p_z >= {PZ_FLOOR:g}': the share of documents "
+                     "whose suffix the scheme emits at least once in a thousand draws.")
+        as_runs = [{"name": f"{a['name']} ({part})", "sampled": {"offsets": {"0": v}}}
+                   for a in arms for part, v in a["sampled"].items()]
+        plot = np_plot(as_runs, out / "mitigations-np.png")
+        plots += [plot] if plot else []
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=arms,
-                   tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols))],
+                   tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols)),
+                           *extra_tables],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"arms": arms, "passes": cfg.passes, "base_downstream": base_downstream})
 

@@ -22,6 +22,7 @@ from memorization.train.pipeline import (
     effective_trainer,
     extraction_results,
     finish,
+    sampled_results,
     start_run,
     train,
 )
@@ -60,6 +61,9 @@ class PassExtraction(Callback):
             record.update(scan_training_set(trainer.model, self.data.train_docs, prefix=e.prefix,
                                             suffix=e.suffix, stride=self.scan_stride,
                                             batch_size=e.batch_size, grid=trainer.grid))
+        sampled = sampled_results(trainer.model, self.cfg, self.data, grid=trainer.grid)
+        if sampled is not None:  # beyond greedy: (n, p) rates per scheme, EM and (n, p) at each offset
+            record["sampled"] = sampled
         self.records.append(record)
         trainer.log({"pass": label, "pass_exact_match": record["exact_match_rate"],
                      "pass_rougeL": record["rougeL"]})
@@ -80,7 +84,9 @@ def train_with_passes(cfg: RunConfig, out_dir: Path, data: PreparedData, *, grid
         train(run)
         if probe.last_step != run.trainer.state.step:  # max_steps ended the run inside a pass
             probe.score(run.trainer, run.trainer.cfg.epochs)
-        summary = finish(run, scored=probe.last_results, extra={"passes": probe.records})
+        last = probe.records[-1] if probe.records else {}
+        extra = {"passes": probe.records, **({"sampled": last["sampled"]} if "sampled" in last else {})}
+        summary = finish(run, scored=probe.last_results, extra=extra)
     if run.is_main:
         with open(Path(out_dir) / "passes.jsonl", "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(rec) + "\n" for rec in summary["passes"])

@@ -24,6 +24,7 @@ from axonn.hooks import Callback
 from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
+from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
 from memorization.experiments.catastrophic import ModelSize
 from memorization.experiments.corpus_scan import ScanSettings, scan_training_set
 from memorization.experiments.questions import (
@@ -282,7 +283,7 @@ def _run_record(summary: dict[str, Any], loss: str, pretrained: bool) -> dict[st
             "final_train_loss": summary.get("final_train_loss"), "reused": summary.get("reused", False),
             "exact_match_rate": last.get("exact_match_rate"), "rougeL": last.get("rougeL"),
             "val_loss": last.get("val_loss"), "other_val_loss": last.get("other_val_loss"),
-            "passes": passes}
+            "passes": passes, "sampled": summary.get("sampled")}
 
 
 def _first_pass(run: dict[str, Any], threshold: float) -> int | None:
@@ -353,10 +354,13 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
     plots = [_plot_em(runs, out / "pretrained-exact-match.png"),
              _plot_mia(runs, methods, out / "pretrained-mia.png"),
              _plot_utility(runs, cfg.other_held_out, out / "pretrained-utility.png")]
+    extra_tables, np_plots = beyond_greedy(runs, out, "pretrained")
+    if extra_tables:
+        notes.append(NP_NOTE.format(passes=cfg.passes))
     return Outputs(title="Memorization of a pretrained model, pass by pass", kind=cfg.kind, runs=runs,
                    tables=[Table("Summary", summary_rows, tuple(cols)),
-                           Table("Per pass", pass_rows, tuple(pcols))],
-                   notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
+                           Table("Per pass", pass_rows, tuple(pcols)), *extra_tables],
+                   notes=notes, plots=plots + np_plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"passes": cfg.passes, "mia_methods": methods})
 
 

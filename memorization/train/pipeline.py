@@ -34,7 +34,7 @@ from memorization.config import RunConfig
 from memorization.eval.dp_audit import run_audit
 from memorization.mitigations.dp_sgd import OpacusPrivacy
 from memorization.mitigations.ghost_clipping import make_privacy
-from memorization.mitigations.goldfish import GoldfishTransform
+from memorization.mitigations.goldfish import GoldfishTransform, special_token_ids
 from memorization.mitigations.peft_lora import (
     apply_lora,
     apply_sharded_lora,
@@ -62,6 +62,7 @@ from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_ou
     check_out_inputs,
     effective_trainer,
     plan_run,
+    run_schemes,
 )
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
@@ -90,6 +91,25 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
     return extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
                    batch_size=e.batch_size, num_beams=e.num_beams, doc_ids=data.train_doc_ids,
                    progress=progress, grid=grid)
+
+
+def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
+                    grid: ProcessGrid | None = None) -> dict[str, Any] | None:
+    """Extraction beyond greedy of every training document (evals.probabilistic): per eval.offsets, the
+    greedy exact-match rate and the (n, p)-extractable fractions of each eval.sampling scheme, from one
+    forward per window, without the per-window rows; None for chat data or when there is nothing
+    beyond the greedy decode at offset 0 to measure. Call it on every rank of `grid`."""
+    from evals.probabilistic import sampled_extraction  # deferred: evals +3.2 s import (scikit-learn, rouge)
+
+    e = cfg.eval
+    schemes = run_schemes(cfg)
+    if data.is_chat or (not schemes and list(e.offsets) == [0]):
+        return None
+    got = sampled_extraction(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                             schemes=schemes, offsets=e.offsets, ns=e.np_ns, p=e.np_p,
+                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, grid=grid)
+    per = {o: {k: v for k, v in r.items() if k != "rows"} for o, r in got["offsets"].items()}
+    return {**got, "offsets": per}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -209,8 +229,9 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
     tok, out_dir = data.tokenizer, Path(out)
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out,
-                      label_transform=GoldfishTransform(cfg.goldfish, seed=cfg.seed) if cfg.goldfish.enabled
-                      else None,
+                      label_transform=GoldfishTransform(cfg.goldfish, seed=cfg.seed,
+                                                        special_ids=special_token_ids(tok))
+                      if cfg.goldfish.enabled else None,
                       grid=grid, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
                       name=cfg.name, progress_position=progress_position, callbacks=callbacks,
@@ -265,6 +286,10 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
                                      progress=trainer.cfg.progress and run.is_main)
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
+    if cfg.eval.extraction and "sampled" not in (extra or {}):
+        sampled = sampled_results(trainer.model, cfg, run.data, grid=run.grid)
+        if sampled is not None:
+            summary["sampled"] = sampled
     if cfg.eval.mia:
         summary["mia"] = membership(trainer.model, cfg, run.data, grid=run.grid)
     if run.data.audit is not None:  # eval.audit: the epsilon lower bound beside the accountant's

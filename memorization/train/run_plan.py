@@ -64,7 +64,7 @@ from memorization.outputs import check_inputs, check_writable, existing_entries
 from memorization.train.fits import check_shape
 from memorization.train.parallel import Dims, Launch, run_dims
 from memorization.train.prepare import mia_sets
-from memorize_core import fail
+from memorize_core import ConfigError, fail
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
 CHECKPOINTS = "checkpoints"
@@ -167,12 +167,23 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
     check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims, here=here)
+    run_schemes(cfg)
     sigma = check_dp(effective_trainer(cfg), rows, dims, model_config)
     mia = None
     if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents
         members, nonmembers = mia_sets(cfg, data)
         mia = (len(members), len(nonmembers))
     return RunPlan(dims, model_config, accum, micro, checkpoint=ckpt, noise_multiplier=sigma, mia_sizes=mia)
+
+
+def run_schemes(cfg: RunConfig) -> tuple[Any, ...]:
+    """eval.sampling's decoding schemes (evals.sampling.Scheme); ConfigError naming eval.sampling."""
+    from evals.sampling import parse_schemes  # deferred: evals +3.2 s import, and the plan runs once
+
+    try:
+        return parse_schemes(cfg.eval.sampling)
+    except ConfigError as e:
+        raise fail("eval.sampling", cfg.eval.sampling, str(e).split(": ", 1)[-1]) from None
 
 
 def planned_model_config(cfg: RunConfig) -> tuple[Any, Path | None, str]:
@@ -336,6 +347,6 @@ def check_resume_fits(ckpt: Path, model: torch.nn.Module, dims: Dims | None = No
         checkpoint.check_fits(ckpt, meta, model)
 
 
-__all__ = ["RunPlan", "check_grid", "check_model", "check_trainer", "check_out", "check_out_dir",
-           "check_out_inputs", "check_resume_fits", "check_run", "check_runs", "effective_trainer",
-           "plan_run", "planned_model_config", "resolve_resume", "run_files"]
+__all__ = ["RunPlan", "check_grid", "check_model", "check_out", "check_out_dir", "check_out_inputs",
+           "check_resume_fits", "check_run", "check_runs", "check_trainer", "effective_trainer", "plan_run",
+           "planned_model_config", "resolve_resume", "run_files", "run_schemes"]

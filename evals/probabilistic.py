@@ -1,0 +1,94 @@
+"""Extraction beyond greedy: (n, p)-discoverable extraction at several offsets, one forward per window.
+
+For each document and each offset o, the window is doc[o : o + P + S]: the P-token prefix starting
+o tokens into the document and the S-token suffix after it (o = 0 is the usual document-start probe;
+verbatim recall is known to fall for prefixes away from the start of a context). One teacher-forced
+forward per window (evals/scan.py) gives greedy exact match and, per decoding scheme
+(evals/sampling.py), log p_z = log P(the scheme emits exactly the suffix | the prefix). A window is
+(n, p)-extractable when 1 - (1 - p_z)^n >= p (Hayes et al. 2024): a user sampling n times gets the
+suffix verbatim with probability at least p. Documents shorter than o + P + S are left out at that
+offset (each offset's `docs` says how many were scored).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from axonn.grid import ProcessGrid
+from evals.sampling import Scheme, np_summary
+from evals.scan import score_windows
+from evals.scoring import Scorer
+from memorize_core import fail
+
+
+def _check(offsets: Sequence[int], prefix_len: int, suffix_len: int, batch_size: int) -> list[int]:
+    for name, v in (("prefix_len", prefix_len), ("suffix_len", suffix_len), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise fail(name, v, "pass an integer >= 1")
+    if not offsets:
+        raise fail("offsets", list(offsets), "pass at least one offset, e.g. [0, 16, 32]")
+    for i, o in enumerate(offsets):
+        if isinstance(o, bool) or not isinstance(o, int) or o < 0:
+            raise fail(f"offsets[{i}]", o, "an offset is a number of tokens >= 0 into the document")
+    return sorted(set(offsets))
+
+
+def sampled_extraction(model: torch.nn.Module, documents: Sequence[Sequence[int]], *, prefix_len: int,
+                       suffix_len: int, schemes: Sequence[Scheme], offsets: Sequence[int] = (0,),
+                       ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5, batch_size: int = 32,
+                       doc_ids: Sequence | None = None, grid: ProcessGrid | None = None) -> dict[str, Any]:
+    """Per offset: greedy exact-match rate, the (n, p) summary per scheme (evals.sampling.np_summary, the
+    greedy row included) and each scored window's log p_z; call on every rank of `grid`.
+
+    Returns {"prefix", "suffix", "schemes", "offsets": {"0": {"docs", "exact_match_rate", "np", "rows"}}}
+    where rows are {"doc", "logpz": {"greedy": ..., scheme name: ...}} (JSON floats: -inf as None)."""
+    offs = _check(offsets, prefix_len, suffix_len, batch_size)
+    ids = list(range(len(documents))) if doc_ids is None else list(doc_ids)
+    if len(ids) != len(documents):
+        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per document ({len(documents)})")
+    sc = Scorer(model, grid)
+    width = prefix_len + suffix_len
+    out: dict[str, Any] = {"prefix": prefix_len, "suffix": suffix_len, "schemes": [s.name for s in schemes],
+                           "offsets": {}}
+    for o in offs:
+        keep = [i for i, d in enumerate(documents) if len(d) >= o + width]
+        cols: dict[str, list[np.ndarray]] = {}
+        for b in range(0, len(keep), batch_size):
+            chunk = keep[b:b + batch_size]
+            windows = torch.tensor([[int(t) for t in documents[i][o:o + width]] for i in chunk], dtype=torch.long)
+            scores = score_windows(model, windows, prefix_len, schemes=schemes, scorer=sc)
+            for key, v in scores.items():
+                if key == "exact_match" or key.startswith("logpz"):
+                    cols.setdefault(key, []).append(np.asarray(v))
+        got = {k: np.concatenate(v) for k, v in cols.items()}
+        em = got.get("exact_match", np.zeros(0, dtype=bool))
+        by_scheme = {s.name: got.get(f"logpz/{s.name}", np.zeros(0)) for s in schemes}
+        rows = [{"doc": ids[i], "logpz": {"greedy": _finite(0.0 if em[j] else -np.inf),
+                                         **{n: _finite(v[j]) for n, v in by_scheme.items()}}}
+                for j, i in enumerate(keep)]
+        out["offsets"][str(o)] = {"docs": len(keep),
+                                  "exact_match_rate": float(em.mean()) if len(keep) else None,
+                                  "np": np_summary(by_scheme, ns, p, greedy=em.astype(bool)) if keep else None,
+                                  "rows": rows}
+    return out
+
+
+def _finite(x: float) -> float | None:
+    """A log-probability for JSON: -inf (the scheme can never emit the suffix) as None."""
+    return float(x) if np.isfinite(x) else None
+
+
+def np_rates(result: dict[str, Any], offset: int = 0, n: int | None = None) -> dict[str, float]:
+    """scheme -> fraction (n, p)-extractable at `offset` (n: the largest computed), from sampled_extraction."""
+    at = result["offsets"].get(str(offset))
+    if not at or not at["np"]:
+        return {}
+    summary = at["np"]
+    n = n if n is not None else max(summary["ns"])
+    return {name: per[f"n={n}"]["fraction"] for name, per in summary["schemes"].items()}
+
+
+__all__ = ["np_rates", "sampled_extraction"]
