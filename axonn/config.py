@@ -41,7 +41,11 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def _parse_scalar(text: str) -> Any:
-    """Parse an override value the way YAML would ("3" -> 3, "true" -> True, "[1,2]" -> list)."""
+    """Parse an override value the way YAML would ("3" -> 3, "true" -> True, "[1,2]" -> list); an
+    empty one is the empty string (YAML's None would refuse `key=`, which is what a shell makes of
+    `key=''`; write key=null for None)."""
+    if not text.strip():
+        return ""
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:

@@ -16,12 +16,16 @@ Whitespace is stripped from every text and blank documents are skipped (their id
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import re
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pyarrow.parquet as pq
 
@@ -53,6 +57,11 @@ _READERS: dict[str, Callable[[], list[tuple[str, str]]]] = {
     "lee-news-test": functools.partial(bundled.lee_news, "lee.cor"),
     "shakespeare": bundled.shakespeare,
 }
+
+# One connection attempt to the hub before a dataset is asked for: offline, huggingface_hub's own
+# retries print a dozen lines over ~35 s before the load fails.
+HUB_PROBE_S = 3.0
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -177,18 +186,75 @@ def _rows_to_docs(values: list, prefix: str, spec: str, text_field: str) -> list
     return docs
 
 
+def hub_endpoint() -> tuple[str, int]:
+    """(host, port) of the Hugging Face hub this process talks to (HF_ENDPOINT, else huggingface.co)."""
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+def hub_reachable(timeout: float = HUB_PROBE_S) -> bool:
+    """Whether the hub takes a TCP connection within `timeout` s (True behind a proxy: it decides)."""
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return True
+    try:
+        socket.create_connection(hub_endpoint(), timeout=timeout).close()
+        return True
+    except (OSError, UnicodeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def hub_access() -> Iterator[bool]:
+    """Hub calls in the block log no retries (a failure is our one line), and go offline (local cache
+    only, answered at once) when the hub is unreachable; yields whether the block runs offline."""
+    import datasets.config as dconf  # deferred: datasets +0.5 s import, hub specs only
+    import huggingface_hub.constants as hconst
+    from huggingface_hub.utils import logging as hub_logging
+
+    saved = {m: {k: getattr(m, k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(m, k)}
+             for m in (hconst, dconf)}
+    offline = bool(hconst.HF_HUB_OFFLINE) or not hub_reachable()
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()
+    try:
+        if offline:
+            for module, values in saved.items():
+                for key in values:
+                    setattr(module, key, True)
+        yield offline
+    finally:
+        hub_logging.set_verbosity(verbosity)
+        for module, values in saved.items():
+            for key, value in values.items():
+                setattr(module, key, value)
+
+
+def hub_failure(e: BaseException, offline: bool) -> str:
+    """Why a hub load failed, in a few words (offline: the hub unreachable or offline mode, and the
+    local cache without it)."""
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    if not offline:
+        return first
+    host, port = hub_endpoint()
+    why = "offline mode is on (HF_HUB_OFFLINE)" if os.environ.get("HF_HUB_OFFLINE") else \
+        f"the hub ({host}:{port}) is not reachable from here"
+    return f"{why}, and the local cache does not hold it: {first}"
+
+
 def _load_hub(spec: str, text_field: str, split: str, limit: int | None) -> list[Document]:
     name, _, config = spec.removeprefix("hf:").partition(":")
     if not name:
         raise fail("corpus", spec, "write hf:NAME or hf:NAME:CONFIG, e.g. hf:wikitext:wikitext-2-raw-v1")
+    offline = False
     try:
         import datasets  # deferred: datasets +0.5 s import (after transformers), hf: corpus specs only
 
-        ds = datasets.load_dataset(name, config or None, split=split)
+        with hub_access() as offline:
+            ds = datasets.load_dataset(name, config or None, split=split)
     except ConfigError:
         raise
     except Exception as e:  # offline, unknown name, bad split: all user-fixable
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        reason = hub_failure(e, offline)
         raise fail("corpus", spec, f"could not load it from the Hugging Face hub ({reason}); check the "
                    "name, config and split and that the hub is reachable, or use a bundled corpus "
                    f"({', '.join(CORPORA)}) or a local file") from None

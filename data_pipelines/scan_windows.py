@@ -46,9 +46,12 @@ def parse_offsets(text: str) -> tuple[str, int]:
     kind, _, n = str(text).partition(":")
     if kind == "start" and not n:
         return "start", 0
-    if kind in ("stride", "random") and n.isdigit() and int(n) >= 1:
+    # ASCII digits only: str.isdigit() passes '²', which int() refuses, and '١٠' would be a second
+    # spelling of stride:10 in a resumed scan's fingerprint; 18 digits at most (int() refuses > 4300)
+    if kind in ("stride", "random") and n.isascii() and n.isdigit() and len(n) <= 18 and int(n) >= 1:
         return kind, int(n)
-    raise fail("--offsets", text, "choose start, stride:N or random:K (N, K >= 1), e.g. stride:64")
+    raise fail("--offsets", text, "choose start, stride:N or random:K (1 <= N, K < 10**18, ASCII digits), "
+               "e.g. stride:64")
 
 
 def check_selection(sel: Selection) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from data_pipelines.corpora import CORPORA, load_corpus
+from data_pipelines.corpora import CORPORA, hub_access, hub_failure, load_corpus
 from memorize_core import fail
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -53,6 +53,8 @@ class TokenSource:
     _read: Any = field(default=None, repr=False)
     _doc_id: Any = field(default=None, repr=False)
     counts: dict[int, int] = field(default_factory=dict)  # document -> times in the training set
+    # token files: (the stored ids as one flat array, position -> document or None for a gap)
+    _flat: Any = field(default=None, repr=False)
 
     def documents(self, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """(document index, token ids as int64) from document `start` on, in source order."""
@@ -68,6 +70,27 @@ class TokenSource:
             return None
         dt = np.dtype(self.dtype)
         return int(np.iinfo(dt).max) if dt.kind in "iu" else int(2 ** np.finfo(dt).nmant)
+
+    def first_outside(self, vocab: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+        """(document, id) of a stored id outside [0, vocab), or None; token files only (text: None).
+
+        One sequential pass over the memory-mapped ids, `chunk` at a time (the whole source, so a
+        scan refuses it before its first part is written, not after the parts before it)."""
+        if self._flat is None:
+            return None
+        flat, owner = self._flat
+        dt = flat.dtype
+        if dt.kind == "u" and np.iinfo(dt).max < vocab:
+            return None  # no stored value can reach past the vocabulary
+        for lo in range(0, flat.size, chunk):
+            part = flat[lo:lo + chunk]
+            if part.max() < vocab and (dt.kind == "u" or part.min() >= 0):
+                continue
+            for j in np.flatnonzero((part >= vocab) | (part < 0)):
+                doc = owner(lo + int(j))
+                if doc is not None:  # not a byte between sequences that no document reads
+                    return doc, int(part[j])
+        return None
 
 
 # -- the GPT-NeoX / Megatron indexed format ------------------------------------------------------
@@ -125,8 +148,9 @@ def write_indexed(prefix: str | Path, documents: list[list[int]],
     return bin_path, idx_path
 
 
-def _indexed(spec: str, bin_path: Path, idx_path: Path) -> TokenSource:
+def _indexed(spec: str, bin_path: Path, idx_path: Path, dtype: str | None) -> TokenSource:
     head = read_index(idx_path)
+    _same_dtype(spec, dtype, head.dtype, f"its {idx_path.name} header")
     data = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_path.stat().st_size else np.zeros(0, np.uint8)
     item = head.dtype.itemsize
     ends = head.pointers.astype(np.int64) + head.sizes.astype(np.int64) * item
@@ -141,11 +165,25 @@ def _indexed(spec: str, bin_path: Path, idx_path: Path) -> TokenSource:
             p, n = int(head.pointers[i]), int(head.sizes[i])
             yield i, np.frombuffer(data, dtype=head.dtype, count=n, offset=p).astype(np.int64)
 
-    return TokenSource(spec, "indexed", len(head.sizes), head.dtype.name, read)
+    flat = np.frombuffer(data, dtype=head.dtype, count=data.size // item)
+    starts, stops = head.pointers // item, ends // item
+
+    def owner(pos: int) -> int | None:
+        i = int(np.searchsorted(starts, pos, side="right")) - 1
+        return i if i >= 0 and pos < stops[i] else None
+
+    return TokenSource(spec, "indexed", len(head.sizes), head.dtype.name, read, _flat=(flat, owner))
+
+
+def _same_dtype(spec: str, dtype: str | None, stored: np.dtype, where: str) -> None:
+    """--dtype with a file that states its own dtype: accepted when it agrees, refused when not."""
+    if dtype is not None and np.dtype(dtype) != stored:
+        raise fail("--dtype", dtype, f"{spec} states its own dtype, {stored.name}, in {where}; drop --dtype "
+                   "(it is for raw .bin token files with no .idx beside them)")
 
 
 # -- flat token files ------------------------------------------------------------------------------
-def _npy(spec: str, path: Path) -> TokenSource:
+def _npy(spec: str, path: Path, dtype: str | None) -> TokenSource:
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as e:
@@ -154,13 +192,19 @@ def _npy(spec: str, path: Path) -> TokenSource:
     if arr.ndim not in (1, 2) or arr.dtype.kind not in "iu":
         raise fail("--data", spec, f"holds a {arr.ndim}-D {arr.dtype} array; pass integer token ids, 1-D "
                    "(one stream) or 2-D (one document per row)")
+    _same_dtype(spec, dtype, arr.dtype, "its .npy header")
     rows = arr[None] if arr.ndim == 1 else arr
 
     def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
         for i in range(start, rows.shape[0]):
             yield i, np.asarray(rows[i], dtype=np.int64)
 
-    return TokenSource(spec, "npy", rows.shape[0], arr.dtype.name, read)
+    # a view, never a copy: C order walks row by row, Fortran order (fortran_order=True) column by column
+    fortran = arr.ndim == 2 and not arr.flags.c_contiguous and arr.flags.f_contiguous
+    flat = arr.reshape(-1, order="F" if fortran else "C")
+    n_rows, n_cols = rows.shape
+    owner = (lambda pos: pos % n_rows) if fortran else (lambda pos: pos // max(n_cols, 1))
+    return TokenSource(spec, "npy", rows.shape[0], arr.dtype.name, read, _flat=(flat, owner))
 
 
 def _raw_bin(spec: str, path: Path, dtype: str | None) -> TokenSource:
@@ -178,7 +222,7 @@ def _raw_bin(spec: str, path: Path, dtype: str | None) -> TokenSource:
         if start == 0:
             yield 0, np.asarray(data, dtype=np.int64)
 
-    return TokenSource(spec, "bin", 1, np.dtype(dtype).name, read)
+    return TokenSource(spec, "bin", 1, np.dtype(dtype).name, read, _flat=(data, lambda pos: 0))
 
 
 # -- text, tokenized with the model's tokenizer -----------------------------------------------------
@@ -187,16 +231,18 @@ def _encode(tokenizer: Any, text: str) -> np.ndarray:
 
 
 def _text_file(spec: str, path: Path, tokenizer: Any, count_key: str | None) -> TokenSource:
-    """A .txt / .jsonl file read line by line; documents are its non-empty lines (ids as corpora's)."""
+    """A .txt / .jsonl file read line by line; documents are its non-empty lines (ids as corpora's).
+
+    With a `count_key` (JSONL only) the file is read through once when opened, JSON only, no
+    tokenizing: the counts are known, and a key that no line has refused, before the scan writes."""
     jsonl = path.suffix.lower() == ".jsonl"
     lines: list[int] = []  # 1-based line number of each document, filled as the file is read
-    counts: dict[int, int] = {}
 
-    def parse(number: int, line: str) -> str | None:
+    def parse(number: int, line: str) -> tuple[str | None, dict | None]:
         if not jsonl:
-            return line.strip() or None
+            return line.strip() or None, None
         if not line.strip():
-            return None
+            return None, None
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
@@ -206,15 +252,13 @@ def _text_file(spec: str, path: Path, tokenizer: Any, count_key: str | None) -> 
         if not isinstance(text, str):
             raise fail("--data", f"{spec}:{number}", "each line needs a string 'text' key; rename the key "
                        "that holds the text")
-        if count_key and isinstance(record.get(count_key), int):
-            counts[len(lines)] = int(record[count_key])
-        return text.strip() or None
+        return text.strip() or None, record
 
     def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
         lines.clear()
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
-                text = parse(number, line)
+                text, _ = parse(number, line)
                 if text is None:
                     continue
                 lines.append(number)
@@ -223,8 +267,38 @@ def _text_file(spec: str, path: Path, tokenizer: Any, count_key: str | None) -> 
                     yield doc, _encode(tokenizer, text)
 
     source = TokenSource(spec, "text", None, None, read, lambda d: f"{path.name}/{lines[d]}")
-    source.counts = counts
+    if count_key is not None:
+        source.counts, source.num_documents = _count_lines(spec, path, count_key, parse)
     return source
+
+
+def _count_lines(spec: str, path: Path, key: str, parse: Any) -> tuple[dict[int, int], int]:
+    """(document -> the integer under `key`, documents) of a JSONL file; ConfigError naming --count-key
+    when no line has the key or a line holds something other than a count."""
+    counts: dict[int, int] = {}
+    seen: set[str] = set()
+    docs = 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            text, record = parse(number, line)
+            if text is None:
+                continue
+            value = record.get(key, None)
+            if key in record:
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise fail("--count-key", key, f"line {number} of {spec} holds {value!r} there, not a "
+                               "count; store each document's times in the training set as an integer >= 0")
+                counts[docs] = value
+            elif len(seen) < 50:
+                seen.update(map(str, record))
+            docs += 1
+    if not counts:
+        keys = ", ".join(sorted(seen)[:12]) or "none"
+        raise fail("--count-key", key, f"no line of {spec} has this key (its lines have: {keys}); pass the "
+                   "key that holds each document's count, or drop --count-key")
+    return counts, docs
 
 
 def _bundled(spec: str, tokenizer: Any) -> TokenSource:
@@ -244,11 +318,14 @@ def _hub(spec: str, tokenizer: Any, split: str) -> TokenSource:
     def read(start: int) -> Iterator[tuple[int, np.ndarray]]:
         import datasets  # deferred: datasets +0.5 s import, hf: sources only
 
+        offline = False
         try:
-            ds = datasets.load_dataset(name, config or None, split=split, streaming=True)
+            with hub_access() as offline:  # no retry lines before our one; unreachable: at once
+                ds = datasets.load_dataset(name, config or None, split=split, streaming=True)
         except Exception as e:  # offline, unknown name: user-fixable
-            raise fail("--data", spec, f"could not stream it from the Hugging Face hub ({type(e).__name__}); "
-                       "check the name and that the hub is reachable, or scan a local file") from None
+            raise fail("--data", spec, f"could not stream it from the Hugging Face hub "
+                       f"({hub_failure(e, offline)}); check the name and that the hub is reachable, or "
+                       "scan a local file") from None
         for i, row in enumerate(ds):
             if i >= start and isinstance(row.get("text"), str):
                 yield i, _encode(tokenizer, row["text"])
@@ -265,22 +342,47 @@ def in_memory(name: str, documents: list[list[int]]) -> TokenSource:
     return TokenSource(name, "memory", len(documents), None, read)
 
 
-def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, count_key: str | None = None,
-                split: str = "train") -> TokenSource:
-    """Open a scan source (see the module docstring); ConfigError naming --data/--dtype otherwise."""
+def check_spec(spec: Any) -> None:
+    """ConfigError naming --data for a spec that names no source at all: empty, a folder, a NUL byte."""
     if not isinstance(spec, str) or not spec.strip():
         raise fail("--data", spec, f"name a source: {SOURCE_HELP}")
+    if "\0" in spec:
+        raise fail("--data", spec, "holds a NUL byte, which no file name can; pass the path as written")
+    path = Path(spec).expanduser()
+    if path.is_dir() and spec not in CORPORA:
+        raise fail("--data", spec, f"is a folder, not a source; pass a file in it or {SOURCE_HELP}")
+
+
+def index_pair(spec: str) -> tuple[Path, Path] | None:
+    """(NAME.bin, NAME.idx) that an indexed spec (either file, or NAME) names; None for '.', '/', ..."""
+    path = Path(spec).expanduser()
+    base = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    if base.name in ("", ".", ".."):
+        return None
+    return base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
+
+
+def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, count_key: str | None = None,
+                split: str = "train") -> TokenSource:
+    """Open a scan source (see the module docstring); ConfigError naming --data/--dtype otherwise.
+
+    --dtype names the stored dtype of a raw .bin; with an indexed pair or an .npy (which state their
+    own) it is accepted when it agrees and refused when it does not. --count-key is for .jsonl only."""
+    check_spec(spec)
     if dtype is not None and dtype not in RAW_DTYPES:
         raise fail("--dtype", dtype, f"choose one of {', '.join(RAW_DTYPES)}")
     path = Path(spec).expanduser()
-    base = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    bin_path, idx_path = base.with_name(base.name + ".bin"), base.with_name(base.name + ".idx")
-    if idx_path.is_file() or (path.suffix == ".idx" and path.exists()):
+    if count_key is not None and not (path.suffix.lower() == ".jsonl" and path.is_file()):
+        raise fail("--count-key", count_key, f"reads a key of each line of a .jsonl source, and {spec} is "
+                   "not one; drop it (or pass --manifest for an injected corpus)")
+    pair = index_pair(spec)
+    if pair is not None and (pair[1].is_file() or (path.suffix == ".idx" and path.exists())):
+        bin_path, idx_path = pair
         if not bin_path.is_file():
             raise fail("--data", spec, f"has no {bin_path.name} beside its .idx; put the pair in one folder")
-        return _indexed(spec, bin_path, idx_path)
+        return _indexed(spec, bin_path, idx_path, dtype)
     if path.suffix == ".npy" and path.is_file():
-        return _npy(spec, path)
+        return _npy(spec, path, dtype)
     if path.suffix == ".bin" and path.is_file():
         return _raw_bin(spec, path, dtype)
     if dtype is not None:
@@ -297,10 +399,10 @@ def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, c
     if path.suffix.lower() in (".txt", ".jsonl") and path.is_file():
         return _text_file(spec, path, tokenizer, count_key)
     if path.exists() or path.suffix:
-        what = "no such file" if not path.exists() else f"unknown format {path.suffix or '(folder)'}"
+        what = "no such file" if not path.exists() else f"unknown format {path.suffix}"
         raise fail("--data", spec, f"{what}; pass {SOURCE_HELP}")
     raise fail("--data", spec, f"unknown source; pass {SOURCE_HELP} (bundled: {', '.join(CORPORA)})")
 
 
-__all__ = ["IDX_DTYPES", "IndexHeader", "TokenSource", "in_memory", "open_source", "read_index",
-           "write_indexed"]
+__all__ = ["IDX_DTYPES", "IndexHeader", "TokenSource", "check_spec", "in_memory", "index_pair", "open_source",
+           "read_index", "write_indexed"]

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
+from axonn.config import MAX_STEPS  # pure Python, no torch
 from axonn.launch import LAUNCHERS  # pure Python: the launchers' variables, no torch
 from memorize_core import ConfigError, fail
 
@@ -199,6 +200,9 @@ def _add_scan(sub) -> None:
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise fail(name, value, f"must be >= {minimum}")
+    if value is not None and value > MAX_STEPS:  # before the dry run and before any folder exists
+        raise fail(name, value, f"must be <= {MAX_STEPS:.0e}: even at 1 ms a step that many steps take over "
+                   "11 days; no run here could finish")
 
 
 def cmd_demo(args) -> int:

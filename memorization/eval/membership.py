@@ -20,7 +20,8 @@ from typing import Any
 from data_pipelines import is_chat_spec, load_corpus, tokenize_documents
 from memorize_core import ConfigError, fail
 
-FIX_SPLIT = ("retrain with a held-out split of the same corpus (data.held_out='' "
+# the overrides as a shell passes them on: "data.held_out=" is the empty string (axonn.config)
+FIX_SPLIT = ('retrain with a held-out split of the same corpus ("data.held_out=" '
              "data.held_out_fraction=0.5) or pass --members and --non-members from one distribution")
 
 

@@ -11,7 +11,7 @@ by copy count (memorization/experiments/exposure.py). Members may be plain texts
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +52,33 @@ def _is_chat(items: Texts) -> bool:
     return bool(items) and not isinstance(items[0], str)
 
 
+_KINDS = "a list of texts, or of conversations ([{'role': ..., 'content': ...}, ...]), not a mix"
+
+
+def _check_items(name: str, items: Texts) -> None:
+    """ConfigError naming `name[i]` for an item that is neither a text nor a conversation of the kind
+    the set's first item is (token ids included: the callback tokenizes with its own tokenizer)."""
+    chat = _is_chat(items)
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ok = not chat
+        else:
+            ok = chat and isinstance(item, Sequence) and bool(item) and \
+                all(isinstance(m, Mapping) for m in item)
+        if not ok:
+            shown = item if len(repr(item)) <= 40 else repr(item)[:37] + "..."
+            ids = " (token ids: decode them with the tokenizer first)" if isinstance(item, int) or (
+                isinstance(item, Sequence) and item and all(isinstance(t, int) for t in item)) else ""
+            raise fail(f"{name}[{i}]", shown, f"pass {_KINDS}{ids}")
+
+
 def eval_set(name: str, items: Texts, tok: Any, *, max_tokens: int, need: int, suffix: int) -> EvalSet:
     """Tokenize a set as `memorize eval` does; ConfigError when an item cannot give `need` tokens
     (prefix + suffix for documents; a response token for conversations)."""
     if not isinstance(items, Sequence) or isinstance(items, str) or not items:
         raise fail(name, items if isinstance(items, str) else f"<{type(items).__name__}>",
                    "pass a non-empty list of texts, or of conversations ([{'role', 'content'}, ...])")
+    _check_items(name, items)
     vocab = len(tok)
     if not _is_chat(items):
         c = corpus_from_texts(name, name, [f"{name}/{i}" for i in range(len(items))], list(items), tok, vocab,

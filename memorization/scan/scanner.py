@@ -10,7 +10,8 @@ lockstep and the main rank writes), and rows are written in parts that make the 
 SIGKILL (memorization/scan/parts.py); the report comes last (memorization/scan/summary.py).
 
 Every input is checked before anything is written (flags, OUT and the resume, the model folder, the
-source, its dtype against the vocabulary, the grid): one ConfigError line, exit 2, OUT untouched.
+source, its dtype and its ids against the vocabulary, the grid): one ConfigError line, exit 2, OUT
+untouched.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from data_pipelines.scan_windows import (
     parse_offsets,
     windows,
 )
-from data_pipelines.token_sources import TokenSource, open_source
+from data_pipelines.token_sources import TokenSource, check_spec, index_pair, open_source
 from evals.metrics import ids_text
 from evals.scan import score_windows
 from evals.scoring import Scorer
@@ -108,6 +109,10 @@ ROW_OPTIONS = ("prefix", "suffix", "seq_len", "offsets", "seed", "limit", "dtype
 def check_options(o: ScanOptions) -> None:
     """Flag-level checks that need no file: one ConfigError naming the flag, the value and the fix."""
     check_selection(o.selection())
+    check_spec(o.data)
+    if not isinstance(o.out, str) or not o.out.strip():
+        raise fail("--out", o.out, "name the output folder, e.g. --out runs/scan (use --out . for this "
+                   "folder)")
     for flag, value, low in (("--batch-size", o.batch_size, 1), ("--part-rows", o.part_rows, 1),
                              ("--top", o.top, 0), ("--seed", o.seed, 0)):
         if value < low:
@@ -128,9 +133,10 @@ def check_options(o: ScanOptions) -> None:
 
 def _files_of(spec: str) -> list[Path]:
     path = Path(spec).expanduser()
-    base = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    pair = [base.with_name(base.name + s) for s in (".bin", ".idx")]
-    return [p for p in pair if p.is_file()] if pair[1].is_file() else ([path] if path.exists() else [])
+    pair = index_pair(spec)
+    if pair is not None and pair[1].is_file():
+        return [p for p in pair if p.is_file()]
+    return [path] if path.exists() else []
 
 
 def fingerprint(o: ScanOptions) -> dict[str, Any]:
@@ -168,6 +174,43 @@ def _check_vocab(o: ScanOptions, source: TokenSource, vocab: int) -> None:
         raise fail(flag, o.dtype or o.data, f"stores {source.dtype} tokens (ids up to {top}), which "
                    f"cannot hold this model's vocabulary of {vocab} ids; write the tokens with a wider dtype "
                    "(uint32/int32) or scan with the model they were tokenized for")
+
+
+TOKEN_FILES = ("indexed", "npy", "bin")
+
+
+def _tokenizer_top(tok: Any) -> int | None:
+    """The largest id the tokenizer can give (added tokens included), None when it cannot say."""
+    try:
+        return max(len(tok) - 1, max(tok.get_vocab().values(), default=-1))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _check_source_ids(o: ScanOptions, source: TokenSource, sel: Selection, vocab: int, tok: Any,
+                      sep: int | None, start_row: int) -> None:
+    """Refuse an id outside the vocabulary anywhere the scan will read, before its first write.
+
+    Token files without --limit: one pass over the memory-mapped ids (one sequential read of the
+    file, no tokenizing or scoring). With --limit: the windows it selects, cut once ahead (as many
+    as it will score). Text is tokenized by the model's own tokenizer: only one with more ids than
+    the model has embeddings can give such an id, and only then are its windows cut ahead (a local
+    file read twice). A streamed hf: source is never read twice (that is a second download); its
+    batches are checked as they come (_check_ids), so there alone the refusal can follow written
+    parts."""
+    if source.kind in TOKEN_FILES and o.limit is None:
+        bad = source.first_outside(vocab)
+        if bad is not None:
+            raise fail("--data", o.data, f"holds token id {bad[1]} (document {bad[0]}), outside the model's "
+                       f"vocabulary of {vocab}; scan with the model it was tokenized for")
+        return
+    if source.kind not in TOKEN_FILES:
+        top = _tokenizer_top(tok)
+        if source.kind == "hf" or (top is not None and top < vocab):
+            return
+    for w in windows(source, sel, separator=sep, start_row=start_row):
+        if w.tokens.max() >= vocab or w.tokens.min() < 0:
+            _check_ids(o, [w], vocab)
 
 
 def _check_ids(o: ScanOptions, batch: list[Window], vocab: int) -> np.ndarray:
@@ -243,6 +286,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     start_row = int(state["rows"]) if state else 0
     stats = WindowStats()
     sep = tok.eos_token_id if tok is not None and source.kind in ("text", "hf") else None
+    _check_source_ids(o, source, sel, vocab, tok, sep, start_row)
     it = windows(source, sel, separator=sep, start_row=start_row, stats=stats)
     first = list(islice(it, o.batch_size))  # the data's refusals come before anything is written
     if first:

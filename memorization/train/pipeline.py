@@ -48,11 +48,13 @@ from memorization.models import (
     count_params,
     is_pretrained,
     meta_model,
+    pretrained_config,
     resolve_model_dir,
     trainable_params,
 )
 from memorization.outputs import remove_entries
 from memorization.tracking import WandbSink
+from memorization.train.fits import check_shape
 from memorization.train.parallel import is_main_process, resolve_grid
 from memorization.train.prepare import PreparedData, documents_record, mia_sets, prepare_data
 from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
@@ -316,6 +318,8 @@ def run_training(cfg: RunConfig, out: str | Path, *, data: PreparedData | None =
     """
     check_out_dir(out, options.get("overwrite", False) or bool(options.get("resume")))  # before the data
     check_out_inputs(cfg, out)  # OUT must not overlap the model, corpus or tokenizer it reads
+    if data is None and resolve_model_dir(cfg.model.name) is not None:  # its shape before its tokenizer
+        check_shape("model.name", cfg.model.name, pretrained_config(cfg.model.name, cfg.model.overrides))
     data = data or prepare_data(cfg)
     with start_run(cfg, out, data, **options) as run:
         train(run)
