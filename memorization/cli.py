@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(trainer.checkpoint_every)")
     t.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="resume from the newest checkpoint in OUT (auto) or from a checkpoint folder")
+    t.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="plan the run here, then start it on N local processes with torchrun (one line and "
+                        "exit 2 if the plan refuses, nothing started)")
     t.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(t)
     _add_dry_run(t)
@@ -233,9 +236,14 @@ def cmd_train(args) -> int:
         from memorization.train.dryrun import cli_dry_run  # deferred: see the module docstring
 
         return cli_dry_run(args, "train", cfg)
+    out = args.out or f"runs/{cfg.name}"
+    if args.nproc_per_node is not None:
+        from memorization.train.launcher import launch_train  # deferred: see the module docstring
+
+        return launch_train(cfg, args.argv, nproc=args.nproc_per_node, out=out, grid=args.grid,
+                            overwrite=args.overwrite, resume=args.resume)
     from memorization.train.pipeline import run_training  # deferred: see the module docstring
 
-    out = args.out or f"runs/{cfg.name}"
     summary = run_training(cfg, out, overwrite=args.overwrite, grid_spec=args.grid, resume=args.resume)
     from memorization.train.parallel import is_main_process  # deferred: see the module docstring
 
@@ -345,6 +353,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what train --nproc-per-node hands on
     return args
 
 

@@ -106,15 +106,16 @@ def run_files(cfg: RunConfig) -> tuple[str, ...]:
 def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, spec: str | None = None,
              grid: ProcessGrid | None = None, model_config: Any = None, out: str | Path | None = None,
              overwrite: bool = False, resume: str | None = None,
-             model: torch.nn.Module | None = None) -> RunPlan:
+             model: torch.nn.Module | None = None, here: bool | None = None) -> RunPlan:
     """The run's plan on `launch` (default: this process's launch, which also checks what only this
-    machine answers, e.g. whether torch.compile can run here): the grid (`grid`, an initialised
+    machine answers, e.g. whether torch.compile can run here; `here` says so for a given launch):
+    the grid (`grid`, an initialised
     ProcessGrid, as given; else `spec`, the --grid text, or cfg.grid; `auto` chosen by the planner)
     and every refusal (check_run); ConfigError on the first.
 
     `data`: the run's PreparedData, a row count, or None (the data-dependent checks wait).
     `model_config`: the HF config the run builds (default: from the data's tokenizer, else planned)."""
-    here = launch is None
+    here = launch is None if here is None else here
     launch = launch or Launch.current()
     if grid is not None:
         launch = replace(launch, world=grid.world_size)
