@@ -32,3 +32,20 @@ def test_inference_fits_where_training_does_not():
     assert got.bytes <= hw.memory_bytes * 0.9 and got.objective == "inference"
     with pytest.raises(ConfigError, match=r"fits llama in h100 memory \(training\); the smallest needs"):
         choose_grid(shape, 8, 8, hw, Train(seq=2048, batch=8))
+
+
+def test_the_scan_dry_run_prints_the_launch_that_runs_what_it_sized(capsys):
+    import shlex
+
+    from memorization.cli import main, parse_args
+
+    argv = ["scan", "--model", "llama-70b", "--dry-run", "--world", "8", "--hardware", "h100", "--limit",
+            "1000000", "--batch-size", "1024", "--offsets", "stride:16"]
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("launch: "))
+    words = shlex.split(line.removeprefix("launch: "))
+    launched = parse_args(words[words.index("memorization") + 1:])
+    sized = parse_args(argv)
+    for name in ("limit", "batch_size", "offsets", "prefix", "suffix", "model"):
+        assert getattr(launched, name) == getattr(sized, name), name
+    assert launched.grid == "1,8,1,1" and not launched.dry_run

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
+from collections.abc import Sequence
 from typing import Any
 
 from axonn.grid import parse_grid, validate_grid_for_model
@@ -107,8 +109,24 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
             "rank0_bytes": {k: int(v) for k, v in mem.items()}, "rank0_total_gib": total / GiB,
             "usable_gib": usable / GiB, "predicted_s": t["seconds"],
             "sequences_per_s": windows / t["seconds"] if t["seconds"] else None,
-            "launch": f"torchrun --nproc-per-node {min(gpn, world)} -m memorization scan --model "
-                      f"{args.model} --data SOURCE --grid {','.join(map(str, dims))} --out OUT"}
+            "launch": launch_line(args, dims, min(gpn, world))}
+
+
+# the scan's options that change what it scores or how: the launch line repeats every one that is set
+_CARRIED = ("prefix", "suffix", "seq_len", "offsets", "seed", "limit", "batch_size", "dtype", "count_key",
+            "mode", "sampling", "np_n", "np_p")
+
+
+def launch_line(args: Any, dims: Sequence[int], nproc: int) -> str:
+    """The command that runs the scan this dry run sized: its grid and every option given."""
+    words = ["torchrun", "--nproc-per-node", str(nproc), "-m", "memorization", "scan", "--model", args.model,
+             "--data", args.data or "SOURCE"]
+    for name in _CARRIED:
+        value = getattr(args, name, None)
+        if value is not None and value != "":
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    words += ["--grid", ",".join(map(str, dims)), "--out", args.out or "OUT"]
+    return shlex.join(words)
 
 
 def format_scan_plan(r: dict[str, Any]) -> str:
