@@ -49,3 +49,15 @@ def test_the_scan_dry_run_prints_the_launch_that_runs_what_it_sized(capsys):
     for name in ("limit", "batch_size", "offsets", "prefix", "suffix", "model"):
         assert getattr(launched, name) == getattr(sized, name), name
     assert launched.grid == "1,8,1,1" and not launched.dry_run
+
+
+def test_an_explicit_grid_launched_on_a_known_gpu_must_fit(tmp_path):
+    from pathlib import Path
+
+    from memorization.config import load_run_config
+    from memorization.train.run_plan import plan_run
+
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "configs/train/llama-70b-finetune.yaml", [])
+    launch = Launch(8, 8, "h100")
+    with pytest.raises(ConfigError, match=r"--grid='1,1,1,8': needs .* GiB per GPU but h100 has 72.0 GiB"):
+        plan_run(cfg, launch=launch, spec="1,1,1,8", here=True)

@@ -86,8 +86,9 @@ def inference_cost(shape: ModelShape, g: Grid, hw: Hardware, obj: Inference, *, 
     return mem, t
 
 
-def _train_cost(shape: ModelShape, g: Grid, hw: Hardware, obj: Train, *, mode: str, gpus_per_node: int,
+def train_cost(shape: ModelShape, g: Grid, hw: Hardware, obj: Train, *, mode: str, gpus_per_node: int,
                 headroom: float) -> tuple[float, float]:
+    """(predicted step seconds, peak bytes per rank) of the training objective on grid `g`."""
     mb = obj.micro_batch(g) if obj.micro_batch else None
     p = predict(shape, g, obj.seq, obj.batch, hw, gpus_per_node=gpus_per_node, micro_batch=mb,
                 checkpoint=obj.checkpoint, headroom=headroom, mode=mode, precision=obj.precision,
@@ -119,7 +120,7 @@ def choose_grid(shape: ModelShape, world: int, gpus_per_node: int, hw: Hardware,
                 reasons.append(str(e))
                 continue
         if train:
-            seconds, need = _train_cost(shape, g, hw, objective, mode=mode, gpus_per_node=gpn,
+            seconds, need = train_cost(shape, g, hw, objective, mode=mode, gpus_per_node=gpn,
                                         headroom=headroom)
         else:
             mem, t = inference_cost(shape, g, hw, objective, mode=mode, gpus_per_node=gpn)
@@ -140,4 +141,4 @@ def choose_grid(shape: ModelShape, world: int, gpus_per_node: int, hw: Hardware,
                f"({'training' if train else 'scoring'}); the smallest needs {least[0] / GiB:.1f} GiB per GPU "
                f"at {least[1]} ({usable / GiB:.1f} GiB usable){fix}")
 
-__all__ = ["Choice", "Inference", "Train", "choose_grid", "inference_cost"]
+__all__ = ["Choice", "Inference", "Train", "choose_grid", "inference_cost", "train_cost"]

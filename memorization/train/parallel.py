@@ -24,11 +24,11 @@ import axonn
 from axonn.grid import ProcessGrid, model_dims, parse_grid, validate_grid_for_model
 from axonn.launch import launch_env
 from axonn.plan import get_hardware, load_shape
-from axonn.plan.choose import Inference, Train
+from axonn.plan.choose import Inference, Train, train_cost
 from axonn.plan.choose import choose_grid as choose
 from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
-from axonn.plan.volumes import default_mode
+from axonn.plan.volumes import Grid, default_mode
 from axonn.trainer import resolve_device
 from memorization.mitigations.peft_lora import planner_adapters
 from memorization.models import meta_model
@@ -143,6 +143,34 @@ def head_setting(cfg: RunConfig) -> int | str:
     return "off" if cfg.trainer.dp.enabled else cfg.trainer.loss_chunk
 
 
+def _train_objective(cfg: RunConfig, model_config: Any, shape: Any, precision: str) -> Train:
+    """The chooser's training objective of this config as written (its in-place scoring included)."""
+    t, mode = cfg.trainer, cfg.parallel_mode
+    adapters = run_adapters(cfg, model_config, precision)
+    return Train(seq=cfg.data.block_len, batch=t.batch_size,
+                 micro_batch=lambda g: t.accumulation(g.z * g.data)[1],
+                 checkpoint=t.activation_checkpointing, precision=precision, adapters=adapters,
+                 loss_chunk=head_setting(cfg),
+                 extra_bytes=lambda g: eval_bytes(cfg, shape, g, mode, precision, adapters=adapters))
+
+
+def check_memory(cfg: RunConfig, model_config: Any, dims: Dims, launch: Launch) -> None:
+    """An explicit grid launched on a known GPU preset fits its memory (the planner's estimate, as for
+    `auto`); ConfigError naming --grid otherwise. On the CPU (`local`) there is nothing to check."""
+    if not (isinstance(launch.hardware, str) and launch.hardware in PRESETS):
+        return
+    hw = launch.hw()
+    shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
+    objective = _train_objective(cfg, model_config, shape, precision_for(cfg.trainer.precision, hw))
+    _, need = train_cost(shape, Grid(*dims), hw, objective, mode=cfg.parallel_mode,
+                         gpus_per_node=min(launch.gpus_per_node, launch.world), headroom=launch.headroom)
+    usable = hw.memory_bytes * (1.0 - launch.headroom)
+    if need > usable:
+        raise fail("--grid", ",".join(map(str, dims)), f"needs {need / 2**30:.1f} GiB per GPU but {hw.name} "
+                   f"has {usable / 2**30:.1f} GiB usable ({launch.headroom:.0%} headroom); "
+                   f"{memory_fix(cfg.trainer)}")
+
+
 def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     """`grid: auto`: the planner's one chooser (axonn.plan.choose) with the training objective: the
     predicted-fastest grid of `launch.world` processes that runs this config as written (micro-batch,
@@ -152,17 +180,12 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     hw = launch.hw()
     shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
-    adapters = run_adapters(cfg, model_config, precision)
 
     def check(g: Any) -> None:
         validate_grid_for_model((g.x, g.y, g.z, g.data), model_config, mode)
         t.accumulation(g.z * g.data)
 
-    objective = Train(seq=cfg.data.block_len, batch=t.batch_size,
-                      micro_batch=lambda g: t.accumulation(g.z * g.data)[1],
-                      checkpoint=t.activation_checkpointing,
-                      precision=precision, adapters=adapters, loss_chunk=head_setting(cfg),
-                      extra_bytes=lambda g: eval_bytes(cfg, shape, g, mode, precision, adapters=adapters))
+    objective = _train_objective(cfg, model_config, shape, precision)
     try:
         return choose(shape, launch.world, launch.gpus_per_node, hw, objective, mode=mode,
                       headroom=launch.headroom, check=check).grid

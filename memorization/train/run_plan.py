@@ -62,7 +62,7 @@ from memorization.models import (
 from memorization.models import model_config as memorization_model_config
 from memorization.outputs import check_inputs, check_writable, existing_entries
 from memorization.train.fits import check_shape
-from memorization.train.parallel import Dims, Launch, run_dims
+from memorization.train.parallel import Dims, Launch, check_memory, run_dims
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
@@ -127,6 +127,8 @@ def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, 
                         memorization_model_config(cfg.model.name, vocab_size=vocab,
                                                   overrides=cfg.model.overrides))
     dims, chosen_by = run_dims(cfg, model_config, spec=spec, grid=grid, launch=launch)
+    if here and chosen_by == "--grid":  # an explicit grid launched here must fit a known GPU (auto does)
+        check_memory(cfg, model_config, dims, launch)
     checked = check_run(cfg, data, dims, world=launch.world, model_config=model_config, out=out,
                         overwrite=overwrite, resume=resume, model=model, here=here)
     distributed = grid.distributed if grid is not None else launch.world > 1 or dims != (1, 1, 1, 1)
