@@ -146,3 +146,17 @@ def test_runnable_grids_rank_first_and_a_hint_when_none(capsys):
     rows = json.loads(capsys.readouterr().out)
     even = [r["even_batch"] for r in rows if r["fits"]]
     assert even == sorted(even, reverse=True) and even[0]
+
+
+def test_lora_plans_what_a_lora_run_runs(capsys):
+    """70B on one 8 x H100 node: a full fine-tune fits nowhere, the LoRA run (frozen bf16 base, rank-16
+    adapters; only they carry gradients and AdamW state) fits, as its dry run says."""
+    argv = ["--model", "llama-70b", "--gpus", "8", "--hardware", "h100", "--seq", "2048",
+            "--global-batch", "8"]
+    assert main(argv) == 2
+    assert "plan a LoRA run (--lora R)" in capsys.readouterr().err
+    assert main(argv + ["--lora", "16", "--json", "--top", "1"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["fits"] and best["memory_gb"] < 72
+    assert main(argv + ["--lora", "0"]) == 2 and "rank must be >= 1" in capsys.readouterr().err
+    assert main(argv + ["--lora-targets", "q_proj"]) == 2 and "needs --lora" in capsys.readouterr().err

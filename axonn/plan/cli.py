@@ -8,6 +8,7 @@ import sys
 from axonn.config import check_loss_chunk
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.hardware import hardware_choices
+from axonn.plan.memory import Adapters
 from axonn.plan.model import Prediction
 from axonn.plan.search import plan, runnable_batch
 from axonn.plan.shapes import load_shape
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk", type=_loss_chunk, default="auto", metavar="auto|off|N",
                    help="the trainer's LM head (trainer.loss_chunk): auto (its default: chunked cross-entropy"
                         " when the logits are large), off (full logits) or N tokens per chunk")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="plan a LoRA run (model.lora): a frozen base with rank-R adapters on every block "
+                        "linear; only the adapters carry gradients and optimizer state")
+    p.add_argument("--lora-targets", default="", metavar="NAMES",
+                   help="with --lora: comma-separated block linears adapted (q_proj,v_proj,...; default all)")
     p.add_argument("--strict", action="store_true",
                    help="only grids where z divides every weight shard and z*data the batch")
     p.add_argument("--top", type=int, default=10, help="rows to show")
@@ -107,7 +113,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"top={args.top!r}: must be a positive integer")
         shape = load_shape(args.model)
         hw = get_hardware(args.hardware, recalibrate=args.recalibrate)
-        rows = plan(shape, args.gpus, args.gpus_per_node, args.seq, args.global_batch, hw,
+        adapters = None
+        if args.lora is not None:
+            if args.lora < 1:
+                raise ConfigError(f"lora={args.lora!r}: the adapters' rank must be >= 1, e.g. 16")
+            targets = tuple(t for t in args.lora_targets.split(",") if t)
+            # the frozen base in the compute dtype, as the trainer loads it (bf16 on GPUs)
+            frozen = 2 if args.precision == "bf16" else 4
+            adapters = Adapters(rank=args.lora, targets=targets, frozen_bytes=frozen)
+        elif args.lora_targets:
+            raise ConfigError(f"lora_targets={args.lora_targets!r}: needs --lora R")
+        rows = plan(shape, args.gpus, args.gpus_per_node, args.seq, args.global_batch, hw, adapters=adapters,
                     checkpoint=args.checkpoint_activations, overlap=not args.no_overlap,
                     headroom=args.headroom, micro_batch=args.micro_batch,
                     include_unfit=args.all, strict=args.strict,

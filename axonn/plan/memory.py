@@ -222,7 +222,9 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
 
 def memory_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
                  prefetch: bool = True, mode: str | None = None,
-                 precision: str | Precision = "bf16", loss_chunk: int | str = 0) -> float:
-    """Total predicted peak bytes per GPU (`loss_chunk`: the trainer's setting, see head_chunk)."""
+                 precision: str | Precision = "bf16", loss_chunk: int | str = 0,
+                 adapters: Adapters | None = None) -> float:
+    """Total predicted peak bytes per GPU (`loss_chunk`: the trainer's setting, see head_chunk;
+    `adapters`: a LoRA run's frozen base and trained adapters)."""
     return sum(memory_breakdown(shape, grid, seq, micro_batch, checkpoint, prefetch,
-                                mode, precision=precision, loss_chunk=loss_chunk).values())
+                                mode, precision=precision, loss_chunk=loss_chunk, adapters=adapters).values())

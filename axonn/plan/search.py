@@ -5,7 +5,7 @@ from typing import Any
 
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.hardware import GiB, Hardware
-from axonn.plan.memory import get_precision, memory_bytes
+from axonn.plan.memory import Adapters, get_precision, memory_bytes
 from axonn.plan.model import Prediction, predict
 from axonn.plan.shapes import ModelShape, load_shape
 from axonn.plan.volumes import MODES, Grid, default_mode, grid_problems, rows_per_rank
@@ -51,12 +51,13 @@ def check_inputs(gpus: int, gpus_per_node: int, seq: int, global_batch: int,
 
 def _largest_fitting(shape: ModelShape, grid: Grid, seq: int, rows: int, checkpoint: bool,
                      budget: float, prefetch: bool, forced: int | None,
-                     mode: str, precision: str = "bf16", loss_chunk: int | str = 0) -> tuple[int, float]:
+                     mode: str, precision: str = "bf16", loss_chunk: int | str = 0,
+                     adapters: Adapters | None = None) -> tuple[int, float]:
     """(micro-batch rows, bytes): the largest micro-batch that fits, else the smallest tried."""
     options = [forced] if forced else sorted(divisors(rows), reverse=True)
     need = 0.0
     for mb in options:
-        need = memory_bytes(shape, grid, seq, mb, checkpoint, prefetch, mode, precision, loss_chunk)
+        need = memory_bytes(shape, grid, seq, mb, checkpoint, prefetch, mode, precision, loss_chunk, adapters)
         if need <= budget:
             return mb, need
     return options[-1], need
@@ -66,14 +67,16 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
          hardware: Any, *, checkpoint: bool | None = None, overlap: bool = True,
          headroom: float = 0.1, micro_batch: int | None = None,
          include_unfit: bool = False, strict: bool = False,
-         mode: str | None = None, precision: str = "bf16", loss_chunk: int | str = 0) -> list[Prediction]:
+         mode: str | None = None, precision: str = "bf16", loss_chunk: int | str = 0,
+         adapters: Adapters | None = None) -> list[Prediction]:
     """Predictions for every valid grid, best first; only those that fit unless include_unfit.
 
     checkpoint None tries with and without activation checkpointing and keeps the faster that
     fits; the micro-batch is the largest divisor of the rows per rank that fits (or `micro_batch`).
     `strict` keeps only grids with no Z padding and an even batch split (volumes.grid_problems);
     `precision` is the trainer's (bf16 autocast on GPUs, fp32 on CPU: memory.PRECISIONS), `loss_chunk`
-    its LM-head setting (model.predict; 0: full logits, what `axonn-plan` assumes).
+    its LM-head setting (model.predict; 0: full logits), `adapters` a LoRA run's (memory.Adapters: a
+    frozen base, only the adapters trained).
     Ranked: grids that fit first, among them those the engine runs as is (z*data divides the batch),
     each group by step time. Raises ConfigError when nothing is valid or nothing fits.
     """
@@ -101,14 +104,14 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
         best: Prediction | None = None
         for ckpt in modes:
             mb, need = _largest_fitting(shape, grid, seq, rows, ckpt, budget, overlap, micro_batch,
-                                        mode, precision, loss_chunk)
+                                        mode, precision, loss_chunk, adapters)
             if least is None or need < least[0]:
                 least = (need, grid)
             if need > budget and not include_unfit:
                 continue
             p = predict(shape, grid, seq, global_batch, hw, gpus_per_node=gpn, micro_batch=mb,
                         checkpoint=ckpt, overlap=overlap, headroom=headroom, mode=mode,
-                        precision=precision, loss_chunk=loss_chunk)
+                        precision=precision, loss_chunk=loss_chunk, adapters=adapters)
             if best is None or (p.fits, -p.time_s) > (best.fits, -best.time_s):
                 best = p
         if best is not None:
@@ -121,8 +124,8 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
         raise ConfigError(
             f"gpus={gpus}: no configuration of {shape.name} fits in {budget / GiB:.1f} GiB per GPU "
             f"({hw.name}, headroom {headroom:.0%}); the smallest needs {need / GiB:.1f} GiB at "
-            f"(x, y, z, data)={g.x, g.y, g.z, g.data}; add GPUs, enable checkpointing, or lower "
-            "--seq / --global-batch")
+            f"(x, y, z, data)={g.x, g.y, g.z, g.data}; add GPUs, enable checkpointing, lower "
+            "--seq / --global-batch, or plan a LoRA run (--lora R)")
     # runnable first: a grid whose z*data does not divide the batch is a prediction the engine refuses
     results.sort(key=lambda p: (not p.fits, not p.even_batch, p.time_s))
     return results
