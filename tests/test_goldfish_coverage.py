@@ -94,3 +94,25 @@ def test_the_coverage_command_runs_in_seconds_and_writes_its_report(tmp_path, ca
     assert report["clusters"] == 3 and len(report["strategies"]["apertus"]["rows"]) == 3
     assert (tmp_path / "report.md").read_text().startswith("# Goldfish mask coverage")
     assert main(["coverage", "--corpus", "wiki-leads", "--strategy", "nope"]) == 2
+
+
+def test_a_goldfish_run_audits_its_own_near_duplicate_clusters(tmp_path, capsys):
+    from helpers import TINY
+
+    from data_pipelines import load_corpus
+
+    leads = [d.text for d in load_corpus("wiki-leads", limit=12)]
+    words = leads[0].split()
+    near = [" ".join(w if i % 17 != c else "edited" for i, w in enumerate(words)) for c in range(6)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in leads + near))
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(TINY)
+    out = tmp_path / "out"
+    assert main(["train", str(cfg), "--out", str(out), f"data.corpus={corpus}", "data.limit=0",
+                 "goldfish.enabled=true"]) == 0
+    cov = json.loads((out / "run.json").read_text())["summary"]["goldfish_coverage"]
+    assert cov["clusters"] >= 1 and 0 < cov["suffix_coverage"] <= 1
+    assert cov["suffix_coverage"] >= cov["single_copy_suffix"]  # the union covers at least one copy
+    err = capsys.readouterr().err
+    assert all(w in err for w in cov["warnings"])

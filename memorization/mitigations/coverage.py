@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from data_pipelines.dedup import repeated_spans
 from data_pipelines.inject import Manifest
-from memorization.mitigations.goldfish import STRATEGIES, check_params, goldfish_mask
+from memorization.mitigations.goldfish import STRATEGIES, check_params, goldfish_mask, special_token_ids
 from memorize_core import fail
+
+if TYPE_CHECKING:  # annotations only: the run's types, no import of the training stage
+    from memorization.config import RunConfig
+    from memorization.train.prepare import PreparedData
 
 AUDITED = ("none",) + STRATEGIES  # none: standard loss, every token supervised (the reference line)
 
@@ -176,6 +181,24 @@ def find_clusters(ids: Sequence[str], token_lists: Sequence[Sequence[int]], *, n
         groups.setdefault(root(i), []).append(i)
     return [Cluster(ids[r], list(token_lists[r]), [list(token_lists[j]) for j in m], [ids[j] for j in m])
             for r, m in sorted(groups.items()) if len(m) > 1]
+
+
+def run_coverage(cfg: RunConfig, data: PreparedData) -> dict[str, Any] | None:
+    """The mask-coverage audit of the run's own near-duplicate clusters (this module:
+    documents sharing repeated 13-token spans): what share of each original the union of its copies
+    supervises; warns on stderr where goldfish withholds no token of a suffix. None: no cluster."""
+    g, e = cfg.goldfish, cfg.eval
+    clusters = find_clusters([str(i) for i in data.train_doc_ids], data.train_docs)
+    if not clusters:
+        return None
+    report = audit(clusters, [g.strategy], g.k, g.h, prefix=e.prefix, suffix=e.suffix,
+                            special_ids=special_token_ids(data.tokenizer), exempt_special=g.exempt_special,
+                            seed=g.seed)
+    for warning in report["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
+    per = report["strategies"][g.strategy]
+    keys = ("coverage", "suffix_coverage", "single_copy_suffix", "clusters_fully_covered")
+    return {"clusters": len(clusters), **{k: per[k] for k in keys}, "warnings": report["warnings"]}
 
 
 def format_table(report: dict[str, Any]) -> str:

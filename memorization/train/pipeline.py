@@ -32,6 +32,7 @@ from axonn.trainer import Trainer
 from axonn.watchdog import Watchdog, start_watchdog
 from memorization.config import RunConfig
 from memorization.eval.dp_audit import run_audit
+from memorization.mitigations.coverage import run_coverage
 from memorization.mitigations.dp_sgd import OpacusPrivacy
 from memorization.mitigations.ghost_clipping import make_privacy
 from memorization.mitigations.goldfish import GoldfishTransform, special_token_ids
@@ -294,6 +295,10 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
             summary["sampled"] = sampled
     if cfg.eval.mia:
         summary["mia"] = membership(trainer.model, cfg, run.data, grid=run.grid)
+    if cfg.goldfish.enabled and not run.data.is_chat and run.is_main:
+        coverage = run_coverage(cfg, run.data)
+        if coverage is not None:
+            summary["goldfish_coverage"] = coverage
     if run.data.audit is not None:  # eval.audit: the epsilon lower bound beside the accountant's
         summary["audit"] = run_audit(trainer.model, run.data.audit, epsilon=summary.get("epsilon"),
                                      delta=summary.get("delta") or 0.0, batch_size=cfg.eval.batch_size,
