@@ -62,7 +62,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         rc = variant_config(cfg, variant)
 
         def evaluate(model, run_dir) -> dict[str, Any]:
-            return mia_metrics(model, data.train_docs, split.nonmembers, data.tokenizer)
+            return mia_metrics(model, data.member_docs, split.nonmembers, data.tokenizer)
 
         summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:

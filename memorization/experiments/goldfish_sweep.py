@@ -77,7 +77,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     runs, samples = [], []
 
     def evaluate(model, run_dir) -> dict[str, Any]:
-        return mia_metrics(model, data.train_docs, split.nonmembers, data.tokenizer)
+        return mia_metrics(model, data.member_docs, split.nonmembers, data.tokenizer)
 
     for rc in sweep_configs(cfg):
         summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb)

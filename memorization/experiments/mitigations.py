@@ -128,7 +128,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     data, manifest, dup_tokens, injected_docs = build_corpus(cfg, exp)
     b = cfg.base
     injected = {cid for it in manifest.items for cid in it.copy_ids}
-    members = [t for i, t in zip(data.train_doc_ids, data.train_docs) if i not in injected]
+    members = [t for i, t in zip(data.train_doc_ids, data.train_docs)
+               if i not in injected and not str(i).startswith("audit-")]  # the audit's canaries are not leads
     _, held, _ = load_documents(b)
     nonmembers = list(tokenize_documents(held, data.tokenizer, max_tokens=b.data.block_len,
                                          min_tokens=min(b.data.min_tokens, b.data.block_len)))

@@ -225,7 +225,7 @@ def _evaluator(cfg: Config, size: ModelSize | None, split: SplitData, grid_spec:
     rank: the models are scored where they are, on the runs' grid)."""
     data = split.prepared
     reference = reference_model(_sized(cfg, size), grid_spec)
-    questions = PrivacyUtility(cfg, data.tokenizer, data.train_docs, split.nonmembers,
+    questions = PrivacyUtility(cfg, data.tokenizer, data.member_docs, split.nonmembers,
                                other_domain(cfg, data.tokenizer, cfg.base.data.block_len), reference,
                                seed=cfg.base.seed)
     return Evaluator(cfg, split, questions)

@@ -47,6 +47,13 @@ class PreparedData:
     audit: AuditSet | None = None  # eval.audit's canaries (the included ones are among the rows)
 
     @property
+    def member_docs(self) -> list[list[int]]:
+        """The training documents without eval.audit's canaries: what extraction and MIA ask about."""
+        if self.audit is None:
+            return self.train_docs
+        return [t for i, t in zip(self.train_doc_ids, self.train_docs) if not str(i).startswith("audit-")]
+
+    @property
     def is_chat(self) -> bool:
         """True when the rows are conversations (only assistant tokens supervised)."""
         return self.prompts is not None
@@ -141,8 +148,7 @@ def prepare_chat(cfg: RunConfig) -> PreparedData:
 def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:
     """eval.mia's members and non-members (checked when the run starts: at least 2 of each)."""
     n = cfg.eval.mia_docs or None
-    members = [list(t[:cfg.data.block_len]) for i, t in zip(data.train_doc_ids, data.train_docs)
-               if not (data.audit is not None and str(i).startswith("audit-"))][:n]
+    members = [list(t[:cfg.data.block_len]) for t in data.member_docs][:n]
     nonmembers = (data.held_out_docs or [])[:n]
     if len(members) < 2 or len(nonmembers) < 2:
         raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
