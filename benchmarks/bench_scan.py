@@ -1,14 +1,19 @@
-"""Benchmark: `memorize scan` (exact match only) vs a bare teacher-forced forward loop and vs HF `generate`.
+"""Benchmark: `memorize scan` (greedy only, and with 3 sampling schemes) vs a bare teacher-forced forward
+loop and vs HF `generate`.
 
 Per round, on the same model and the same windows, batch for batch:
-  scan       `memorization.scan.scanner.run_scan` (the command's own path: the source read and cut into windows,
-             one forward per batch through the scoring layer, every metric, Parquet parts and the state
-             file written); its loop time (`scan_seconds`: model loading and the report excluded)
+  scan       `memorization.scan.scanner.run_scan` with `--sampling ''` (the command's own path: the source
+             read and cut into windows, one forward per batch through the scoring layer, every metric,
+             Parquet parts and the state file written); its loop time (`scan_seconds`: model loading and
+             the report excluded)
+  sampled    the same scan with the 3 default --sampling schemes (evals.sampling.DEFAULT_SCHEMES): each
+             row's log p_z per scheme from the same forward
   forward    the bare loop: `model(ids[:, :-1], logits_to_keep=S).logits.argmax(-1) == suffix`
   generate   HF `model.generate` greedy, S new tokens (KV cache), then `== suffix`
 Prints `scan_vs_forward` (sequences/s of the scan / of the bare loop: the target is >= 0.9, i.e.
-reading, selecting and writing cost <= 10%) and `scan_vs_generate` (sequences/s ratio), medians over
-rounds of the per-round ratios (benchmarks/common.py), and the scan's sequences/s.
+reading, selecting and writing cost <= 10%), `sampled_vs_scan` (sequences/s of the scan with 3 schemes /
+greedy only: the target is >= 0.9) and `scan_vs_generate`, medians over rounds of the per-round ratios
+(benchmarks/common.py), and each arm's sequences/s.
 
     python benchmarks/bench_scan.py --model tiny --rows 4096 --batch 64
     python benchmarks/bench_scan.py --model smollm2 --rows 256 --batch 32   # the cached SmolLM2-135M
@@ -30,6 +35,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines.scan_windows import Selection, windows  # noqa: E402
 from data_pipelines.token_sources import open_source, write_indexed  # noqa: E402
+from evals.sampling import DEFAULT_SCHEMES  # noqa: E402
 from memorization.models import folder_tokenizer, smollm2_dir  # noqa: E402
 from memorization.scan.scanner import ScanOptions, run_scan  # noqa: E402
 
@@ -77,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.from_numpy(np.stack([w.tokens for w in windows(source, sel)]))
         batches = list(ids.split(args.batch))
 
-        def scan(i: int) -> float:
+        def scan(i: int, sampling: str = "") -> float:
             out = root / f"scan-{i}"
             r = run_scan(ScanOptions(model=str(folder), data=spec, out=str(out), prefix=p, suffix=s,
-                                     offsets=offsets, limit=args.rows, batch_size=args.batch, progress=False))
+                                     offsets=offsets, limit=args.rows, batch_size=args.batch, progress=False,
+                                     sampling=sampling))
             shutil.rmtree(out)
             return r["scan_seconds"]
 
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 (g[:, p:] == b[:, p:]).all(1).tolist()
             return time.perf_counter() - t
 
-        fns = {"scan": scan, "forward": lambda _: forward()}
+        fns = {"scan": scan, "sampled": lambda i: scan(i, DEFAULT_SCHEMES), "forward": lambda _: forward()}
         if not args.skip_generate:
             fns["generate"] = lambda _: generate()
         fns["forward"](0)  # warm-up
@@ -110,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             for k, fn in (list(fns.items()) if rep % 2 == 0 else list(fns.items())[::-1]):
                 times[k].append(fn(rep))
         n = len(ids)
-        def per_round(other: str) -> float:  # scan sequences/s over `other`'s, round by round
-            return statistics.median(o / c for c, o in zip(times["scan"], times[other]))
+        def per_round(arm: str, other: str) -> float:  # arm's sequences/s over other's, round by round
+            return statistics.median(o / c for c, o in zip(times[arm], times[other]))
 
-        ratios = {f"scan_vs_{k}": per_round(k) for k in times if k != "scan"}
+        ratios = {f"scan_vs_{k}": per_round("scan", k) for k in times if k not in ("scan", "sampled")}
+        ratios["sampled_vs_scan"] = per_round("sampled", "scan")
         rates = {f"{k}_sequences_per_s": n / statistics.median(v) for k, v in times.items()}
         for k, v in {**ratios, **rates}.items():
             report(k, v)

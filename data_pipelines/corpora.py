@@ -208,8 +208,8 @@ def hub_access() -> Iterator[bool]:
     """Hub calls in the block log no retries (a failure is our one line), and go offline (local cache
     only, answered at once) when the hub is unreachable; yields whether the block runs offline."""
     import datasets.config as dconf  # deferred: datasets +0.5 s import, hub specs only
-    import huggingface_hub.constants as hconst
-    from huggingface_hub.utils import logging as hub_logging
+    import huggingface_hub.constants as hconst  # deferred: as datasets above (hub specs only)
+    from huggingface_hub.utils import logging as hub_logging  # deferred: as datasets above
 
     saved = {m: {k: getattr(m, k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(m, k)}
              for m in (hconst, dconf)}

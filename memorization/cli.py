@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads)")
     e.add_argument("--keep-gathered", action="store_true",
                    help="with a Z split: gather the weights once and hold them for the whole evaluation")
+    _add_sampling(e)
+    e.add_argument("--offsets", default="0", metavar="O[,O...]",
+                   help="with --corpus: token offsets of the prefix into each document, e.g. 0,16,32 "
+                        "(default 0; greedy exact match and (n, p) at each)")
     _add_scan(sub)
     c = sub.add_parser("coverage", help="goldfish mask coverage of duplicate clusters (no training, seconds)")
     c.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")
@@ -196,8 +200,20 @@ def _add_scan(sub) -> None:
     s.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     s.add_argument("--wandb", default="disabled", choices=["offline", "online", "disabled"],
                    help="log the report to W&B (offline: OUT/wandb, `wandb sync` later; default disabled)")
+    _add_sampling(s)
     _add_common(s)
     _add_dry_run(s)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    """--sampling, --np-n, --np-p: probabilistic (n, p) extraction from the one forward (scan and eval)."""
+    p.add_argument("--sampling", default=None, metavar="SCHEMES",
+                   help="decoding schemes scored per sequence as log p_z, ';' between schemes, e.g. "
+                        "'t=1.0;t=0.7,top_k=40;top_p=0.9' (the default); '' = greedy only")
+    p.add_argument("--np-n", default=None, metavar="N[,N...]",
+                   help="numbers of samples n of the (n, p)-extractable fractions (default 1,10,100,1000)")
+    p.add_argument("--np-p", type=float, default=None, metavar="P",
+                   help="probability p of an (n, p) extraction, in (0, 1) (default 0.5)")
 
 
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:

@@ -112,7 +112,8 @@ def test_out_holds_exactly_the_report_and_refuses_to_overwrite(setup, tmp_path, 
             "--mia", "--members", setup / "members.txt", "--non-members", setup / "nonmembers.txt",
             "--bootstrap", 50, "--perplexity", setup / "heldout.txt", setup / "nonmembers.txt", "--out", out]
     printed = _run(capsys, *argv)
-    assert sorted(p.name for p in out.iterdir()) == ["extraction.jsonl", "report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["extraction.jsonl", "report.json", "report.md",
+                                                     "sampled.jsonl"]
     report = json.loads((out / "report.json").read_text())
     assert report == printed
     assert report["extraction"]["docs"] == len((out / "extraction.jsonl").read_text().splitlines()) > 0

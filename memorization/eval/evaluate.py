@@ -25,7 +25,18 @@ from axonn.inference import keep_gathered
 from evals import ExtractionResult, to_jsonl
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
-from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
+from memorization.eval.sections import (
+    EvalOptions,
+    extraction_section,
+    mia_section,
+    parse_ns,
+    parse_offsets,
+    parse_p,
+    parse_sampling,
+    perplexity_section,
+    sampled_section,
+    wants_sampled,
+)
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs
@@ -62,6 +73,15 @@ def check_options(o: EvalOptions) -> None:
         o.tasks = ",".join(check_tasks(o.tasks))
     if o.mode not in ("auto", "easy", "paired"):
         raise fail("--mode", o.mode, "choose auto, easy or paired")
+    parse_sampling(o.sampling)
+    parse_offsets(o.offsets)
+    parse_ns(o.np_n)
+    parse_p(o.np_p)
+    if not o.corpus:
+        for flag, value, default in (("--sampling", o.sampling, None), ("--offsets", o.offsets, "0"),
+                                     ("--np-n", o.np_n, None), ("--np-p", o.np_p, None)):
+            if value != default:
+                raise fail(flag, value, "only applies to extraction; add --corpus CORPUS")
     if not o.mia:
         for flag, value in (("--members", o.members), ("--non-members", o.non_members),
                             ("--reference", o.reference)):
@@ -90,6 +110,7 @@ def _inputs(o: EvalOptions) -> dict[str, str | None]:
 def _max_tokens(o: EvalOptions, config: Any) -> int:
     """--max-tokens, or the default: 128 (prefix+suffix if larger), never beyond the model's context."""
     ctx = context_length(config)
+    last = max(parse_offsets(o.offsets))  # the furthest window ends at last + P + S
     if o.max_tokens is not None:
         if ctx is not None and o.max_tokens > ctx:
             raise fail("--max-tokens", o.max_tokens, f"exceeds the model's context of {ctx} positions; "
@@ -97,12 +118,20 @@ def _max_tokens(o: EvalOptions, config: Any) -> int:
         if o.corpus and o.max_tokens < o.prefix + o.suffix:
             raise fail("--max-tokens", o.max_tokens, f"is shorter than --prefix + --suffix = "
                        f"{o.prefix + o.suffix}; raise it or shorten the prefix/suffix")
+        if o.corpus and o.max_tokens < last + o.prefix + o.suffix:
+            raise fail("--offsets", o.offsets, f"offset {last} + --prefix + --suffix = "
+                       f"{last + o.prefix + o.suffix} tokens is beyond --max-tokens {o.max_tokens}: no "
+                       "document would reach it; raise --max-tokens or lower the offset")
         return o.max_tokens
-    want = max(DEFAULT_MAX_TOKENS, o.prefix + o.suffix if o.corpus else 0)
+    want = max(DEFAULT_MAX_TOKENS, last + o.prefix + o.suffix if o.corpus else 0)
     if ctx is not None and want > ctx:
         if o.corpus and o.prefix + o.suffix > ctx:
             raise fail("--prefix", o.prefix, f"+ --suffix {o.suffix} exceeds the model's context of "
                        f"{ctx} positions; shorten them")
+        if o.corpus and last + o.prefix + o.suffix > ctx:
+            raise fail("--offsets", o.offsets, f"offset {last} + --prefix + --suffix = "
+                       f"{last + o.prefix + o.suffix} tokens exceeds the model's context of {ctx} "
+                       "positions; lower the offset")
         want = ctx
     return want
 
@@ -172,10 +201,14 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     if grid.distributed:
         report["mode"] = mode
     results: list[ExtractionResult] = []
+    sampled_rows: list[dict[str, Any]] | None = None
     log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
         if extraction is not None:
             report["extraction"], results = extraction_section(o, model, tok, extraction)
+            if wants_sampled(o):
+                # beside `extraction` (as a training run's summary has it), which stays the greedy decode's
+                report["sampled"], sampled_rows = sampled_section(o, model, extraction)
         if o.mia:
             report["mia"] = mia_section(o, model, tok, ref, sets, progress=grid.rank == 0)
         if ppl:
@@ -191,6 +224,8 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)
+        if sampled_rows is not None:
+            files["sampled.jsonl"] = "".join(json.dumps(r) + "\n" for r in sampled_rows)
         if log is not None:
             files["lm-eval.log"] = LM_EVAL_LOG_HEAD + log.read_text(encoding="utf-8", errors="replace")
         write_files(out, files, replace=EVAL_FILES)

@@ -12,7 +12,8 @@ from memorization.outputs import check_writable
 from memorization.train.pipeline import RESULT_FILES
 from memorize_core import fail
 
-EVAL_FILES = ("report.json", "report.md", "extraction.jsonl", "lm-eval.log")
+# sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section)
+EVAL_FILES = ("report.json", "report.md", "extraction.jsonl", "sampled.jsonl", "lm-eval.log")
 
 
 def check_eval_out(out: str, overwrite: bool) -> Path:
@@ -62,6 +63,22 @@ def _ci(point: float, ci: list[float] | None) -> str:
     return f"{point:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 
+def _sampled(smp: dict[str, Any]) -> list[str]:
+    """report.md's extraction beyond greedy: per offset, greedy exact match and the (n, p) fractions."""
+    ns = smp["ns"]
+    rows = []
+    for offset, at in smp["offsets"].items():
+        em = "–" if at["exact_match_rate"] is None else f"{at['exact_match_rate']:.3f}"
+        for name, per in (at["np"] or {"schemes": {}})["schemes"].items():
+            rows.append([offset, str(at["docs"]), em, f"`{name}`",
+                         *[f"{per[f'n={n}']['fraction']:.3f}" for n in ns]])
+    return [f"### Beyond greedy: (n, p)-extractable at p = {smp['p']}",
+            "Per prefix offset into the document: greedy exact match (one teacher-forced forward) and, per "
+            "sampling scheme, the fraction of documents whose suffix n samples give at least once with "
+            f"probability >= {smp['p']} (Hayes et al. 2024); log p_z per document in sampled.jsonl.",
+            _table(["offset", "docs", "exact match", "scheme", *[f"n={n}" for n in ns]], rows)]
+
+
 def markdown_report(report: dict[str, Any]) -> str:
     """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks."""
     # the cut is said where documents were scored with it (a tasks-only report has none; MIA says its own)
@@ -77,6 +94,8 @@ def markdown_report(report: dict[str, Any]) -> str:
                   _table(["docs", "exact match", "token accuracy", "LCP (tokens)", "RougeL"],
                          [[str(ex["docs"]), f"{ex['exact_match_rate']:.3f}", f"{ex['token_accuracy']:.3f}",
                            f"{ex['lcp_mean']:.2f}", f"{ex['rougeL']:.3f}"]])]
+        if report.get("sampled"):
+            parts += _sampled(report["sampled"])
     mia = report.get("mia")
     if mia:
         c = mia["counts"]

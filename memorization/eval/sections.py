@@ -4,10 +4,13 @@
 (memorization/integrations/callback.py) both call these, so a pass scored in place during training
 and the same checkpoint scored by `memorize eval` give the same figures with the same settings.
 Each takes the command's `EvalOptions` (defined here: prefix, suffix, beams, batch size, MIA k,
-bootstrap, seed, ...).
+bootstrap, seed, ...). `sampled_section` (extraction beyond greedy: log p_z per decoding scheme and
+(n, p) summaries at several prefix offsets) is `memorize eval`'s; the flag parsers below it share with
+`memorize scan`.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +20,13 @@ from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
+from evals.probabilistic import sampled_extraction
+from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
 from memorization.eval.membership import EvalCorpus
+from memorize_core import ConfigError, fail
+
+DEFAULT_NS = (1, 10, 100, 1000)
+DEFAULT_P = 0.5
 
 
 @dataclass
@@ -48,6 +57,48 @@ class EvalOptions:
     tasks: str | None = None  # lm-eval tasks, comma-separated (bundled offline ones, or lm-eval's own)
     num_fewshot: int | None = None  # in-context examples per task (None: each task's default)
     verbose: bool = False  # lm-eval's log on stderr instead of OUT/lm-eval.log
+    sampling: str | None = None  # decoding schemes for log p_z (None: evals.sampling.DEFAULT_SCHEMES)
+    offsets: str = "0"  # token offsets of the extraction prefix into each document, e.g. "0,16,32"
+    np_n: str | None = None  # numbers of draws n of the (n, p) summaries, e.g. "1,10,100,1000"
+    np_p: float | None = None  # probability p of the (n, p) summaries (None: 0.5)
+
+
+def parse_sampling(text: str | None, flag: str = "--sampling") -> tuple[Scheme, ...]:
+    """The decoding schemes of `text` (None: DEFAULT_SCHEMES, "": none); ConfigError naming `flag`."""
+    text = DEFAULT_SCHEMES if text is None else text
+    try:
+        return parse_schemes(text)
+    except ConfigError as e:  # evals names its field `sampling`: say which flag it came from
+        raise fail(flag, text, str(e).split(": ", 1)[-1]) from None
+
+
+def _ints(text: str, flag: str, low: int, example: str) -> list[int]:
+    words = [w.strip() for w in str(text).split(",")]
+    # ASCII digits only: int() also reads '١٠' and '1_000', a second spelling of the same number
+    if not all(w.isascii() and w.isdigit() and len(w) <= 18 and int(w) >= low for w in words):
+        raise fail(flag, text, f"pass a comma-separated list of integers >= {low}, e.g. {example}")
+    if len(set(map(int, words))) < len(words):
+        raise fail(flag, text, f"lists a value twice; e.g. {example}")
+    return sorted(map(int, words))
+
+
+def parse_ns(text: str | None, flag: str = "--np-n") -> tuple[int, ...]:
+    """The numbers of draws n of `text` (None: 1,10,100,1000), ascending; ConfigError naming `flag`."""
+    return DEFAULT_NS if text is None else tuple(_ints(text, flag, 1, "1,10,100,1000"))
+
+
+def parse_p(p: float | None, flag: str = "--np-p") -> float:
+    """The probability p of an (n, p) extraction (None: 0.5); ConfigError naming `flag`."""
+    if p is None:
+        return DEFAULT_P
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p < 1:
+        raise fail(flag, p, "pass a probability in (0, 1), e.g. 0.5")
+    return float(p)
+
+
+def parse_offsets(text: str, flag: str = "--offsets") -> list[int]:
+    """Token offsets of the extraction prefix into each document ("0,16,32"); ConfigError naming `flag`."""
+    return _ints(text, flag, 0, "0,16,32")
 
 
 def extraction_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *,
@@ -60,6 +111,26 @@ def extraction_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *,
     section = {"corpus": c.spec, "prefix": o.prefix, "suffix": o.suffix, "beams": o.beams,
                "loaded": c.loaded, **summarize(results), "seconds": time.perf_counter() - t}
     return section, results
+
+
+def wants_sampled(o: EvalOptions) -> bool:
+    """Whether the extraction goes beyond the greedy decode at offset 0 (a scheme, or another offset)."""
+    return bool(parse_sampling(o.sampling)) or parse_offsets(o.offsets) != [0]
+
+
+def sampled_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: ProcessGrid | None = None
+                    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Extraction beyond greedy (evals.probabilistic.sampled_extraction, one forward per window): per
+    --offsets offset, the greedy exact-match rate and the (n, p) summary per --sampling scheme; and one
+    row per scored (offset, document) with its log p_z per scheme (-inf as None). Call on every rank."""
+    t = time.perf_counter()
+    got = sampled_extraction(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix,
+                             schemes=parse_sampling(o.sampling), offsets=parse_offsets(o.offsets),
+                             ns=parse_ns(o.np_n), p=parse_p(o.np_p), batch_size=o.batch_size, doc_ids=c.ids,
+                             grid=grid)
+    rows = [{"offset": int(off), **r} for off, at in got["offsets"].items() for r in at.pop("rows")]
+    section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
+    return section, rows
 
 
 def perplexity_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: ProcessGrid | None = None

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from data_pipelines import DuplicateSpec, inject, load_corpus, load_tokenizer, tokenize_documents
 from data_pipelines.dedup import repeated_spans
 from data_pipelines.inject import Manifest
 from memorization.mitigations.goldfish import STRATEGIES, check_params, goldfish_mask, special_token_ids
@@ -231,9 +232,6 @@ def write_report(report: dict[str, Any], out: str | Path, *, overwrite: bool = F
 
 def cmd_coverage(args: Any) -> int:
     """`memorize coverage`: the audit of a corpus (its own clusters, or N injected near-copies)."""
-    from data_pipelines import DuplicateSpec, inject, load_corpus, load_tokenizer, tokenize_documents
-    from memorization.mitigations.goldfish import special_token_ids
-
     strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
     for name, value in (("--max-tokens", args.max_tokens), ("--prefix", args.prefix),
                         ("--ngram", args.ngram)):

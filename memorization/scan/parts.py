@@ -9,10 +9,17 @@ is removed on resume, as is any temporary file, and the scan continues at row pa
 So a scan killed with SIGKILL at any point and started again with the same command ends with exactly
 the rows of an uninterrupted run, no duplicates and no gaps. A different command refuses in one line
 naming the first option that differs. `--overwrite` removes only SCAN_FILES (memorization/outputs.py).
+
+Every row also holds `logpz_greedy` (0 on an exact match) and one `logpz/<scheme>` per --sampling
+scheme: log P(the scheme emits exactly the suffix), float64. A scheme that can never emit the suffix
+(top-k / top-p removed a suffix token; greedy off an exact match) gives -inf: stored as -inf in
+Parquet, and as null in JSON lines (JSON has no infinity); read_parts gives None there, and
+`logpz_values` turns either back into -inf.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,14 +33,19 @@ from memorize_core import fail
 
 STATE = "scan-state.json"
 PARTS = "parts"
-PNGS = ("scan-scores.png", "scan-position.png", "scan-duplicates.png")
+PNGS = ("scan-scores.png", "scan-position.png", "scan-duplicates.png", "scan-np.png")
 SCAN_FILES = (PARTS, STATE, "report.json", "report.md", *PNGS, "wandb")
 # results of other commands: a scan must not land beside them without --overwrite
 OTHER_RESULTS = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "checkpoints")
 FLAGS = {"model_files": "--model", "data_files": "--data"}  # fingerprint keys not named as their flag
 
 
-def schema(generate: bool) -> pa.Schema:
+def logpz_columns(schemes: Sequence[str]) -> list[str]:
+    """The log p_z columns of a scan with these sampling schemes (their names); greedy's always."""
+    return ["logpz_greedy", *(f"logpz/{name}" for name in schemes)]
+
+
+def schema(generate: bool, schemes: Sequence[str] = ()) -> pa.Schema:
     """The columns of a part: where each window came from, its tokens and every score."""
     ids = pa.list_(pa.int32())
     fields = [("row", pa.int64()), ("sequence", pa.int64()), ("offset", pa.int64()), ("doc", pa.int64()),
@@ -42,6 +54,7 @@ def schema(generate: bool) -> pa.Schema:
               ("suffix_loss", pa.float64()), ("zlib_ratio", pa.float64()), ("min_k", pa.float64())]
     if generate:
         fields += [("memorization_score", pa.float64()), ("rougeL", pa.float64()), ("continuation_ids", ids)]
+    fields += [(name, pa.float64()) for name in logpz_columns(schemes)]
     fields += [("prefix_ids", ids), ("suffix_ids", ids)]
     return pa.schema(fields)
 
@@ -59,19 +72,31 @@ def _atomic_write(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_part(out: Path, index: int, cols: dict[str, list], fmt: str, generate: bool) -> Path:
+def write_part(out: Path, index: int, cols: dict[str, list], fmt: str, generate: bool,
+               schemes: Sequence[str] = ()) -> Path:
     """Write one part (columns: name -> values) atomically (temporary name, then rename); its path."""
     folder = out / PARTS
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / part_name(index, fmt)
     if fmt == "parquet":
-        table = pa.Table.from_pydict(cols, schema=schema(generate))
+        table = pa.Table.from_pydict(cols, schema=schema(generate, schemes))
         _atomic_write(path, lambda p: pq.write_table(table, p))
     else:
+        cols = {k: [_json_float(x) for x in v] if k.startswith("logpz") else v for k, v in cols.items()}
         names = list(cols)
         text = "".join(json.dumps(dict(zip(names, r))) + "\n" for r in zip(*cols.values()))
         _atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
     return path
+
+
+def _json_float(x: float) -> float | None:
+    """A log p_z for a JSON line: -inf (never emitted) as null; json.dumps would write -Infinity."""
+    return x if math.isfinite(x) else None
+
+
+def logpz_values(values: Sequence[float | None]) -> list[float]:
+    """A log p_z column as read from either format: JSON's null back to -inf."""
+    return [-math.inf if v is None else v for v in values]
 
 
 def read_state(out: Path) -> dict[str, Any] | None:
@@ -145,5 +170,5 @@ def read_parts(out: Path, fmt: str, columns: Sequence[str] | None = None) -> Ite
             yield {c: [r.get(c) for r in rows] for c in names}
 
 
-__all__ = ["PARTS", "SCAN_FILES", "STATE", "check_scan_out", "clean_for_resume", "read_parts", "read_state",
-           "schema", "write_part", "write_state"]
+__all__ = ["PARTS", "SCAN_FILES", "STATE", "check_scan_out", "clean_for_resume", "logpz_columns",
+           "logpz_values", "read_parts", "read_state", "schema", "write_part", "write_state"]

@@ -2,12 +2,15 @@
 
     memorize scan --model DIR --data SOURCE --prefix 32 --suffix 32 --out OUT [--seq-len 2049]
                   [--offsets start|stride:N|random:K] [--limit N] [--generate] [--format jsonl]
+                  [--sampling 't=1.0;t=0.7,top_k=40;top_p=0.9'] [--np-n 1,10,100,1000] [--np-p 0.5]
 
 The source is streamed (data_pipelines/token_sources.py, windows cut by data_pipelines/scan_windows.py),
 batches of windows go through one teacher-forced forward each (evals/scan.py, the scoring layer, so a
 model sharded on any grid under torchrun / srun scores there: batch shards score their share in
 lockstep and the main rank writes), and rows are written in parts that make the scan resumable after
-SIGKILL (memorization/scan/parts.py); the report comes last (memorization/scan/summary.py).
+SIGKILL (memorization/scan/parts.py); the report comes last (memorization/scan/summary.py). The same
+forward gives each row's log p_z per --sampling scheme (Hayes et al. 2024's probabilistic extraction,
+evals/sampling.py), summarized in the report as (n, p)-extractable fractions beside greedy exact match.
 
 Every input is checked before anything is written (flags, OUT and the resume, the model folder, the
 source, its dtype and its ids against the vocabulary, the grid): one ConfigError line, exit 2, OUT
@@ -48,6 +51,7 @@ from evals.scan import score_windows
 from evals.scoring import Scorer
 from memorization.config import WANDB_MODES, WandbConfig
 from memorization.eval.files import write_files
+from memorization.eval.sections import parse_ns, parse_p, parse_sampling
 from memorization.models import context_length, folder_tokenizer, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries
 from memorization.scan.parts import (
@@ -95,10 +99,17 @@ class ScanOptions:
     keep_gathered: bool = False
     progress: bool = True
     wandb: str = "disabled"  # offline | online | disabled: the report's summary, plots and top rows
+    sampling: str | None = None  # decoding schemes scored per row (None: evals.sampling.DEFAULT_SCHEMES)
+    np_n: str | None = None  # the report's numbers of draws n, e.g. "1,10,100,1000" (None: those)
+    np_p: float | None = None  # the report's probability p of an (n, p) extraction (None: 0.5)
 
     def selection(self) -> Selection:
         """The windows this scan scores."""
         return Selection(self.prefix, self.suffix, self.seq_len, self.offsets, self.seed, self.limit)
+
+    def schemes(self) -> tuple[Any, ...]:
+        """The --sampling schemes (evals.sampling.Scheme); ConfigError naming --sampling."""
+        return parse_sampling(self.sampling)
 
 
 # options that decide the rows: a resume must agree on every one (scan_output.check_scan_out)
@@ -129,6 +140,9 @@ def check_options(o: ScanOptions) -> None:
         raise fail("--wandb", o.wandb, f"choose one of {', '.join(WANDB_MODES)}")
     if o.manifest and o.count_key:
         raise fail("--count-key", o.count_key, "and --manifest both give duplicate counts; pass one")
+    o.schemes()
+    parse_ns(o.np_n)
+    parse_p(o.np_p)
 
 
 def _files_of(spec: str) -> list[Path]:
@@ -148,7 +162,8 @@ def fingerprint(o: ScanOptions) -> dict[str, Any]:
     conf = hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.is_file() else None
     data = [f"{p.resolve()}:{p.stat().st_size}" for p in _files_of(o.data)] or [o.data]
     return {"model_files": f"{folder} config:{conf} weights:{weights}", "data_files": " ".join(data),
-            **{k: getattr(o, k) for k in ROW_OPTIONS}}
+            **{k: getattr(o, k) for k in ROW_OPTIONS},
+            "sampling": ";".join(sch.name for sch in o.schemes())}  # canonical: t=1 and t=1.0 agree
 
 
 def duplicate_counts(o: ScanOptions, source: TokenSource) -> dict[int, int] | None:
@@ -235,7 +250,7 @@ def _batches(it: Iterable[Window], size: int) -> Iterator[list[Window]]:
 
 
 def _columns(batch: list[Window], s: dict[str, np.ndarray], source: TokenSource,
-             counts: dict[int, int] | None, prefix: int) -> dict[str, list]:
+             counts: dict[int, int] | None, prefix: int, schemes: tuple[Any, ...]) -> dict[str, list]:
     """One batch's rows as columns (scan_output.schema's names)."""
     docs = [w.doc for w in batch]
     tokens = np.stack([w.tokens for w in batch])
@@ -249,6 +264,8 @@ def _columns(batch: list[Window], s: dict[str, np.ndarray], source: TokenSource,
     if "continuation" in s:
         cols.update(memorization_score=s["memorization_score"].tolist(), rougeL=s["rougeL"].tolist(),
                     continuation_ids=s["continuation"].tolist())
+    cols["logpz_greedy"] = np.where(s["exact_match"], 0.0, -np.inf).tolist()  # also without schemes
+    cols.update({f"logpz/{sch.name}": s[f"logpz/{sch.name}"].tolist() for sch in schemes})
     cols["prefix_ids"], cols["suffix_ids"] = tokens[:, :prefix].tolist(), tokens[:, prefix:].tolist()
     return cols
 
@@ -319,17 +336,17 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     total = _total(o, source)
     bar = tqdm(total=None if total is None else max(0, total - record["rows"]), unit="seq", desc="scan",
                disable=not (main and o.progress), smoothing=0.1)
-    sc, pending, scanned = Scorer(model, grid), {}, 0
+    sc, pending, scanned, schemes = Scorer(model, grid), {}, 0, o.schemes()
     loop = time.perf_counter()  # reading, selecting, scoring and writing: what sequences/s measures
     with keep_gathered(model, o.keep_gathered):
         for batch in chain([first] if first else [], _batches(it, o.batch_size)):
             ids = _check_ids(o, batch, vocab)
             scores = score_windows(model, torch.from_numpy(ids), o.prefix, k=o.min_k, generate=o.generate,
-                                   text=text, scorer=sc)
+                                   text=text, scorer=sc, schemes=schemes)
             scanned += len(batch)
             bar.update(len(batch))
             if main:
-                for k, v in _columns(batch, scores, source, counts, o.prefix).items():
+                for k, v in _columns(batch, scores, source, counts, o.prefix, schemes).items():
                     pending.setdefault(k, []).extend(v)
                 while len(pending["row"]) >= o.part_rows:
                     parts = _flush(out, o, parts, {k: v[:o.part_rows] for k, v in pending.items()}, record)
@@ -349,7 +366,8 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     if not main:
         return header
     report = build_report(out, fmt=o.format, suffix=o.suffix, generate=o.generate, header=header, text=text,
-                          top=o.top)
+                          top=o.top, schemes=[sch.name for sch in schemes], ns=parse_ns(o.np_n),
+                          p=parse_p(o.np_p), by_offset=parse_offsets(o.offsets)[0] == "stride")
     report["summary"].update(sequences_read=stats.sequences, short_skipped=stats.short)
     _write_report(out, report)
     _log_wandb(o, out, report)
@@ -359,7 +377,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
 
 def _flush(out: Path, o: ScanOptions, parts: int, cols: dict[str, list], record: dict[str, Any]) -> int:
     """Write part `parts` and count it in the state file (in that order); the new part count."""
-    write_part(out, parts, cols, o.format, o.generate)
+    write_part(out, parts, cols, o.format, o.generate, [sch.name for sch in o.schemes()])
     record.update(parts=parts + 1, rows=record["rows"] + len(cols["row"]))
     write_state(out, record)
     return parts + 1

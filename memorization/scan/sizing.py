@@ -81,6 +81,11 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
         raise fail("--world", args.world, "--dry-run needs the job's GPU count, e.g. --world 8")
     sel = Selection(args.prefix, args.suffix, args.seq_len, args.offsets, args.seed, args.limit)
     check_selection(sel)
+    from memorization.eval.sections import parse_ns, parse_p, parse_sampling  # deferred: evals' imports
+
+    parse_sampling(getattr(args, "sampling", None))  # the launch would refuse them: so does its dry run
+    parse_ns(getattr(args, "np_n", None))
+    parse_p(getattr(args, "np_p", None))
     windows = count_windows(args)
     hw = get_hardware(args.hardware or "h100")
     world = args.world
@@ -123,7 +128,7 @@ def launch_line(args: Any, dims: Sequence[int], nproc: int) -> str:
              "--data", args.data or "SOURCE"]
     for name in _CARRIED:
         value = getattr(args, name, None)
-        if value is not None and value != "":
+        if value is not None and (value != "" or name == "sampling"):  # --sampling '': greedy only
             words += [f"--{name.replace('_', '-')}", str(value)]
     words += ["--grid", ",".join(map(str, dims)), "--out", args.out or "OUT"]
     return shlex.join(words)

@@ -1,4 +1,4 @@
-"""The report of a corpus scan: report.json, report.md and three PNGs, built from the written parts.
+"""The report of a corpus scan: report.json, report.md and four PNGs, built from the written parts.
 
 - the exact-match rate with a 95% Wilson interval, mean leading-match length, token accuracy, suffix
   loss (and, with --generate, the mean memorization score and RougeL);
@@ -6,21 +6,26 @@
   reproduced, with --generate; else the leading-match fraction lead / S, a lower bound of it);
 - the exact-match rate by position in the source (training order, in 20 bins of rows);
 - the rate by duplicate count, when the rows carry one (--manifest, or --count-key on JSONL);
-- the top memorized windows as text (exact first, then by leading-match length and suffix loss).
+- the top memorized windows as text (exact first, then by leading-match length and suffix loss);
+- probabilistic extraction (Hayes et al. 2024): per --sampling scheme and greedy, the fraction of rows
+  (n, p)-extractable for each n of --np-n at --np-p (evals.sampling.np_summary of the rows' log p_z),
+  over all rows and, with --offsets stride:N, per window offset (the same position in every sequence;
+  random:K offsets differ from sequence to sequence, so they are not split), and its plot against n.
 The parts are read column by column, so the report of a million rows needs a few of its columns only.
 """
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from memorization.scan.parts import PARTS, PNGS, read_parts
+from evals.sampling import np_summary
+from memorization.scan.parts import PARTS, PNGS, logpz_columns, logpz_values, read_parts
 
 POSITION_BINS = 20
 Z95 = 1.959963984540054
@@ -37,9 +42,10 @@ def wilson(k: int, n: int) -> list[float]:
     return [0.0 if k == 0 else max(0.0, mid - half), 1.0 if k == n else min(1.0, mid + half)]
 
 
-def _columns(out: Path, fmt: str, generate: bool) -> dict[str, np.ndarray]:
-    names = ["row", "exact_match", "lead", "token_accuracy", "suffix_loss", "count"]
+def _columns(out: Path, fmt: str, generate: bool, schemes: Sequence[str]) -> dict[str, np.ndarray]:
+    names = ["row", "offset", "exact_match", "lead", "token_accuracy", "suffix_loss", "count"]
     names += ["memorization_score", "rougeL"] if generate else []
+    names += logpz_columns(schemes)
     if fmt == "parquet" and any((out / PARTS).glob("part-*.parquet")):  # columnar, no Python objects
         table = pq.read_table(out / PARTS, columns=names)
         cols = {c: table.column(c).to_numpy() for c in names if c != "count"}
@@ -49,7 +55,8 @@ def _columns(out: Path, fmt: str, generate: bool) -> dict[str, np.ndarray]:
         for c in names:
             cols[c] += part[c]
     count = np.array([-1 if v is None else v for v in cols.pop("count")], dtype=np.int64)
-    return {**{c: np.asarray(v) for c, v in cols.items()}, "count": count}
+    lz = {c: np.array(logpz_values(cols.pop(c)), dtype=np.float64) for c in logpz_columns(schemes)}
+    return {**{c: np.asarray(v) for c, v in cols.items()}, "count": count, **lz}
 
 
 def _top(out: Path, fmt: str, order: list[int], n: int, text: Callable[[list[int]], str]) -> list[dict]:
@@ -65,10 +72,19 @@ def _top(out: Path, fmt: str, order: list[int], n: int, text: Callable[[list[int
     return [found[r] for r in order[:n] if r in found]
 
 
+def _np(c: dict[str, np.ndarray], schemes: Sequence[str], ns: Sequence[int], p: float,
+        sel: np.ndarray | slice = slice(None)) -> dict[str, Any]:
+    """np_summary of the rows `sel`: greedy (its exact matches) and every scheme's log p_z."""
+    return np_summary({name: c[f"logpz/{name}"][sel] for name in schemes}, ns, p,
+                      greedy=c["exact_match"][sel].astype(bool))
+
+
 def build_report(out: Path, *, fmt: str, suffix: int, generate: bool, header: dict[str, Any],
-                 text: Callable[[list[int]], str], top: int = 20) -> dict[str, Any]:
+                 text: Callable[[list[int]], str], top: int = 20, schemes: Sequence[str] = (),
+                 ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5, by_offset: bool = False
+                 ) -> dict[str, Any]:
     """The report dict of the scan written in OUT (see the module docstring)."""
-    c = _columns(out, fmt, generate)
+    c = _columns(out, fmt, generate, schemes)
     n = len(c["row"])
     k = int(c["exact_match"].sum()) if n else 0
     score = c["memorization_score"] if generate else (c["lead"] / suffix if n else np.zeros(0))
@@ -93,7 +109,15 @@ def build_report(out: Path, *, fmt: str, suffix: int, generate: bool, header: di
     rank = sorted(range(n), key=lambda i: (-int(c["exact_match"][i]), -int(c["lead"][i]),
                                            float(c["suffix_loss"][i])))
     top_rows = _top(out, fmt, [int(c["row"][i]) for i in rank], top, text) if n else []
-    return {**header, "summary": summary,
+    overall = _np(c, schemes, ns, p)
+    most = f"n={max(ns)}"
+    summary["np_extractable"] = {"n": max(ns), "p": p,
+                                 **{k: v[most]["fraction"] for k, v in overall["schemes"].items()}}
+    offsets = sorted(set(c["offset"].tolist())) if by_offset and n else []
+    sampling = {"schemes": list(schemes), "ns": list(ns), "p": p, "np": overall,
+                "by_offset": {str(o): _np(c, schemes, ns, p, c["offset"] == o) for o in offsets}
+                if len(offsets) > 1 else {}}
+    return {**header, "summary": summary, "sampling": sampling,
             "score_distribution": {"score": "memorization_score" if generate else "lead / suffix",
                                    "bins": [round(float(e), 6) for e in edges[:-1]], "windows": hist},
             "by_position": positions, "by_count": by_count, "top": top_rows}
@@ -125,6 +149,7 @@ def markdown(report: dict[str, Any]) -> str:
                   "| count | windows | exact-match rate [95% CI] |", "|---|---|---|"]
         lines += [f"| {b['count']} | {b['windows']} | {_ci(b['exact_match_rate'], b['ci95'])} |"
                   for b in report["by_count"]]
+    lines += _np_lines(report)
     lines += ["", "## Top memorized windows", "", "| row | doc | offset | lead | loss | prefix | suffix |",
               "|---|---|---|---|---|---|---|"]
     for t in report["top"]:
@@ -134,12 +159,33 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _np_lines(report: dict[str, Any]) -> list[str]:
+    """report.md's (n, p) tables: all rows, then per offset when the report splits them."""
+    smp = report.get("sampling")
+    if not smp:
+        return []
+    ns = smp["ns"]
+    lines = ["", "## Probabilistic extraction: (n, p)-extractable fraction", "",
+             f"A row is (n, p)-extractable under a sampling scheme when n samples from its prefix give the "
+             f"exact suffix at least once with probability >= p = {smp['p']} (Hayes et al. 2024), from "
+             "log p_z of the one forward; greedy is extractable for every n iff an exact match.", "",
+             f"![(n, p) by n]({PNGS[3]})", ""]
+    head = ["offset", "scheme"] + [f"n={n}" for n in ns]
+    groups = [("all", smp["np"])] + list(smp["by_offset"].items())
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for offset, summ in groups:
+        for name, per in summ["schemes"].items():
+            cells = [f"{per[f'n={n}']['fraction']:.4f} ({per[f'n={n}']['count']})" for n in ns]
+            lines.append("| " + " | ".join([str(offset), f"`{name}`", *cells]) + " |")
+    return lines
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
 def plot(report: dict[str, Any], folder: Path) -> list[Path]:
-    """The three PNGs (the duplicate-count one only when rows carry counts); their paths."""
+    """The PNGs (the duplicate-count one only when rows carry counts, (n, p) with a summary); their paths."""
     import matplotlib  # deferred: +0.5 s with pyplot; only the report needs it
 
     matplotlib.use("Agg")
@@ -161,7 +207,17 @@ def plot(report: dict[str, Any], folder: Path) -> list[Path]:
         ax.set(xscale="log", xlabel="duplicate count", ylabel="exact-match rate",
                title="Exact match by duplicate count")
 
+    def extractable(ax: Any) -> None:
+        smp = report["sampling"]
+        for name, per in smp["np"]["schemes"].items():
+            ax.plot(smp["ns"], [per[f"n={n}"]["fraction"] for n in smp["ns"]], marker="o", label=name,
+                    linestyle="--" if name == "greedy" else "-")
+        ax.set(xscale="log", xlabel="samples n", ylabel=f"(n, p={smp['p']})-extractable fraction",
+               title="Probabilistic extraction")
+        ax.legend(fontsize="small")
+
     figs = [(PNGS[0], scores), (PNGS[1], position)] + ([(PNGS[2], counts)] if cnt else [])
+    figs += [(PNGS[3], extractable)] if report.get("sampling") else []
     for name, draw in figs:
         fig, ax = plt.subplots(figsize=(6, 4))
         draw(ax)

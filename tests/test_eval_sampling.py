@@ -1,0 +1,180 @@
+"""`memorize eval --corpus --sampling --offsets`: per offset the greedy exact-match rate and the (n, p)
+summaries, each document's log p_z per scheme in sampled.jsonl (equal to evals.scan.score_windows' on the
+same windows), offset 0's exact match that of the greedy decode; bad flags are one line, exit 2."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from data_pipelines import load_tokenizer
+from evals.sampling import np_summary, parse_schemes
+from evals.scan import score_windows
+from memorization.cli import main
+from memorization.eval.membership import corpus_from_texts, eval_corpus
+
+CYCLE = ["river", "stone", "light", "north", "garden", "paper"]
+OTHER = ["window", "market", "silver", "morning", "engine", "letter", "harbor", "winter", "copper", "signal"]
+SCHEMES = "t=1.0;t=0.7,top_k=40;top_p=0.9"
+NAMES = [s.name for s in parse_schemes(SCHEMES)]
+
+
+def _texts() -> list[str]:
+    """8 documents cycling through CYCLE (from different words), 8 of random OTHER words."""
+    rng = random.Random(0)
+    cyc = [" ".join(CYCLE[(i + j) % len(CYCLE)] for j in range(24)) for i in range(8)]
+    rand = [" ".join(rng.choice(OTHER) for _ in range(rng.randint(18, 26))) for _ in range(8)]
+    return [t for pair in zip(cyc, rand) for t in pair]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A 1-layer Llama that is a bigram model (attention and MLP write nothing; the head maps each token
+    to its successor in CYCLE's documents, any other token to itself), its tokenizer, and corpus.txt:
+    greedy decoding reproduces the cycling documents at every offset, not the random ones."""
+    root = tmp_path_factory.mktemp("eval-sampling")
+    texts = _texts()
+    tok = load_tokenizer("bpe", texts=texts, vocab_size=300, cache_dir=root / "cache")
+    seqs = corpus_from_texts("--corpus", "c", ["x"] * 8, texts[::2], tok, len(tok), 128).seqs
+    nxt = {a: b for s in seqs for a, b in zip(s, s[1:])}
+    assert all(nxt[a] == b for s in seqs for a, b in zip(s, s[1:]))  # one next token per token
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        e = model.model.embed_tokens.weight
+        h = e / e.pow(2).mean(-1, keepdim=True).add(cfg.rms_norm_eps).sqrt()  # the final norm's output
+        head = torch.zeros_like(h)
+        for x in range(len(tok)):  # the logit of x's next token is |h_x|^2 = 64, others ~N(0, 64)
+            head[nxt.get(x, x)] += h[x]
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    (root / "corpus.txt").write_text("\n".join(texts) + "\n")
+    return root
+
+
+def _eval(setup, out, *extra) -> list[str]:
+    return ["eval", "--model", str(setup / "model"), "--corpus", str(setup / "corpus.txt"), "--prefix", "4",
+            "--suffix", "4", *extra, "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def evaluated(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "o"
+    assert main(_eval(setup, out, "--sampling", SCHEMES, "--offsets", "0,8", "--np-n", "1,10")) == 0
+    return out
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_per_offset_exact_match_and_np(evaluated):
+    report = json.loads((evaluated / "report.json").read_text())
+    ex = report["extraction"]
+    smp = report["sampled"]
+    assert smp["schemes"] == NAMES and smp["ns"] == [1, 10] and smp["p"] == 0.5
+    assert sorted(smp["offsets"]) == ["0", "8"]
+    assert smp["offsets"]["0"]["exact_match_rate"] == ex["exact_match_rate"]  # the greedy decode's
+    for at in smp["offsets"].values():
+        assert 0.4 <= at["exact_match_rate"] < 1  # the 8 cycling documents, not the random ones
+        assert list(at["np"]["schemes"]) == ["greedy", *NAMES] and at["np"]["rows"] == at["docs"]
+        greedy = at["np"]["schemes"]["greedy"]
+        assert all(greedy[k]["fraction"] == at["exact_match_rate"] for k in ("n=1", "n=10"))
+    md = (evaluated / "report.md").read_text()
+    assert "### Beyond greedy" in md and "| 8 |" in md and "`top_p=0.9`" in md
+    assert sorted(p.name for p in evaluated.iterdir()) == ["extraction.jsonl", "report.json", "report.md",
+                                                          "sampled.jsonl"]
+
+
+def test_rows_hold_the_log_pz_of_score_windows(setup, evaluated):
+    report = json.loads((evaluated / "report.json").read_text())
+    rows = _lines(evaluated / "sampled.jsonl")
+    tok = AutoTokenizer.from_pretrained(setup / "model")
+    c = eval_corpus("--corpus", str(setup / "corpus.txt"), tok, len(tok), report["max_tokens"], 0)
+    model = AutoModelForCausalLM.from_pretrained(setup / "model").eval()
+    decoded = {r["doc"]: r["exact_match"] for r in _lines(evaluated / "extraction.jsonl")}
+    for o in (0, 8):
+        keep = [i for i, s in enumerate(c.seqs) if len(s) >= o + 8]
+        got = [r for r in rows if r["offset"] == o]
+        assert [r["doc"] for r in got] == [c.ids[i] for i in keep]
+        want = score_windows(model, torch.tensor([c.seqs[i][o:o + 8] for i in keep]), 4,
+                             schemes=parse_schemes(SCHEMES))
+        for name in ["greedy", *NAMES]:
+            lz = np.array([-np.inf if r["logpz"][name] is None else r["logpz"][name] for r in got])
+            np.testing.assert_allclose(lz, want[f"logpz_{name}" if name == "greedy" else f"logpz/{name}"],
+                                       rtol=1e-12, err_msg=f"{o} {name}")
+        exact = np.array([r["logpz"]["greedy"] == 0.0 for r in got])
+        assert exact.tolist() == want["exact_match"].tolist()
+        if o == 0:  # the one forward's exact match is the greedy decode's, document by document
+            assert exact.tolist() == [decoded[r["doc"]] for r in got]
+        summary = report["sampled"]["offsets"][str(o)]["np"]
+        assert summary == np_summary({n: want[f"logpz/{n}"] for n in NAMES}, (1, 10), 0.5, greedy=exact)
+
+
+def test_greedy_only_at_offset_zero_writes_no_rows(setup, tmp_path, evaluated, capsys):
+    assert main(_eval(setup, tmp_path / "g", "--sampling", "")) == 0
+    report = json.loads((tmp_path / "g" / "report.json").read_text())
+    assert "sampled" not in report and not (tmp_path / "g" / "sampled.jsonl").exists()
+    # the default schemes; an --overwrite without extraction removes the stale sampled.jsonl
+    assert main(_eval(setup, tmp_path / "d")) == 0
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["sampled"]["schemes"] == NAMES
+    assert main(["eval", "--model", str(setup / "model"), "--perplexity", str(setup / "corpus.txt"),
+                 "--out", str(tmp_path / "d"), "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["report.json", "report.md"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--sampling", "t=0.7,top_k=0"], "--sampling"), (["--sampling", "x=1"], "--sampling"),
+    (["--offsets", "0,-8"], "--offsets"), (["--offsets", "8,8"], "--offsets"), (["--np-n", "0"], "--np-n"),
+    (["--np-p", "0"], "--np-p"), (["--offsets", "100", "--max-tokens", "20"], "--offsets"),
+    (["--offsets", "200"], "--offsets"),  # beyond the model's context of 128
+])
+def test_bad_flags_are_one_line(setup, tmp_path, capsys, extra, needle):
+    capsys.readouterr()
+    assert main(_eval(setup, tmp_path / "o", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {needle}="), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_sampling_flags_without_a_corpus_are_refused(setup, capsys):
+    capsys.readouterr()
+    assert main(["eval", "--model", str(setup / "model"), "--perplexity", str(setup / "corpus.txt"),
+                 "--offsets", "0,8"]) == 2
+    assert "--offsets='0,8': only applies to extraction" in capsys.readouterr().err
+
+
+def _rank(rank, world, argv):
+    return main(argv)
+
+
+@pytest.mark.distributed
+def test_sharded_eval_writes_the_serial_summaries(setup, evaluated, tmp_path):
+    """4 gloo ranks at 1,2,1,2 (heads and vocab over Y: top-k / top-p from merged candidates, batch over
+    data): every rank scores, the main rank writes the serial command's summaries and log p_z."""
+    from axonn.spawn import run_distributed
+
+    argv = _eval(setup, tmp_path / "g", "--sampling", SCHEMES, "--offsets", "0,8", "--np-n", "1,10",
+                 "--grid", "1,2,1,2")
+    assert run_distributed(_rank, 4, argv, init=False, timeout=600) == [0] * 4
+    serial, grid = (json.loads((d / "report.json").read_text())["sampled"]
+                    for d in (evaluated, tmp_path / "g"))
+    assert grid["offsets"] == serial["offsets"]
+    rows = zip(_lines(tmp_path / "g" / "sampled.jsonl"), _lines(evaluated / "sampled.jsonl"), strict=True)
+    for got, want in rows:
+        assert (got["offset"], got["doc"]) == (want["offset"], want["doc"])
+        for name, v in want["logpz"].items():
+            assert (got["logpz"][name] is None) == (v is None), name
+            assert v is None or got["logpz"][name] == pytest.approx(v, rel=1e-5, abs=1e-6), name
