@@ -88,7 +88,7 @@ class Trainer:
         # checkpoint_files(dir) lets the caller add files (a tokenizer) to each checkpoint on rank 0
         self.checkpoint_dir, self.checkpoint_files = checkpoint_dir, checkpoint_files
         self.device = grid.device
-        # micro-batches per step: as the caller's plan decided (memorization.train.run_plan.plan_run), else here
+        # micro-batches per step: as the caller's plan decided (memorization's plan_run), else here
         self.grad_accum = micro_batches or cfg.accumulation(grid.batch_shards)[0]
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(model)

@@ -26,8 +26,8 @@ from common import TokenRows, alternate, peak_rss, ratio, write
 
 from axonn.trainer import Trainer
 from memorization.config import DPConfig, RunTrainerConfig
-from memorization.models import SMOLLM2, build_model
 from memorization.mitigations.ghost_clipping import make_privacy
+from memorization.models import SMOLLM2, build_model
 
 ARMS = ("plain", "ghost", "per_sample")
 ROWS, SEQ = 8, 64

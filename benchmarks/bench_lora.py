@@ -33,7 +33,13 @@ from axonn.plan.memory import adapter_params, local_params, memory_breakdown
 from axonn.plan.volumes import Grid
 from axonn.spawn import run_distributed
 from axonn.trainer import Trainer
-from memorization.mitigations.peft_lora import LoraSettings, apply_lora, apply_sharded_lora, lora_targets, planner_adapters
+from memorization.mitigations.peft_lora import (
+    LoraSettings,
+    apply_lora,
+    apply_sharded_lora,
+    lora_targets,
+    planner_adapters,
+)
 
 SETTINGS = LoraSettings(enabled=True, r=8, alpha=16.0, target_modules="all-linear")
 MiB = 2**20

@@ -58,7 +58,8 @@ def sampled_extraction(model: torch.nn.Module, documents: Sequence[Sequence[int]
         cols: dict[str, list[np.ndarray]] = {}
         for b in range(0, len(keep), batch_size):
             chunk = keep[b:b + batch_size]
-            windows = torch.tensor([[int(t) for t in documents[i][o:o + width]] for i in chunk], dtype=torch.long)
+            rows = [[int(t) for t in documents[i][o:o + width]] for i in chunk]
+            windows = torch.tensor(rows, dtype=torch.long)
             scores = score_windows(model, windows, prefix_len, schemes=schemes, scorer=sc)
             for key, v in scores.items():
                 if key == "exact_match" or key.startswith("logpz"):
@@ -71,7 +72,8 @@ def sampled_extraction(model: torch.nn.Module, documents: Sequence[Sequence[int]
                 for j, i in enumerate(keep)]
         out["offsets"][str(o)] = {"docs": len(keep),
                                   "exact_match_rate": float(em.mean()) if len(keep) else None,
-                                  "np": np_summary(by_scheme, ns, p, greedy=em.astype(bool)) if keep else None,
+                                  "np": (np_summary(by_scheme, ns, p, greedy=em.astype(bool))
+                                         if keep else None),
                                   "rows": rows}
     return out
 
@@ -82,7 +84,7 @@ def _finite(x: float) -> float | None:
 
 
 def np_rates(result: dict[str, Any], offset: int = 0, n: int | None = None) -> dict[str, float]:
-    """scheme -> fraction (n, p)-extractable at `offset` (n: the largest computed), from sampled_extraction."""
+    """scheme -> fraction (n, p)-extractable at `offset` (n: the largest computed), of sampled_extraction."""
     at = result["offsets"].get(str(offset))
     if not at or not at["np"]:
         return {}

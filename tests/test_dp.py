@@ -16,8 +16,8 @@ from axonn.config import build
 from axonn.spawn import run_distributed
 from axonn.trainer import IGNORE_INDEX, Trainer
 from memorization.config import DPConfig, RunTrainerConfig
-from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.mitigations.dp_sgd import OpacusPrivacy, check_dp_grid
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import ConfigError
 
 V = 64

@@ -1,6 +1,6 @@
-"""DP-SGD with ghost clipping (memorization/mitigations/ghost_clipping.py, axonn/layers/per_example.py): per-row norms
-equal per-row backward passes and Opacus' per-sample clipping, the update equals Opacus' on the same
-rows, every grid equals the serial run, noise lands once per coordinate, bad input is refused."""
+"""DP-SGD with ghost clipping (memorization/mitigations/ghost_clipping.py, axonn/layers/per_example.py):
+per-row norms equal per-row backward passes and Opacus' per-sample clipping, the update equals Opacus' on
+the same rows, every grid equals the serial run, noise lands once per coordinate, bad input is refused."""
 from __future__ import annotations
 
 import pytest
@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from axonn.spawn import run_distributed
 from axonn.trainer import IGNORE_INDEX, Trainer
 from memorization.config import DPConfig, RunTrainerConfig
-from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorization.mitigations.dp_sgd import OpacusPrivacy
 from memorization.mitigations.ghost_clipping import GhostPrivacy
+from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 
 V = 64
 

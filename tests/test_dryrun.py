@@ -81,8 +81,8 @@ def test_memory_is_the_planners_model_of_the_built_model():
     from axonn.plan import load_shape
     from axonn.plan.memory import memory_breakdown
     from axonn.plan.volumes import Grid
-    from memorization.train.run_plan import planned_model_config
     from memorization.train.dryrun import dry_run
+    from memorization.train.run_plan import planned_model_config
 
     cfg = _cfg("trainer.activation_checkpointing=true", "trainer.micro_batch=1", "parallel_mode=paired")
     r = dry_run(cfg, world=4, grid="1,2,2,1")

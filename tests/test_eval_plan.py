@@ -8,8 +8,8 @@ from axonn.plan import get_hardware, load_shape
 from axonn.plan.evaluation import eval_memory, eval_time
 from axonn.plan.volumes import Grid
 from memorization.config import load_run_config
-from memorization.train.dryrun import dry_run
 from memorization.models import REPO_ROOT
+from memorization.train.dryrun import dry_run
 from memorize_core import ConfigError
 
 CONFIGS = REPO_ROOT / "configs" / "train"

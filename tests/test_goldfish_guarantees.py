@@ -24,7 +24,12 @@ from data_pipelines import (
     record_token_positions,
     tokenize_documents,
 )
-from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform, goldfish_labels, goldfish_mask
+from memorization.mitigations.goldfish import (
+    GoldfishConfig,
+    GoldfishTransform,
+    goldfish_labels,
+    goldfish_mask,
+)
 
 STRATEGIES = ("hash", "static")  # the two the experiments use; both are position-safe within a document
 K, H = 3, 5

@@ -7,8 +7,8 @@ import torch
 
 from data_pipelines.chat import ChatTokens, chat_blocks
 from data_pipelines.packing import pack, per_document
-from memorization.mitigations.goldfish import STRATEGIES, GoldfishConfig, GoldfishTransform
 from memorization.integrations.collator import GoldfishCollator, goldfish_batch
+from memorization.mitigations.goldfish import STRATEGIES, GoldfishConfig, GoldfishTransform
 from memorize_core import IGNORE_INDEX, ConfigError
 
 trl_sft = pytest.importorskip("trl.trainer.sft_trainer")

@@ -11,7 +11,12 @@ from axonn.plan import load_shape
 from axonn.plan.memory import Adapters, adapter_params, local_params, memory_breakdown
 from axonn.plan.volumes import Grid
 from axonn.swap import parallelize, trainable
-from memorization.mitigations.peft_lora import LoraSettings, apply_sharded_lora, lora_targets, planner_adapters
+from memorization.mitigations.peft_lora import (
+    LoraSettings,
+    apply_sharded_lora,
+    lora_targets,
+    planner_adapters,
+)
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)

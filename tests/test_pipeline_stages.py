@@ -9,9 +9,9 @@ import pytest
 from memorization.config import load_run_config
 from memorization.experiments.passes import train_with_passes
 from memorization.models import REPO_ROOT
+from memorization.report import read_metrics
 from memorization.train.pipeline import finish, run_training, start_run, train
 from memorization.train.prepare import prepare_data
-from memorization.report import read_metrics
 
 MICRO = [
     "data.limit=6", "data.vocab_size=300", "data.block_len=32", "data.min_tokens=16", "data.held_out_limit=4",

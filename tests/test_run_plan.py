@@ -1,5 +1,5 @@
-"""One resolved plan of a run (memorization.train.run_plan.plan_run): the grid a launched run takes is the grid
-its dry run prints, for every shipped config and launches of 1-8 processes here and 8 / 64 / 6,144
+"""One resolved plan of a run (memorization.train.run_plan.plan_run): the grid a launched run takes is the
+grid its dry run prints, for every shipped config and launches of 1-8 processes here and 8 / 64 / 6,144
 simulated; `auto` honours the run's micro-batch; a real 4-rank launch trains on the dry run's grid.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from axonn.spawn import run_ranks
-from memorization.train.run_plan import plan_run
 from memorization.config import load_run_config
 from memorization.train.dryrun import dry_run
 from memorization.train.prepare import prepare_data
+from memorization.train.run_plan import plan_run
 from memorize_core import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

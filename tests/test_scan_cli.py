@@ -17,8 +17,8 @@ import pytest
 from helpers import tiny_scan_folder
 
 from data_pipelines.token_sources import write_indexed
-from memorization.scan import scanner as scan_module
 from memorization.cli import main
+from memorization.scan import scanner as scan_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
