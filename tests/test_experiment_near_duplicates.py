@@ -42,6 +42,7 @@ def test_smallest_grid_end_to_end(tmp_path):
     assert len(list((tmp_path / "runs").iterdir())) == 3 * 2  # corpora (1, 3@0, 3@0.2) x strategies
     for r in rows:
         assert 0 <= r["exact_match_rate"] <= 1 and r["val_loss"] > 0
+        assert r["np_best"] is not None and 0 <= r["np_best"] <= 1  # (n, p) beside greedy
         if r["strategy"] == "none":
             assert r["suffix_coverage"] == 1.0
         else:

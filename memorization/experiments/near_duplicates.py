@@ -17,6 +17,7 @@ from typing import Any
 
 from data_pipelines import DuplicateSpec, inject, tokenize_documents
 from evals import extract
+from evals.probabilistic import np_rates, sampled_extraction
 from memorization.config import RunConfig
 from memorization.experiments.reporting import Outputs, Table, save
 from memorization.experiments.runner import Experiment, load_documents, say
@@ -25,12 +26,14 @@ from memorization.mitigations.coverage import audit, clusters_from_manifest
 from memorization.mitigations.goldfish import STRATEGIES
 from memorization.models import run_tokenizer
 from memorization.train.prepare import prepare_documents
+from memorization.train.run_plan import run_schemes
 from memorize_core import fail
 
 CHOICES = ("none",) + STRATEGIES  # none: standard loss
 COLUMNS = (
     ("strategy", "strategy", "{}"), ("copies", "copies", "{}"), ("edit_rate", "edit rate", "{:.0%}"),
     ("exact_match_rate", "EM", "{:.0%}"), ("rougeL", "RougeL", "{:.3f}"),
+    ("np_best", "(n=1000, p=0.5), best scheme", "{:.0%}"),
     ("single_copy_suffix", "one copy supervises", "{:.0%}"),
     ("suffix_coverage", "copies supervise", "{:.0%}"),
     ("fully_covered", "suffix 100%", "{}"), ("val_loss", "held-out loss", "{:.3f}"),
@@ -113,6 +116,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         corpora[(n, r)] = (data, clusters, spec)
     exp.check(run_configs(cfg), [corpora[(n, r)][0] for n, r in cells(cfg) for _ in cfg.strategies])
     gold = b.goldfish
+    schemes = run_schemes(b)  # (n, p) extraction of the originals beside greedy (evals/probabilistic.py)
     rows = []
     for n, r in cells(cfg):
         data, clusters, spec = corpora[(n, r)]
@@ -121,7 +125,11 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         def evaluate(model, run_dir, originals=originals) -> dict[str, Any]:
             res = extract(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix, tokenizer=tok,
                           batch_size=b.eval.batch_size)
-            return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res]}
+            beyond = sampled_extraction(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
+                                        schemes=schemes, ns=b.eval.np_ns, p=b.eval.np_p,
+                                        batch_size=b.eval.batch_size) if schemes else None
+            return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res],
+                    "np": np_rates(beyond) if beyond else {}}
 
         for strategy in cfg.strategies:
             rc = cell_config(cfg, strategy, n, r)
@@ -136,6 +144,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             rows.append({"name": rc.name, "strategy": strategy, "copies": n, "edit_rate": r,
                          "exact_match_rate": _mean([x["exact_match"] for x in ext]),
                          "rougeL": _mean([x["rougeL"] for x in ext]), "extracted_docs": len(ext),
+                         "np_best": max((v for k, v in (summary.get("np") or {}).items() if k != "greedy"),
+                                        default=None),
                          "suffix_coverage": cov["suffix_coverage"], "coverage": cov["coverage"],
                          "single_copy_suffix": cov["single_copy_suffix"],
                          "fully_covered": f"{cov['clusters_fully_covered']}/{len(clusters)}",
