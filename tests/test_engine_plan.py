@@ -213,7 +213,8 @@ def test_the_dry_run_reports_the_plan() -> None:
     from memorization.train.dryrun_report import format_report
 
     cfg = load_run_config(None, ["model.name=tiny", "data.vocab_size=320", "data.block_len=16",
-                                 "trainer.batch_size=8", "eval.extraction=false", "parallel_mode=paired"])
+                                 "data.min_tokens=16", "trainer.batch_size=8", "eval.extraction=false",
+                                 "parallel_mode=paired"])
     report = dry_run(cfg, world=2, grid="1,2,1,1")
     plan = report["plan"]
     layers = report["model"]["layers"]
