@@ -328,6 +328,13 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_coverage(args) -> int:
+    """Goldfish mask coverage of a corpus' duplicate clusters, without training."""
+    from memorization.mitigations.coverage import cmd_coverage as run  # deferred: see the module docstring
+
+    return run(args)
+
+
 def cmd_tasks(args) -> int:
     """List the bundled downstream tasks (or print their folder with --path)."""
     from data_pipelines.downstream import TASK_DIR, describe_tasks  # deferred: see the docstring
@@ -344,10 +351,7 @@ def cmd_tasks(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export,
-            "tasks": cmd_tasks, "scan": cmd_scan,
-            # deferred import: see the module docstring
-            "coverage": lambda args: __import__("memorization.mitigations.coverage",
-                                                fromlist=["cmd_coverage"]).cmd_coverage(args)}
+            "tasks": cmd_tasks, "scan": cmd_scan, "coverage": cmd_coverage}
 
 
 def _main_rank() -> bool:

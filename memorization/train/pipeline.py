@@ -91,9 +91,9 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
         return extract_pairs(model, data.prompts, data.responses, tokenizer=data.tokenizer,
                              batch_size=e.batch_size, doc_ids=data.train_doc_ids, progress=progress,
                              grid=grid)
-    return extract(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
-                   batch_size=e.batch_size, num_beams=e.num_beams, doc_ids=data.train_doc_ids,
-                   progress=progress, grid=grid)
+    return extract(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                   tokenizer=data.tokenizer, batch_size=e.batch_size, num_beams=e.num_beams,
+                   doc_ids=data.member_doc_ids, progress=progress, grid=grid)
 
 
 def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
@@ -108,9 +108,9 @@ def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     schemes = run_schemes(cfg)
     if data.is_chat or (not schemes and list(e.offsets) == [0]):
         return None
-    got = sampled_extraction(model, data.train_docs, prefix_len=e.prefix, suffix_len=e.suffix,
+    got = sampled_extraction(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
                              schemes=schemes, offsets=e.offsets, ns=e.np_ns, p=e.np_p,
-                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, grid=grid)
+                             batch_size=e.batch_size, doc_ids=data.member_doc_ids, grid=grid)
     per = {o: {k: v for k, v in r.items() if k != "rows"} for o, r in got["offsets"].items()}
     return {**got, "offsets": per}
 

@@ -49,9 +49,17 @@ class PreparedData:
     @property
     def member_docs(self) -> list[list[int]]:
         """The training documents without eval.audit's canaries: what extraction and MIA ask about."""
+        return [self.train_docs[j] for j in self._members()]
+
+    @property
+    def member_doc_ids(self) -> list[str]:
+        """The ids of `member_docs`, in the same order."""
+        return [self.train_doc_ids[j] for j in self._members()]
+
+    def _members(self) -> range | list[int]:
         if self.audit is None:
-            return self.train_docs
-        return [t for i, t in zip(self.train_doc_ids, self.train_docs) if not str(i).startswith("audit-")]
+            return range(len(self.train_docs))
+        return [j for j, i in enumerate(self.train_doc_ids) if not str(i).startswith("audit-")]
 
     @property
     def is_chat(self) -> bool:
