@@ -1,7 +1,7 @@
-"""Planner search: grid enumeration (hand-counted), divisibility of every answer, auto_grid."""
+"""Planner search: grid enumeration (hand-counted), divisibility of every answer, the one chooser."""
 import pytest
 
-from axonn.plan import auto_grid, load_shape, plan
+from axonn.plan import Train, choose_grid, get_hardware, load_shape, plan
 from axonn.plan.search import factorizations, valid_grids
 from axonn.plan.volumes import Grid
 from memorize_core import ConfigError
@@ -51,17 +51,18 @@ def test_easy_mode_needs_x_to_divide_ffn():
 
 
 @pytest.mark.parametrize("world", [1, 2, 8])
-def test_auto_grid_small_worlds(world):
-    g = auto_grid("tiny", world, 8, 128, 8, "h100")
+def test_the_chooser_small_worlds(world):
+    hw = get_hardware("h100")
+    g = choose_grid(load_shape("tiny"), world, 8, hw, Train(seq=128, batch=8)).grid
     assert len(g) == 4 and g[0] * g[1] * g[2] * g[3] == world
-    assert 8 % (g[2] * g[3]) == 0  # strict by default: the engine shards the batch evenly
-    assert auto_grid(load_shape("tiny"), 1, None, 128, 8, "h100") == (1, 1, 1, 1)
+    assert 8 % (g[2] * g[3]) == 0  # training is strict: the engine shards the batch evenly
+    assert choose_grid(load_shape("tiny"), 1, 8, hw, Train(seq=128, batch=8)).grid == (1, 1, 1, 1)
 
 
-def test_auto_grid_accepts_hf_config_dict():
+def test_the_chooser_accepts_an_hf_config_dict():
     cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
            "num_key_value_heads": 8, "intermediate_size": 128, "vocab_size": 128}
-    g = auto_grid(cfg, 8, 8, 16, 8, "h100")
+    g = choose_grid(load_shape(cfg), 8, 8, get_hardware("h100"), Train(seq=16, batch=8)).grid
     assert g[0] * g[1] * g[2] * g[3] == 8
 
 

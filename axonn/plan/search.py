@@ -134,14 +134,3 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
 def runnable_batch(rows: list[Prediction], global_batch: int) -> int:
     """The smallest global batch >= `global_batch` that some listed grid's z*data divides."""
     return min(-(-global_batch // (r.z * r.data)) * r.z * r.data for r in rows)
-
-
-def auto_grid(hf_config_or_shape: Any, world_size: int, gpus_per_node: int | None, seq: int,
-              global_batch: int, hardware: Any = "local", *,
-              strict: bool = True) -> tuple[int, int, int, int]:
-    """The predicted-fastest (x, y, z, data) that fits, for `--grid auto` in the trainer.
-
-    strict by default: an engine that asserts exact Z splits and even batches can run the answer.
-    """
-    return plan(hf_config_or_shape, world_size, gpus_per_node, seq, global_batch, hardware,
-                strict=strict)[0].grid
