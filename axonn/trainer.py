@@ -47,6 +47,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_precision(precision: str, device_type: str) -> str:
+    """The activation precision a run computes in: `auto` is bf16 autocast on CUDA, fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient norm."""
 
@@ -109,7 +116,7 @@ class Trainer:
             self.optimizer,
             lambda s: lr_lambda(s, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
         self.state = TrainState()
-        use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.device.type == "cuda")
+        use_bf16 = resolve_precision(cfg.precision, self.device.type) == "bf16"
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
 

@@ -57,7 +57,7 @@ def run_vocab(name: str, tokenizer_spec: str, target: int, ids: int) -> int:
 @contextlib.contextmanager
 def quiet_config():
     """transformers' config validation logs nothing in the block (a vocab_size of 0 makes it warn about
-    every special token id): the sizes are checked by us (train.fits.check_shape), in one line."""
+    every special token id): the sizes are checked by us (axonn.plan.fits.check_shape), in one line."""
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:

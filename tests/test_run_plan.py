@@ -13,6 +13,7 @@ import pytest
 from axonn.spawn import run_ranks
 from memorization.config import load_run_config
 from memorization.train.dryrun import dry_run
+from memorization.train.parallel import Launch
 from memorization.train.prepare import prepare_data
 from memorization.train.run_plan import plan_run
 from memorize_core import ConfigError
@@ -91,6 +92,49 @@ def test_the_plan_holds_the_runs_decisions(tmp_path):
     assert "extraction.jsonl" not in plan.files and "run.json" in plan.files
     assert plan.eval_batch == cfg.eval.batch_size and plan.micro_batches * plan.micro_batch == 8
     assert not (tmp_path / "out").exists()
+
+
+
+
+@pytest.mark.parametrize("overrides,hardware,want", [
+    # precision auto: fp32 on the CPU profile, bf16 on a GPU preset (the LoRA base is frozen in it)
+    ([], "local", dict(precision="fp32", engine=False, stream_weights=False, sharded_lora=False)),
+    (["trainer.precision=auto"], "h100", dict(precision="bf16")),
+    (["trainer.precision=fp32"], "h100", dict(precision="fp32")),
+    # LoRA on a tensor split adapts the engine's shards; at 1,1,1,D peft's plain modules stay
+    (["grid=1,2,1,1", "model.lora.enabled=true"], "local",
+     dict(engine=True, sharded_lora=True, lora_targets={"q_proj", "k_proj", "v_proj", "o_proj"})),
+    (["grid=1,1,1,2", "model.lora.enabled=true"], "local", dict(engine=False, sharded_lora=False)),
+    # Opacus' per-sample DP-SGD keeps the HF modules; ghost clipping runs on the engine's layers
+    (["grid=1,1,1,2", "trainer.dp.enabled=true", "trainer.dp.clipping=per_sample",
+      "trainer.dp.noise_multiplier=1"], "local", dict(engine=False, per_sample=True)),
+    (["grid=1,1,1,2", "trainer.dp.enabled=true", "trainer.dp.noise_multiplier=1"], "local",
+     dict(engine=True, per_sample=False)),
+])
+def test_the_plan_decides_how_the_run_is_built(overrides, hardware, want):
+    """start_run builds what the plan says (precision, LoRA's kind and targets, the engine, streamed
+    weights) and decides none of it again; the dry run reads the same fields."""
+    cfg = load_run_config(str(ROOT / "configs/train/tiny-wiki.yaml"),
+                          ["eval.mia=false", "eval.extraction=false", *overrides])
+    world = 1 if cfg.grid in ("", "1,1,1,1", "auto") else 2
+    plan = plan_run(cfg, launch=Launch(world, world, hardware), here=False)
+    for key, value in want.items():
+        got = getattr(plan, key)
+        if key == "lora_targets":
+            assert {t.rpartition(".")[2] for t in got} == value and "model.layers.0.self_attn.q_proj" in got
+        else:
+            assert got == value, (key, got)
+    assert plan.trainer.precision == plan.precision  # the Trainer is handed the resolved precision
+
+
+def test_a_pretrained_model_on_the_engine_streams_its_weights(monkeypatch):
+    monkeypatch.setattr("memorization.train.run_plan.is_pretrained", lambda name: True)
+    for spec in ("1,2,1,1", "1,1,1,2"):  # data parallel through the engine loads per rank too
+        cfg = load_run_config(str(ROOT / "configs/train/tiny-wiki.yaml"), ["eval.mia=false", f"grid={spec}"])
+        plan = plan_run(cfg, launch=Launch(2, 2, "local"), here=False)
+        assert plan.engine and plan.stream_weights, spec
+    plan = plan_run(cfg, launch=Launch(1, 1, "local"), here=False, spec="1,1,1,1")
+    assert not plan.engine and not plan.stream_weights  # serial: the HF model loads its weights itself
 
 
 def _train_rank(rank: int, world: int, config: str, out: str, overrides: list[str]) -> None:

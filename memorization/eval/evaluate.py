@@ -22,6 +22,7 @@ from typing import Any
 
 from axonn.config import MAX_ROWS
 from axonn.inference import keep_gathered
+from axonn.plan.fits import check_fits, check_shape
 from evals import ExtractionResult, to_jsonl
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
@@ -40,7 +41,6 @@ from memorization.eval.sections import (
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs
-from memorization.train.fits import check_fits, check_shape
 from memorization.train.parallel import eval_grid, eval_mode
 from memorize_core import fail
 

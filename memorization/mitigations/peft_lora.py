@@ -55,6 +55,10 @@ NOTE = "lora.json"  # what the adapter was trained on, next to the exported mode
 PEFT_PREFIX = "base_model.model."  # peft's wrapper modules, in front of every name of a peft model
 
 
+# peft's usual choice for Llama-family attention: every projection of every attention block
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
 @dataclass
 class LoraSettings:
     """LoRA adapters (peft): rank, scale alpha/r, dropout, which modules, and what to export."""
@@ -65,7 +69,7 @@ class LoraSettings:
     dropout: float = 0.0
     # module names (peft matches a name or a dotted suffix), one regex string, or "all-linear"
     # (every linear layer but the LM head)
-    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[str] | str = field(default_factory=DEFAULT_TARGETS.copy)
     export: str = "merged"  # merged: a plain HF folder; adapter: peft's adapter folder
 
     def validate(self, prefix: str = "model.lora") -> None:
@@ -232,11 +236,10 @@ def apply_sharded_lora(model: torch.nn.Module, settings: LoraSettings, targets: 
     return add_lora(model, targets, settings.r, settings.alpha, dropout=settings.dropout, seed=seed)
 
 
-def frozen_dtype(precision: str, device_type: str) -> torch.dtype | None:
-    """The dtype a LoRA run loads its frozen base in: bf16 where the run computes in bf16 (trainer
-    precision bf16, or auto on a GPU), else None (as built: fp32)."""
-    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
-    return torch.bfloat16 if bf16 else None
+def frozen_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a LoRA run loads its frozen base in, given the run's resolved precision (the plan's):
+    bf16 where the run computes in bf16, else None (as built: fp32)."""
+    return torch.bfloat16 if precision == "bf16" else None
 
 
 def planner_adapters(settings: LoraSettings, serial: torch.nn.Module, precision: str) -> Adapters:

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from axonn.config import MAX_ROWS
 from axonn.inference import keep_gathered
+from axonn.plan.fits import check_fits, check_shape
 from data_pipelines.inject import Manifest
 from data_pipelines.scan_windows import (
     Selection,
@@ -66,7 +67,6 @@ from memorization.scan.parts import (
 from memorization.scan.sizing import scan_grid
 from memorization.scan.summary import build_report, dumps, markdown, plot
 from memorization.tracking import WandbSink
-from memorization.train.fits import check_fits, check_shape
 from memorization.train.parallel import Launch, eval_grid, eval_mode
 from memorize_core import ConfigError, fail
 

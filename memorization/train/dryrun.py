@@ -35,10 +35,10 @@ from axonn.swap import parallelize, trainable
 from data_pipelines.corpora import CORPORA
 from memorization.config import RunConfig, load_run_config
 from memorization.experiments import load_experiment
-from memorization.mitigations.peft_lora import apply_sharded_lora, lora_targets
+from memorization.mitigations.peft_lora import apply_sharded_lora
 from memorization.models import meta_model
 from memorization.train.dryrun_report import format_report
-from memorization.train.parallel import Launch, head_setting, memory_fix, precision_for, run_adapters
+from memorization.train.parallel import Launch, head_setting, memory_fix, run_adapters
 from memorization.train.prepare import prepare_data
 from memorization.train.run_plan import plan_run, planned_model_config
 from memorize_core import ConfigError, fail
@@ -135,13 +135,12 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     data, data_note = plan_data(cfg, data)
     hf_config, weights, vocab_source = planned_model_config(cfg)
     shape = dataclasses.replace(load_shape(hf_config), name=cfg.model.name)
-    precision = precision_for(t.precision, hw)
     serial = meta_model(hf_config)
     # the run's own plan (memorization.train.run_plan.plan_run): the grid the launch takes, every refusal the
     # launched run would make, with the same line
     run_plan = plan_run(cfg, data, launch=Launch(world, gpn, hardware, headroom), spec=grid,
                         model_config=hf_config, out=out, overwrite=overwrite, resume=resume, model=serial)
-    dims, chosen_by = run_plan.dims, run_plan.chosen_by
+    dims, chosen_by, precision = run_plan.dims, run_plan.chosen_by, run_plan.precision
     accum, mb = run_plan.micro_batches, run_plan.micro_batch  # batch over Z x data, micro-batches
     g = Grid(*dims)
 
@@ -154,8 +153,8 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     weights_info = check_pretrained(model, weights) if weights is not None else None
     adapters, trained = run_adapters(cfg, hf_config, precision), None
     if adapters is not None:  # the run's adapters on this grid's shards: what the rank trains
-        targets = lora_targets(meta_model(hf_config), cfg.model.lora)
-        trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora, targets)))
+        trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora,
+                                                                       run_plan.lora_targets)))
 
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
     # the LM head as the launched trainer runs it (memorization.train.parallel.head_setting; a model whose

@@ -29,7 +29,7 @@ from axonn.plan.choose import choose_grid as choose
 from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
 from axonn.plan.volumes import Grid, default_mode
-from axonn.trainer import resolve_device
+from axonn.trainer import resolve_device, resolve_precision
 from memorization.mitigations.peft_lora import planner_adapters
 from memorization.models import meta_model
 from memorize_core import ConfigError, fail
@@ -103,10 +103,17 @@ class Launch:
 
 
 def precision_for(trainer_precision: str, hw: Any) -> str:
-    """The activation precision the run will use: auto is bf16 on GPUs, fp32 on the CPU profile."""
-    if trainer_precision != "auto":
-        return trainer_precision
-    return "fp32" if hw.name.startswith("local") else "bf16"
+    """The activation precision a run on hardware preset `hw` computes in (axonn.trainer's rule: auto is
+    bf16 on GPUs, fp32 on the CPU profile)."""
+    return resolve_precision(trainer_precision, "cpu" if hw.name.startswith("local") else "cuda")
+
+
+def run_device_type(cfg: RunConfig, launch: Launch, here: bool) -> str:
+    """The device type the run computes on: this machine's trainer.device for a launch here, else the
+    launch's hardware (the CPU profile `local`, any preset a GPU)."""
+    if here:
+        return resolve_device(cfg.trainer.device).type
+    return "cpu" if str(getattr(launch.hardware, "name", launch.hardware)).startswith("local") else "cuda"
 
 
 def memory_fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:

@@ -25,6 +25,7 @@ from axonn.config import to_dict
 from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
 from axonn.hooks import Callback
+from axonn.plan.fits import check_shape
 from axonn.sinks import JsonlSink
 from axonn.state import load_pretrained
 from axonn.swap import parallelize
@@ -41,21 +42,16 @@ from memorization.mitigations.peft_lora import (
     apply_sharded_lora,
     export_lora,
     frozen_dtype,
-    lora_targets,
-    tensor_split,
 )
 from memorization.models import (
     build_model,
     count_params,
-    is_pretrained,
-    meta_model,
     pretrained_config,
     resolve_model_dir,
     trainable_params,
 )
 from memorization.outputs import remove_entries
 from memorization.tracking import WandbSink
-from memorization.train.fits import check_shape
 from memorization.train.parallel import is_main_process, resolve_grid
 from memorization.train.prepare import PreparedData, documents_record, mia_sets, prepare_data
 from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
@@ -200,35 +196,25 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     plan = plan_run(cfg, data, spec=grid_spec, grid=grid, out=out, overwrite=overwrite,
                     resume=resume)  # every decision and refusal; nothing built or written yet
     ckpt = plan.checkpoint
-    distributed = plan.distributed
-    # On a grid, pretrained weights stream from the safetensors files into each rank's shards: the
-    # model is built on the meta device, so no rank ever holds the whole model.
-    # Opacus' per-sample gradients (trainer.dp.clipping=per_sample) need the plain HF modules; LoRA on
-    # a tensor-split grid adapts the engine's sharded layers (lora.py), at 1,1,1,D it is peft's
-    per_sample = cfg.trainer.dp.enabled and cfg.trainer.dp.clipping == "per_sample"
-    sharded_lora = lora.enabled and tensor_split(plan.dims)
-    stream = distributed and not cfg.model.random_init and is_pretrained(cfg.model.name) \
-        and (not lora.enabled or sharded_lora) and not per_sample
+    # streamed weights: built on the meta device, each rank loads its shards (no rank holds them all)
     model = build_model(cfg.model.name, vocab_size=plan.model_config.vocab_size, seed=cfg.seed,
-                        overrides=cfg.model.overrides, random_init=cfg.model.random_init, meta=stream)
+                        overrides=cfg.model.overrides, random_init=cfg.model.random_init,
+                        meta=plan.stream_weights)
     grid = resolve_grid(cfg, plan.dims, distributed=plan.distributed, grid=grid)  # the grid from here on
     if lora.enabled:  # the frozen base in its load dtype: bf16 where the run computes in bf16
-        dtype = frozen_dtype(cfg.trainer.precision, grid.device.type)
+        dtype = frozen_dtype(plan.precision)
         model = model.to(dtype) if dtype is not None else model
-    if lora.enabled and not sharded_lora:
+    if lora.enabled and not plan.sharded_lora:
         model = apply_lora(model, lora, seed=cfg.seed)  # peft keeps its adapters in fp32 over a bf16 base
-    tcfg = effective_trainer(cfg)
+    tcfg = plan.trainer
     privacy = (make_privacy(tcfg, len(data.train), grid=grid, sigma=plan.noise_multiplier)
                if cfg.trainer.dp.enabled else None)
-    # A serial run keeps the plain HF model; peft's LoRA and per-sample DP-SGD at 1,1,1,D: data-parallel,
-    # unswapped (lora.py, privacy.py); ghost-clipped DP-SGD runs on the engine's layers (privacy_ghost.py)
-    if grid.distributed and (not lora.enabled or sharded_lora) and not per_sample:
-        targets = lora_targets(meta_model(plan.model_config), lora) if sharded_lora else []
+    if plan.engine:  # the engine's layers (plain HF modules stay for peft at 1,1,1,D and per-sample DP)
         model = parallelize(model, grid, mode=cfg.parallel_mode)
-        if stream:
+        if plan.stream_weights:
             load_pretrained(model, resolve_model_dir(cfg.model.name))
-        if sharded_lora:  # after the load: the base's names are still the serial model's there
-            model = apply_sharded_lora(model, lora, targets, seed=cfg.seed)
+        if plan.sharded_lora:  # after the load: the base's names are still the serial model's there
+            model = apply_sharded_lora(model, lora, plan.lora_targets, seed=cfg.seed)
     tcfg = replace(tcfg, progress=tcfg.progress and progress)  # never mutate the caller's config
     tok, out_dir = data.tokenizer, Path(out)
     trainer = Trainer(model, tcfg, data.train, eval_data=data.held_out,

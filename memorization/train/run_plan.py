@@ -43,13 +43,21 @@ from axonn import checkpoint
 from axonn.compile import resolve as compile_resolve
 from axonn.grid import ProcessGrid, validate_grid_for_model
 from axonn.lm_head import LossHead
-from axonn.trainer import resolve_device
+from axonn.plan.fits import check_shape
+from axonn.trainer import resolve_device, resolve_precision
 from data_pipelines import load_tokenizer
 from memorization.config import RunConfig
 from memorization.mitigations.dp_sgd import check_dp, check_dp_grid
-from memorization.mitigations.peft_lora import apply_lora, check_lora_resume, check_lora_run, tensor_split
+from memorization.mitigations.peft_lora import (
+    apply_lora,
+    check_lora_resume,
+    check_lora_run,
+    lora_targets,
+    tensor_split,
+)
 from memorization.models import (
     check_tokenizer,
+    is_pretrained,
     meta_model,
     pretrained_config,
     reason,
@@ -61,8 +69,7 @@ from memorization.models import (
 )
 from memorization.models import model_config as memorization_model_config
 from memorization.outputs import check_inputs, check_writable, existing_entries
-from memorization.train.fits import check_shape
-from memorization.train.parallel import Dims, Launch, check_memory, run_dims
+from memorization.train.parallel import Dims, Launch, check_memory, run_device_type, run_dims
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
@@ -94,6 +101,14 @@ class RunPlan:
     files: tuple[str, ...] = ()
     data_checked: bool = False
     distributed: bool = False  # through the engine: several processes, a grid that splits, or a given one
+    # how the run is built (start_run reads these and decides nothing again)
+    trainer: Any = None  # the effective TrainerConfig: goldfish's budget, precision and compile resolved
+    precision: str = "fp32"  # bf16 or fp32: trainer.precision (auto) on the launch's device
+    per_sample: bool = False  # Opacus' per-sample DP-SGD: the plain HF modules, data parallel
+    sharded_lora: bool = False  # LoRA on the engine's sharded layers (a tensor split), else peft's
+    lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts (serial names), when LoRA is on
+    engine: bool = False  # the model's layers swapped for the engine's (parallelize) on its grid
+    stream_weights: bool = False  # pretrained weights stream from safetensors into each rank's shards
 
 
 
@@ -130,11 +145,35 @@ def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, 
     if here and chosen_by == "--grid":  # an explicit grid launched here must fit a known GPU (auto does)
         check_memory(cfg, model_config, dims, launch)
     checked = check_run(cfg, data, dims, world=launch.world, model_config=model_config, out=out,
-                        overwrite=overwrite, resume=resume, model=model, here=here)
+                        overwrite=overwrite, resume=resume, model=model)
     distributed = grid.distributed if grid is not None else launch.world > 1 or dims != (1, 1, 1, 1)
     return replace(checked, chosen_by=chosen_by, launch=launch, distributed=distributed,
                    eval_batch=cfg.eval.batch_size, files=run_files(cfg),
-                   data_checked=data is not None and not isinstance(data, int))
+                   data_checked=data is not None and not isinstance(data, int),
+                   **build_plan(cfg, dims, model_config, distributed=distributed,
+                                device_type=run_device_type(cfg, launch, here), here=here))
+
+
+def build_plan(cfg: RunConfig, dims: Dims, model_config: Any, *, distributed: bool, device_type: str,
+               here: bool) -> dict[str, Any]:
+    """How the run is built on its grid (RunPlan's build fields): precision, compile, LoRA's kind and
+    targets, whether the engine's layers and streamed weights are used."""
+    t, lora = cfg.trainer, cfg.model.lora
+    precision = resolve_precision(t.precision, device_type)
+    compile_ = t.compile
+    if here:  # what only this machine answers; a DP-SGD hook keeps auto eager (the Trainer's rule)
+        compile_ = compile_resolve(t.compile if not t.dp.enabled or t.compile is True else False,
+                                   resolve_device(t.device))
+    per_sample = t.dp.enabled and t.dp.clipping == "per_sample"
+    sharded = lora.enabled and tensor_split(dims)
+    # peft's LoRA at 1,1,1,D and Opacus' per-sample DP-SGD keep the plain HF modules, data parallel
+    engine = distributed and (not lora.enabled or sharded) and not per_sample
+    return {"trainer": replace(effective_trainer(cfg), precision=precision, compile=compile_),
+            "precision": precision, "per_sample": per_sample, "sharded_lora": sharded,
+            "lora_targets": tuple(lora_targets(meta_model(model_config), lora)) if lora.enabled else (),
+            "engine": engine,
+            # a pretrained model on the engine's layers loads shard by shard: no rank holds it whole
+            "stream_weights": engine and not cfg.model.random_init and is_pretrained(cfg.model.name)}
 
 
 def effective_trainer(cfg: RunConfig):
@@ -151,7 +190,7 @@ def effective_trainer(cfg: RunConfig):
 
 def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, model_config: Any,
               out: str | Path | None = None, overwrite: bool = False, resume: str | None = None,
-              model: torch.nn.Module | None = None, here: bool = False) -> RunPlan:
+              model: torch.nn.Module | None = None) -> RunPlan:
     """Every refusal of the run `cfg` on grid `dims` over `world` processes; ConfigError on the first
     (plan_run's refusals once the grid is known).
 
@@ -169,9 +208,9 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
-    check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims, here=here)
+    check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims)
     run_schemes(cfg)
-    sigma = check_dp(effective_trainer(cfg), rows, dims, model_config)
+    sigma = check_dp(effective_trainer(cfg), rows, dims, model_config) if cfg.trainer.dp.enabled else None
     mia = None
     if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents
         members, nonmembers = mia_sets(cfg, data)
@@ -276,8 +315,10 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
     """X*Y*Z*D = the processes, LoRA / DP-SGD grids, the model's shapes, the batch split; returns
     (micro-batches per step, rows per rank per micro-batch)."""
     x, y, z, d = dims
-    check_lora_run(cfg, dims)  # dropout on a tensor split, or an adapter export without a base on disk
-    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: per_sample serial or 1,1,1,D only
+    if cfg.model.lora.enabled:  # dropout on a tensor split, or an adapter export without a base on disk
+        check_lora_run(cfg, dims)
+    if cfg.trainer.dp.enabled:  # DP-SGD: per_sample serial or 1,1,1,D only
+        check_dp_grid(cfg.trainer.dp, dims)
     if x * y * z * d != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
                    f"process(es); launch {x * y * z * d} (torchrun --nproc-per-node {x * y * z * d}, or "
@@ -288,10 +329,9 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
 
 # -- 4. the model ----------------------------------------------------------------------------------
 def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = None,
-                model: torch.nn.Module | None = None, dims: Dims | None = None, here: bool = False) -> None:
+                model: torch.nn.Module | None = None, dims: Dims | None = None) -> None:
     """What only the model's structure answers (on a meta copy: no weights, no storage); `dims` is the
-    run's grid (a LoRA checkpoint resumes at a grid of its own kind); `here`: the run launches on
-    this machine (check_trainer)."""
+    run's grid (a LoRA checkpoint resumes at a grid of its own kind)."""
     lora, t = cfg.model.lora, cfg.trainer
     check_shape("model.name", cfg.model.name, model_config)  # before a meta build of 10^9 layers
     if model is None:
@@ -309,20 +349,17 @@ def check_model(cfg: RunConfig, model_config: Any, *, checkpoint: Path | None = 
             model = apply_lora(_meta(cfg, shape), lora, seed=cfg.seed)
         if dims is None or not tensor_split(dims):
             trains = model
-    check_trainer(cfg, trains, here=here)
+    check_trainer(cfg, trains)
     if checkpoint is not None:
         check_resume_fits(checkpoint, model, dims=dims if lora.enabled else None)
 
 
-def check_trainer(cfg: RunConfig, model: torch.nn.Module, *, here: bool) -> None:
-    """The Trainer's own refusals, made here so that they come before OUT is touched (and in a dry
-    run): the chunked LM head on this model and hook, and, for a launch on this machine (`here`),
-    `trainer.compile=true` where torch.compile has no code generator."""
+def check_trainer(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """The Trainer's own refusal, made here so that it comes before OUT is touched (and in a dry run):
+    the chunked LM head on this model and hook (compile's: build_plan)."""
     t = cfg.trainer
     # a DP-SGD hook watches the head as a module (per-example hooks): the Trainer's hook_ok
     LossHead(model, ProcessGrid.serial(device="cpu"), t.loss_chunk, hook_ok=not t.dp.enabled)
-    if here and t.compile is True:
-        compile_resolve(True, resolve_device(t.device))
 
 
 def _meta(cfg: RunConfig, model_config: Any) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from axonn.plan import load_shape
+from axonn.plan.shapes import load_shape
 from memorize_core import ConfigError, fail
 
 GiB = 2**30
