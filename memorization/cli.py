@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a research experiment (configs/experiments/NAME.yaml)")
     r.add_argument("config", help="experiment YAML, e.g. configs/experiments/goldfish-extreme.yaml")
     r.add_argument("--out", default=None, help="output folder (default runs/<experiment name>)")
+    r.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="plan every sub-run here, then start the experiment on N local processes with "
+                        "torchrun (one line and exit 2 if a plan refuses, nothing started)")
     r.add_argument("overrides", nargs="*", help="config overrides key=value")
     _add_common(r)
     _add_dry_run(r)
@@ -321,6 +324,11 @@ def cmd_run(args) -> int:
         from memorization.train.dryrun import cli_dry_run  # deferred: see the module docstring
 
         return cli_dry_run(args, "run")
+    if args.nproc_per_node is not None:
+        from memorization.train.launcher import launch_experiment  # deferred: see the module docstring
+
+        return launch_experiment(args.config, list(args.overrides), args.argv, nproc=args.nproc_per_node,
+                                 out=args.out, grid=args.grid)
     from memorization.experiments import run_experiment  # deferred: see the module docstring
 
     run_experiment(args.config, out=args.out, overrides=args.overrides, overwrite=args.overwrite,

@@ -63,3 +63,31 @@ def test_a_planned_launch_trains_on_two_ranks(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "run.json").read_text())["summary"]
     assert summary["grid"] == "1,1,1,2" and summary["steps"] == 2
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["--grid", "3,1,1,1"], "--grid"),  # every arm's grid is checked against the 2 processes
+    (["base.model.lora.enabled=true", "base.model.lora.r=0"], "model.lora.r"),
+])
+def test_a_refused_experiment_launch_is_one_line_and_starts_nothing(capsys, tmp_path, monkeypatch, overrides,
+                                                                    field):
+    """`memorize run CONFIG --nproc-per-node N` plans every sub-run in this process first."""
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: started.append(a) or 0)
+    capsys.readouterr()
+    code = main(["run", str(ROOT / "configs/experiments/goldfish-extreme.yaml"), "--out", str(tmp_path / "out"),
+                 "--nproc-per-node", "2", "base.data.limit=12", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and field in err, err
+    assert not started and not (tmp_path / "out").exists()
+
+
+def test_a_planned_experiment_launch_hands_its_arguments_to_torchrun(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    argv = ["run", str(ROOT / "configs/experiments/goldfish-extreme.yaml"), "--out", str(tmp_path / "out"),
+            "--nproc-per-node", "2", "--grid", "1,1,1,2", "base.data.limit=12"]
+    assert main(argv) == 0
+    (cmd,) = started
+    assert cmd[cmd.index("-m", 3) + 1:] == ["memorization", *without_flag(argv, "--nproc-per-node")]
+    assert "--nproc-per-node=2" in cmd and not (tmp_path / "out").exists()
