@@ -34,10 +34,13 @@ from common import SMALL, report, write  # common puts the checkout on sys.path
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines.scan_windows import Selection, windows  # noqa: E402
-from data_pipelines.token_sources import open_source, write_indexed  # noqa: E402
+from data_pipelines.token_sources import open_source  # noqa: E402
 from evals.sampling import DEFAULT_SCHEMES  # noqa: E402
 from memorization.models import folder_tokenizer, smollm2_dir  # noqa: E402
 from memorization.scan.scanner import ScanOptions, run_scan  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import write_indexed  # noqa: E402 - the tests' writer of an indexed corpus
 
 
 def model_folder(name: str, root: Path) -> Path:

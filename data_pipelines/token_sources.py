@@ -128,26 +128,6 @@ def read_index(idx_path: str | Path, field_name: str = "--data") -> IndexHeader:
     return IndexHeader(IDX_DTYPES[code], sizes, pointers, doc_idx)
 
 
-def write_indexed(prefix: str | Path, documents: list[list[int]],
-                  dtype: Any = np.uint16) -> tuple[Path, Path]:
-    """Write documents as NAME.bin + NAME.idx in the indexed format (one sequence per document)."""
-    dt = np.dtype(dtype)
-    code = next(c for c, d in IDX_DTYPES.items() if d == dt)
-    prefix = Path(prefix)
-    bin_path, idx_path = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
-    sizes = np.array([len(d) for d in documents], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) * dt.itemsize)[:-1]]).astype(np.int64)
-    with open(bin_path, "wb") as f:
-        for d in documents:
-            f.write(np.asarray(d, dtype=dt).tobytes())
-    doc_idx = np.arange(len(documents) + 1, dtype=np.int64)
-    with open(idx_path, "wb") as f:
-        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code))
-        f.write(struct.pack("<QQ", len(documents), len(doc_idx)))
-        f.write(sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
-    return bin_path, idx_path
-
-
 def _indexed(spec: str, bin_path: Path, idx_path: Path, dtype: str | None) -> TokenSource:
     head = read_index(idx_path)
     _same_dtype(spec, dtype, head.dtype, f"its {idx_path.name} header")
@@ -405,4 +385,4 @@ def open_source(spec: str, *, tokenizer: Any = None, dtype: str | None = None, c
 
 
 __all__ = ["IDX_DTYPES", "IndexHeader", "TokenSource", "check_spec", "in_memory", "index_pair", "open_source",
-           "read_index", "write_indexed"]
+           "read_index"]

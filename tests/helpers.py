@@ -4,11 +4,17 @@ Test modules import these from here (never from each other), so each test file s
 """
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from axonn.config import TrainerConfig
 from axonn.trainer import Trainer
+from data_pipelines.token_sources import IDX_DTYPES, IDX_MAGIC
 from memorization.mitigations.goldfish import GoldfishConfig, GoldfishTransform
 from memorize_core import IGNORE_INDEX
 
@@ -128,7 +134,6 @@ def tiny_scan_folder(root):
     import numpy as np
 
     from data_pipelines.inject import Manifest
-    from data_pipelines.token_sources import write_indexed
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -141,3 +146,24 @@ def tiny_scan_folder(root):
     write_indexed(root / "corpus", docs, np.uint16)
     Manifest(seed=0, num_base_documents=38, num_documents=40, items=[]).to_json(root / "manifest.json")
     return root
+
+
+def write_indexed(prefix: str | Path, documents: list[list[int]],
+                  dtype: Any = np.uint16) -> tuple[Path, Path]:
+    """Write documents as NAME.bin + NAME.idx in the indexed format (one sequence per document): the
+    Megatron files `memorize scan --data` reads (data_pipelines/token_sources.py)."""
+    dt = np.dtype(dtype)
+    code = next(c for c, d in IDX_DTYPES.items() if d == dt)
+    prefix = Path(prefix)
+    bin_path, idx_path = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
+    sizes = np.array([len(d) for d in documents], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64) * dt.itemsize)[:-1]]).astype(np.int64)
+    with open(bin_path, "wb") as f:
+        for d in documents:
+            f.write(np.asarray(d, dtype=dt).tobytes())
+    doc_idx = np.arange(len(documents) + 1, dtype=np.int64)
+    with open(idx_path, "wb") as f:
+        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code))
+        f.write(struct.pack("<QQ", len(documents), len(doc_idx)))
+        f.write(sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+    return bin_path, idx_path

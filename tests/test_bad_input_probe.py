@@ -8,13 +8,12 @@ import shlex
 
 import numpy as np
 import pytest
-from helpers import TINY, tiny_model, tiny_scan_folder
+from helpers import TINY, tiny_model, tiny_scan_folder, write_indexed
 from test_overwrite_safety import tree
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from axonn.config import apply_overrides
 from data_pipelines import load_corpus, load_tokenizer
-from data_pipelines.token_sources import write_indexed
 from memorization.cli import main
 from memorization.config import load_run_config
 from memorization.eval.membership import FIX_SPLIT

@@ -75,8 +75,9 @@ def test_a_refused_experiment_launch_is_one_line_and_starts_nothing(capsys, tmp_
     started = []
     monkeypatch.setattr(subprocess, "call", lambda *a, **k: started.append(a) or 0)
     capsys.readouterr()
-    code = main(["run", str(ROOT / "configs/experiments/goldfish-extreme.yaml"), "--out", str(tmp_path / "out"),
-                 "--nproc-per-node", "2", "base.data.limit=12", *overrides])
+    exp = str(ROOT / "configs/experiments/goldfish-extreme.yaml")
+    code = main(["run", exp, "--out", str(tmp_path / "out"), "--nproc-per-node", "2", "base.data.limit=12",
+                 *overrides])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and field in err, err
     assert not started and not (tmp_path / "out").exists()

@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from helpers import tiny_scan_folder
+from helpers import tiny_scan_folder, write_indexed
 
-from data_pipelines.token_sources import write_indexed
 from memorization.cli import main
 from memorization.scan import scanner as scan_module
 

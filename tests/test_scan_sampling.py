@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import write_indexed
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from data_pipelines.token_sources import write_indexed
 from evals.sampling import DEFAULT_SCHEMES, np_summary, parse_schemes
 from evals.scan import score_windows
 from memorization.cli import main

@@ -7,10 +7,11 @@ import struct
 
 import numpy as np
 import pytest
+from helpers import write_indexed
 
 from data_pipelines import load_corpus, load_tokenizer
 from data_pipelines.scan_windows import Selection, WindowStats, parse_offsets, windows
-from data_pipelines.token_sources import IDX_MAGIC, open_source, read_index, write_indexed
+from data_pipelines.token_sources import IDX_MAGIC, open_source, read_index
 from memorize_core import ConfigError
 
 DOCS = [[5, 6, 7, 8, 9, 10, 11], [300, 301], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [65535, 0, 42, 7]]
