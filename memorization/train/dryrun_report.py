@@ -44,7 +44,9 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     best = r["planner_best"]
     if best and best["grid"] != [g["x"], g["y"], g["z"], g["data"]]:
-        lines.append(f"  planner    fastest for {g['world']} GPUs: --grid {','.join(map(str, best['grid']))} "
+        # another objective than the chosen grid's: training speed alone, micro-batch and checkpointing free
+        lines.append(f"  planner    objective train, micro-batch free: fastest for {g['world']} GPUs: --grid "
+                     f"{','.join(map(str, best['grid']))} "
                      f"trainer.micro_batch={best['micro_batch']} trainer.activation_checkpointing="
                      f"{str(best['activation_checkpointing']).lower()} ({best['step_s']:.3g} s/step)")
     ev = r.get("evaluation")
