@@ -127,11 +127,12 @@ def test_grid_auto_asks_the_planner_for_a_grid_that_fits_the_model(folders):
     from transformers import AutoConfig
 
     from axonn.grid import validate_grid_for_model
-    from memorization.train.parallel import eval_dims
+    from memorization.train.parallel import Launch, detect_hardware, plan_inference
 
     config = AutoConfig.from_pretrained(folders / "model")
     for world in (1, 2, 4):
-        dims = eval_dims("auto", config, model=str(folders / "model"), max_tokens=64, batch=16, world=world,
-                         mode="paired")
-        assert dims[0] * dims[1] * dims[2] * dims[3] == world
+        plan = plan_inference(config, spec="auto", model=str(folders / "model"), batch=16, width=64,
+                              mode="paired", launch=Launch(world, world, detect_hardware()))
+        dims = plan.dims
+        assert dims[0] * dims[1] * dims[2] * dims[3] == world and plan.distributed == (world > 1)
         validate_grid_for_model(dims, config, "paired")

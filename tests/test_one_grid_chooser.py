@@ -8,22 +8,27 @@ import pytest
 from axonn.plan import get_hardware, load_shape
 from axonn.plan.choose import Inference, Train, choose_grid
 from memorization.models import zoo_config
-from memorization.scan.sizing import scan_grid
-from memorization.train.parallel import Launch, eval_dims, eval_mode
+from memorization.train.parallel import Launch, plan_inference
 from memorize_core import ConfigError
 
 
 @pytest.mark.parametrize("model", ["llama-8b", "llama-70b"])
 @pytest.mark.parametrize("batch", [64, 1024])
-def test_eval_and_scan_auto_choose_the_same_grid(model, batch):
-    config = zoo_config(model)
-    launch = Launch(8, 8, "h100")
-    scan, chosen_by = scan_grid(config, world=8, gpus_per_node=8, hardware="h100", batch=batch, width=64,
-                                suffix=32)
-    ev = eval_dims("auto", config, model=model, max_tokens=64, batch=batch, world=8,
-                   mode=eval_mode("auto", config), launch=launch, suffix=32)
-    assert tuple(ev) == tuple(scan), (model, batch, ev, scan)
-    assert "inference" in chosen_by
+def test_eval_and_scan_auto_choose_the_same_grid(model, batch, capsys):
+    """`memorize eval --grid auto` plans with plan_inference on its launch; the scan's dry run (and so
+    the scan it prints) on the same launch: one grid."""
+    import json
+
+    from memorization.cli import main
+
+    ev = plan_inference(zoo_config(model), spec="auto", model=model, batch=batch, width=64, suffix=32,
+                        launch=Launch(8, 8, "h100"))
+    assert main(["scan", "--model", model, "--dry-run", "--world", "8", "--hardware", "h100", "--batch-size",
+                 str(batch), "--prefix", "32", "--suffix", "32", "--limit", "1000", "--json"]) == 0
+    scan = json.loads(capsys.readouterr().out)
+    assert tuple(ev.dims) == tuple(scan["grid"]), (model, batch, ev, scan["grid"])
+    assert "inference" in ev.chosen_by and scan["chosen_by"] == ev.chosen_by
+    assert ev.distributed and ev.mode == scan["mode"]
 
 
 def test_inference_fits_where_training_does_not():

@@ -41,7 +41,7 @@ from memorization.eval.sections import (
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs
-from memorization.train.parallel import eval_grid, eval_mode
+from memorization.train.parallel import eval_mode, inference_grid, plan_inference
 from memorize_core import fail
 
 # lm-eval's messages name its own CLI (`--metadata`, `--include_path`): say whose they are
@@ -170,9 +170,10 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     check_shape("--model", o.model, config)  # 10^9 layers, a vocabulary of 0: before anything is built
     max_tokens = _max_tokens(o, config)
     ref_config = hf_config("--reference", o.reference) if o.mia and o.reference else None
-    mode = eval_mode(o.mode, config)
-    grid = eval_grid(o.grid, config, model=o.model, max_tokens=max_tokens, batch=o.batch_size, mode=mode,
-                     suffix=o.suffix)
+    plan = plan_inference(config, spec=o.grid, model=o.model, batch=o.batch_size, width=max_tokens,
+                          suffix=o.suffix, mode=o.mode)  # the grid and mode, before anything is built
+    mode = plan.mode
+    grid = inference_grid(plan)
     check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
     if ref_config is not None:
         check_fits("--reference", o.reference, ref_config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])

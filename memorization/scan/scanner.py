@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -64,10 +64,9 @@ from memorization.scan.parts import (
     write_part,
     write_state,
 )
-from memorization.scan.sizing import scan_grid
 from memorization.scan.summary import build_report, dumps, markdown, plot
 from memorization.tracking import WandbSink
-from memorization.train.parallel import Launch, eval_grid, eval_mode
+from memorization.train.parallel import inference_grid, plan_inference
 from memorize_core import ConfigError, fail
 
 
@@ -312,14 +311,11 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
         raise fail("--data", o.data, f"gives no window: all {stats.sequences} of its sequences are shorter "
                    f"than --prefix + --suffix = {sel.width} tokens (skipped); shorten them or scan longer "
                    "documents")
-    if o.grid == "auto":  # the scan's own choice (memory without optimizer state), as its dry run shows
-        launch = Launch.current()
-        dims, _ = scan_grid(config, world=launch.world, gpus_per_node=launch.gpus_per_node,
-                            hardware=launch.hw(), batch=o.batch_size, width=sel.width, suffix=o.suffix,
-                            mode=o.mode)
-        o = replace(o, grid=",".join(map(str, dims)))
-    mode = eval_mode(o.mode, config)
-    grid = eval_grid(o.grid, config, model=o.model, max_tokens=sel.width, batch=o.batch_size, mode=mode)
+    # the grid and mode, as the scan's dry run plans them (auto: the inference objective)
+    plan = plan_inference(config, spec=o.grid, model=o.model, batch=o.batch_size, width=sel.width,
+                          suffix=o.suffix, mode=o.mode)
+    mode = plan.mode
+    grid = inference_grid(plan)
     check_fits("--model", o.model, config, shards=grid.dims[0] * grid.dims[1] * grid.dims[2])
     model, _ = load_model("--model", o.model, grid, mode)
     if grid.distributed:  # every rank has passed its checks before rank 0 touches OUT

@@ -19,14 +19,13 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from axonn.grid import parse_grid, validate_grid_for_model
 from axonn.plan import get_hardware, load_shape
 from axonn.plan.choose import Inference, inference_cost
 from axonn.plan.volumes import Grid, default_mode
 from data_pipelines.scan_windows import Selection, check_selection, parse_offsets
 from data_pipelines.token_sources import open_source
 from memorization.models import pretrained_config, resolve_model_dir, zoo_config
-from memorization.train.parallel import Launch, inference_dims, precision_for
+from memorization.train.parallel import Launch, plan_inference, precision_for
 from memorize_core import fail
 
 GiB = 2**30
@@ -64,17 +63,6 @@ def _cost(shape: Any, g: Grid, hw: Any, *, batch: int, width: int, suffix: int, 
     return mem, t, precision
 
 
-def scan_grid(config: Any, *, world: int, gpus_per_node: int, hardware: Any, batch: int, width: int,
-              suffix: int, mode: str = "auto", spec: str | None = None, windows: int = 1000,
-              headroom: float = 0.1) -> tuple[tuple[int, int, int, int], str]:
-    """(X,Y,Z,D, what chose it): `spec`, or for auto the one chooser's inference objective
-    (memorization.train.parallel.inference_dims, as `memorize eval --grid auto`)."""
-    if spec not in (None, "auto"):
-        return parse_grid(spec), "--grid"
-    launch = Launch(world, gpus_per_node, hardware, headroom)
-    return inference_dims(config, launch, batch=batch, width=width, suffix=suffix, mode=mode, windows=windows)
-
-
 def scan_dry_run(args: Any) -> dict[str, Any]:
     """The scan's grid, per-rank memory and predicted time on `--world` GPUs of `--hardware`."""
     if args.world is None or args.world < 1:
@@ -93,11 +81,11 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
     config = _config(args.model)
     shape = dataclasses.replace(load_shape(config), name=args.model)
     mode = args.mode if args.mode != "auto" else default_mode(shape)
-    dims, chosen = scan_grid(config, world=world, gpus_per_node=gpn, hardware=hw, batch=args.batch_size,
-                             width=sel.width, suffix=args.suffix, mode=mode, spec=args.grid, windows=windows)
-    if math.prod(dims) != world:
-        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={math.prod(dims)} but --world is {world}")
-    validate_grid_for_model(dims, config, mode)
+    # the scan's own plan, on the dry run's launch (the launched scan makes it on its own)
+    plan = plan_inference(config, spec=args.grid or "auto", model=args.model, batch=args.batch_size,
+                          width=sel.width, suffix=args.suffix, mode=mode, windows=windows,
+                          launch=Launch(world, gpn, hw))
+    dims, chosen = plan.dims, plan.chosen_by
     mem, t, precision = _cost(shape, Grid(*dims), hw, batch=args.batch_size, width=sel.width,
                               suffix=args.suffix, mode=mode, windows=windows, gpus_per_node=min(gpn, world))
     total = sum(mem.values())
@@ -158,4 +146,4 @@ def cli_scan_dry_run(args: Any) -> int:
     return 0
 
 
-__all__ = ["cli_scan_dry_run", "count_windows", "format_scan_plan", "scan_dry_run", "scan_grid"]
+__all__ = ["cli_scan_dry_run", "count_windows", "format_scan_plan", "scan_dry_run"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -260,39 +260,52 @@ def eval_mode(mode: str, config: Any) -> str:
     return mode if mode != "auto" else default_mode(load_shape(config))
 
 
-def eval_dims(spec: str | None, config: Any, *, model: str, max_tokens: int, batch: int, world: int,
-              mode: str, launch: Launch | None = None, suffix: int | None = None) -> Dims:
-    """An evaluation's X,Y,Z,D (`memorize eval` / `memorize scan` --grid `spec`; auto: the planner's
-    fastest fitting grid for `world` processes on `launch`, default this process's), checked against
-    the model's shapes (`mode`: its parallel mode) and the launch before any process group exists."""
+@dataclass(frozen=True)
+class InferencePlan:
+    """An evaluation's decision, made once before any process group or weight exists (`memorize eval`,
+    `memorize scan` and the scan's dry run take it): the grid and what chose it, the parallel mode, the
+    launch, and whether it goes through the engine (several processes or a split)."""
+
+    dims: Dims
+    chosen_by: str
+    mode: str
+    launch: Launch
+    distributed: bool
+
+
+def plan_inference(config: Any, *, spec: str | None, model: str, batch: int, width: int,
+                   suffix: int | None = None, mode: str = "auto", launch: Launch | None = None,
+                   windows: int = 1000) -> InferencePlan:
+    """The evaluation's plan on `launch` (default: this process's): `--grid spec` (`auto`: the one
+    chooser with the inference objective, so eval and scan pick the same grid for the same model, launch
+    and batch), checked against the model's shapes and the processes; ConfigError naming --grid."""
+    launch = launch or Launch.current()
     try:
         model_dims(config)
     except (AttributeError, TypeError, ValueError):
         raise fail("--grid", spec, "needs a transformer config with hidden_size and num_attention_heads; "
                    f"{model} has model_type {getattr(config, 'model_type', None)!r}") from None
-    if spec == "auto":  # the one chooser, inference objective, on this launch's hardware
-        launch = launch or Launch.current()
-        dims, _ = inference_dims(config, replace(launch, world=world), batch=batch, width=max_tokens,
-                                 suffix=suffix or max_tokens, mode=mode)
+    mode = eval_mode(mode, config)
+    if spec == "auto":
+        dims, chosen_by = inference_dims(config, launch, batch=batch, width=width, suffix=suffix or width,
+                                         mode=mode, windows=windows)
+    elif (spec or "") in SERIAL:
+        dims, chosen_by = (1, 1, 1, 1), "--grid"
     else:
-        dims = parse_grid(spec or "1,1,1,1")
+        dims, chosen_by = parse_grid(spec), "--grid"
     n = dims[0] * dims[1] * dims[2] * dims[3]
-    if n != world:
-        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={n} but the job has {world} process(es); "
-                   f"launch {n} (torchrun --nproc-per-node {n}) or change the grid")
+    if n != launch.world:
+        raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={n} but the job has {launch.world} "
+                   f"process(es); launch {n} (torchrun --nproc-per-node {n}) or change the grid")
     validate_grid_for_model(dims, config, mode)  # heads, KV heads, hidden, FFN, vocab
-    return dims
+    return InferencePlan(dims, chosen_by, mode, launch, launch.world > 1 or dims != (1, 1, 1, 1))
 
 
-def eval_grid(spec: str | None, config: Any, *, model: str, max_tokens: int, batch: int,
-              mode: str, suffix: int | None = None) -> ProcessGrid:
-    """The grid an evaluation scores on: serial for one process that asks for no split, else `spec`
-    (eval_dims) on the launched processes."""
-    if not wants_grid(spec):
+def inference_grid(plan: InferencePlan) -> ProcessGrid:
+    """The ProcessGrid an evaluation scores on, from its plan: serial, else torch.distributed on its dims."""
+    if not plan.distributed:
         return ProcessGrid.serial(device="cuda" if torch.cuda.is_available() else "cpu")
-    dims = eval_dims(spec, config, model=model, max_tokens=max_tokens, batch=batch,
-                     world=launched_world_size(), mode=mode, suffix=suffix)
-    return init_grid(dims)
+    return init_grid(plan.dims)
 
 
 def is_main_process() -> bool:
