@@ -98,7 +98,8 @@ def test_the_plan_holds_the_runs_decisions(tmp_path):
 
 @pytest.mark.parametrize("overrides,hardware,want", [
     # precision auto: fp32 on the CPU profile, bf16 on a GPU preset (the LoRA base is frozen in it)
-    ([], "local", dict(precision="fp32", engine=False, stream_weights=False, sharded_lora=False)),
+    ([], "local", dict(precision="fp32", engine=False, stream_weights=False, sharded_lora=False,
+                       loss_chunk="auto")),
     (["trainer.precision=auto"], "h100", dict(precision="bf16")),
     (["trainer.precision=fp32"], "h100", dict(precision="fp32")),
     # LoRA on a tensor split adapts the engine's shards; at 1,1,1,D peft's plain modules stay
@@ -107,7 +108,7 @@ def test_the_plan_holds_the_runs_decisions(tmp_path):
     (["grid=1,1,1,2", "model.lora.enabled=true"], "local", dict(engine=False, sharded_lora=False)),
     # Opacus' per-sample DP-SGD keeps the HF modules; ghost clipping runs on the engine's layers
     (["grid=1,1,1,2", "trainer.dp.enabled=true", "trainer.dp.clipping=per_sample",
-      "trainer.dp.noise_multiplier=1"], "local", dict(engine=False, per_sample=True)),
+      "trainer.dp.noise_multiplier=1"], "local", dict(engine=False, per_sample=True, loss_chunk="off")),
     (["grid=1,1,1,2", "trainer.dp.enabled=true", "trainer.dp.noise_multiplier=1"], "local",
      dict(engine=True, per_sample=False)),
 ])
@@ -124,7 +125,8 @@ def test_the_plan_decides_how_the_run_is_built(overrides, hardware, want):
             assert {t.rpartition(".")[2] for t in got} == value and "model.layers.0.self_attn.q_proj" in got
         else:
             assert got == value, (key, got)
-    assert plan.trainer.precision == plan.precision  # the Trainer is handed the resolved precision
+    # the Trainer is handed the resolved precision and LM-head setting
+    assert plan.trainer.precision == plan.precision and plan.trainer.loss_chunk == plan.loss_chunk
 
 
 def test_a_pretrained_model_on_the_engine_streams_its_weights(monkeypatch):

@@ -38,7 +38,7 @@ from memorization.experiments import load_experiment
 from memorization.mitigations.peft_lora import apply_sharded_lora
 from memorization.models import meta_model
 from memorization.train.dryrun_report import format_report
-from memorization.train.parallel import Launch, head_setting, memory_fix, run_adapters
+from memorization.train.parallel import Launch, memory_fix, run_adapters
 from memorization.train.prepare import prepare_data
 from memorization.train.run_plan import plan_run, planned_model_config
 from memorize_core import ConfigError, fail
@@ -157,9 +157,10 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                                                                        run_plan.lora_targets)))
 
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
-    # the LM head as the launched trainer runs it (memorization.train.parallel.head_setting; a model whose
+    # the LM head as the launched trainer runs it (the plan's loss_chunk; a model whose
     # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
-    chunk = head_setting(cfg) if LossHead(model, virtual, head_setting(cfg)).head is not None else "off"
+    head = run_plan.loss_chunk
+    chunk = head if LossHead(model, virtual, head).head is not None else "off"
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
                                 example_norms=ghost, adapters=adapters, trained=trained, loss_chunk=chunk)
            for ck in (False, True)}

@@ -69,7 +69,7 @@ from memorization.models import (
 )
 from memorization.models import model_config as memorization_model_config
 from memorization.outputs import check_inputs, check_writable, existing_entries
-from memorization.train.parallel import Dims, Launch, check_memory, run_device_type, run_dims
+from memorization.train.parallel import Dims, Launch, check_memory, head_setting, run_device_type, run_dims
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
@@ -104,6 +104,7 @@ class RunPlan:
     # how the run is built (start_run reads these and decides nothing again)
     trainer: Any = None  # the effective TrainerConfig: goldfish's budget, precision and compile resolved
     precision: str = "fp32"  # bf16 or fp32: trainer.precision (auto) on the launch's device
+    loss_chunk: int | str = "auto"  # the LM head's setting: full logits ("off") under a DP-SGD hook
     per_sample: bool = False  # Opacus' per-sample DP-SGD: the plain HF modules, data parallel
     sharded_lora: bool = False  # LoRA on the engine's sharded layers (a tensor split), else peft's
     lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts (serial names), when LoRA is on
@@ -156,8 +157,8 @@ def plan_run(cfg: RunConfig, data: Any = None, *, launch: Launch | None = None, 
 
 def build_plan(cfg: RunConfig, dims: Dims, model_config: Any, *, distributed: bool, device_type: str,
                here: bool) -> dict[str, Any]:
-    """How the run is built on its grid (RunPlan's build fields): precision, compile, LoRA's kind and
-    targets, whether the engine's layers and streamed weights are used."""
+    """How the run is built on its grid (RunPlan's build fields): precision, compile, the LM head's
+    setting, LoRA's kind and targets, whether the engine's layers and streamed weights are used."""
     t, lora = cfg.trainer, cfg.model.lora
     precision = resolve_precision(t.precision, device_type)
     compile_ = t.compile
@@ -168,8 +169,10 @@ def build_plan(cfg: RunConfig, dims: Dims, model_config: Any, *, distributed: bo
     sharded = lora.enabled and tensor_split(dims)
     # peft's LoRA at 1,1,1,D and Opacus' per-sample DP-SGD keep the plain HF modules, data parallel
     engine = distributed and (not lora.enabled or sharded) and not per_sample
-    return {"trainer": replace(effective_trainer(cfg), precision=precision, compile=compile_),
-            "precision": precision, "per_sample": per_sample, "sharded_lora": sharded,
+    chunk = head_setting(cfg)  # a DP-SGD hook watches the head as a module: full logits
+    return {"trainer": replace(effective_trainer(cfg), precision=precision, compile=compile_,
+                               loss_chunk=chunk),
+            "precision": precision, "loss_chunk": chunk, "per_sample": per_sample, "sharded_lora": sharded,
             "lora_targets": tuple(lora_targets(meta_model(model_config), lora)) if lora.enabled else (),
             "engine": engine,
             # a pretrained model on the engine's layers loads shard by shard: no rank holds it whole
