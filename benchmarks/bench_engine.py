@@ -69,7 +69,11 @@ def engine_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
     count = max(int((labels[:, 1:] != -100).sum()), 1)
     ids, labels = axonn.shard_batch(ids, grid), axonn.shard_batch(labels, grid)
     with _amp(autocast):
-        logits = head.forward(ids) if head is not None else model(input_ids=ids).logits[:, :-1]
+        # a training forward builds no KV cache (the trainer's LossHead.forward says so too)
+        if head is not None:
+            logits = head.forward(ids)
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
     if head is not None:
         loss = token_cross_entropy_of(logits, labels[:, 1:], grid).sum()
     else:

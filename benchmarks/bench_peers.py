@@ -74,8 +74,11 @@ def make_arm(arm: str, shape: Any, seq: int, device: str, backend: str,
     if arm.startswith("engine"):
         grid = common.single_process_grid()
         model = axonn.parallelize(model, grid, options=EngineOptions(gemm_tuning=device == "cuda"))
-        head = LossHead(model, grid, loss_chunk) if ("chunked" in arm or "both" in arm) else None
-        if head is not None and head.head is None:
+        # every engine arm through the trainer's loss forward (axonn.lm_head: no KV cache in a training
+        # forward, so a compiled block is one graph for every layer); full logits unless chunked
+        chunked = "chunked" in arm or "both" in arm
+        head = LossHead(model, grid, loss_chunk if chunked else "off")
+        if chunked and head.head is None:
             return f"the chunked head does not apply: {head.reason}"
         if compiled:
             compile_blocks(model, True, torch.device(device), backend=backend)
