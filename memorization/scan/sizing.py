@@ -21,7 +21,7 @@ from typing import Any
 
 from axonn.plan import get_hardware, load_shape
 from axonn.plan.choose import Inference, inference_cost
-from axonn.plan.volumes import Grid, default_mode
+from axonn.plan.volumes import Grid
 from data_pipelines.scan_windows import Selection, check_selection, parse_offsets
 from data_pipelines.token_sources import open_source
 from memorization.models import pretrained_config, resolve_model_dir, zoo_config
@@ -80,12 +80,11 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
     gpn = args.gpus_per_node or hw.gpus_per_node
     config = _config(args.model)
     shape = dataclasses.replace(load_shape(config), name=args.model)
-    mode = args.mode if args.mode != "auto" else default_mode(shape)
     # the scan's own plan, on the dry run's launch (the launched scan makes it on its own)
     plan = plan_inference(config, spec=args.grid or "auto", model=args.model, batch=args.batch_size,
-                          width=sel.width, suffix=args.suffix, mode=mode, windows=windows,
+                          width=sel.width, suffix=args.suffix, mode=args.mode, windows=windows,
                           launch=Launch(world, gpn, hw))
-    dims, chosen = plan.dims, plan.chosen_by
+    dims, chosen, mode = plan.dims, plan.chosen_by, plan.mode
     mem, t, precision = _cost(shape, Grid(*dims), hw, batch=args.batch_size, width=sel.width,
                               suffix=args.suffix, mode=mode, windows=windows, gpus_per_node=min(gpn, world))
     total = sum(mem.values())

@@ -140,7 +140,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     # launched run would make, with the same line
     run_plan = plan_run(cfg, data, launch=Launch(world, gpn, hardware, headroom), spec=grid,
                         model_config=hf_config, out=out, overwrite=overwrite, resume=resume, model=serial)
-    dims, chosen_by, precision = run_plan.dims, run_plan.chosen_by, run_plan.precision
+    dims, chosen_by, precision = run_plan.dims, run_plan.chosen_by, run_plan.trainer.precision
     accum, mb = run_plan.micro_batches, run_plan.micro_batch  # batch over Z x data, micro-batches
     g = Grid(*dims)
 
@@ -159,7 +159,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
     ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
     # the LM head as the launched trainer runs it (the plan's loss_chunk; a model whose
     # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
-    head = run_plan.loss_chunk
+    head = run_plan.trainer.loss_chunk
     chunk = head if LossHead(model, virtual, head).head is not None else "off"
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
                                 example_norms=ghost, adapters=adapters, trained=trained, loss_chunk=chunk)

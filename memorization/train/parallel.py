@@ -102,18 +102,22 @@ class Launch:
         return get_hardware(self.hardware)
 
 
+def hardware_device(hardware: Any) -> str:
+    """The device type of a hardware preset (a name or an axonn.plan Hardware): the CPU profile
+    `local` (and its calibrated variants) is cpu, every other preset a GPU."""
+    return "cpu" if str(getattr(hardware, "name", hardware)).startswith("local") else "cuda"
+
+
 def precision_for(trainer_precision: str, hw: Any) -> str:
     """The activation precision a run on hardware preset `hw` computes in (axonn.trainer's rule: auto is
     bf16 on GPUs, fp32 on the CPU profile)."""
-    return resolve_precision(trainer_precision, "cpu" if hw.name.startswith("local") else "cuda")
+    return resolve_precision(trainer_precision, hardware_device(hw))
 
 
 def run_device_type(cfg: RunConfig, launch: Launch, here: bool) -> str:
     """The device type the run computes on: this machine's trainer.device for a launch here, else the
-    launch's hardware (the CPU profile `local`, any preset a GPU)."""
-    if here:
-        return resolve_device(cfg.trainer.device).type
-    return "cpu" if str(getattr(launch.hardware, "name", launch.hardware)).startswith("local") else "cuda"
+    launch's hardware."""
+    return resolve_device(cfg.trainer.device).type if here else hardware_device(launch.hardware)
 
 
 def memory_fix(t: Any, state: float = 0.0, usable: float = float("inf")) -> str:
@@ -263,13 +267,12 @@ def eval_mode(mode: str, config: Any) -> str:
 @dataclass(frozen=True)
 class InferencePlan:
     """An evaluation's decision, made once before any process group or weight exists (`memorize eval`,
-    `memorize scan` and the scan's dry run take it): the grid and what chose it, the parallel mode, the
-    launch, and whether it goes through the engine (several processes or a split)."""
+    `memorize scan` and the scan's dry run take it): the grid and what chose it, the parallel mode, and
+    whether it goes through the engine (several processes or a split)."""
 
     dims: Dims
     chosen_by: str
     mode: str
-    launch: Launch
     distributed: bool
 
 
@@ -298,7 +301,7 @@ def plan_inference(config: Any, *, spec: str | None, model: str, batch: int, wid
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={n} but the job has {launch.world} "
                    f"process(es); launch {n} (torchrun --nproc-per-node {n}) or change the grid")
     validate_grid_for_model(dims, config, mode)  # heads, KV heads, hidden, FFN, vocab
-    return InferencePlan(dims, chosen_by, mode, launch, launch.world > 1 or dims != (1, 1, 1, 1))
+    return InferencePlan(dims, chosen_by, mode, launch.world > 1 or dims != (1, 1, 1, 1))
 
 
 def inference_grid(plan: InferencePlan) -> ProcessGrid:

@@ -202,7 +202,7 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                         meta=plan.stream_weights)
     grid = resolve_grid(cfg, plan.dims, distributed=plan.distributed, grid=grid)  # the grid from here on
     if lora.enabled:  # the frozen base in its load dtype: bf16 where the run computes in bf16
-        dtype = frozen_dtype(plan.precision)
+        dtype = frozen_dtype(plan.trainer.precision)
         model = model.to(dtype) if dtype is not None else model
     if lora.enabled and not plan.sharded_lora:
         model = apply_lora(model, lora, seed=cfg.seed)  # peft keeps its adapters in fp32 over a bf16 base

@@ -102,10 +102,9 @@ class RunPlan:
     data_checked: bool = False
     distributed: bool = False  # through the engine: several processes, a grid that splits, or a given one
     # how the run is built (start_run reads these and decides nothing again)
-    trainer: Any = None  # the effective TrainerConfig: goldfish's budget, precision and compile resolved
-    precision: str = "fp32"  # bf16 or fp32: trainer.precision (auto) on the launch's device
-    loss_chunk: int | str = "auto"  # the LM head's setting: full logits ("off") under a DP-SGD hook
-    per_sample: bool = False  # Opacus' per-sample DP-SGD: the plain HF modules, data parallel
+    # the effective TrainerConfig: goldfish's budget; precision (bf16 or fp32: auto on the launch's
+    # device), compile and the LM head's setting (full logits under a DP-SGD hook) resolved
+    trainer: Any = None
     sharded_lora: bool = False  # LoRA on the engine's sharded layers (a tensor split), else peft's
     lora_targets: tuple[str, ...] = ()  # the modules LoRA adapts (serial names), when LoRA is on
     engine: bool = False  # the model's layers swapped for the engine's (parallelize) on its grid
@@ -172,7 +171,7 @@ def build_plan(cfg: RunConfig, dims: Dims, model_config: Any, *, distributed: bo
     chunk = head_setting(cfg)  # a DP-SGD hook watches the head as a module: full logits
     return {"trainer": replace(effective_trainer(cfg), precision=precision, compile=compile_,
                                loss_chunk=chunk),
-            "precision": precision, "loss_chunk": chunk, "per_sample": per_sample, "sharded_lora": sharded,
+            "sharded_lora": sharded,
             "lora_targets": tuple(lora_targets(meta_model(model_config), lora)) if lora.enabled else (),
             "engine": engine,
             # a pretrained model on the engine's layers loads shard by shard: no rank holds it whole
