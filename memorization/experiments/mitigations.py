@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             with PeakRSS() as peak:
                 summary = run_training(rc, run_dir, overwrite=True, grid_spec=exp.grid_spec, data=arm_data,
                                        progress=rc.trainer.progress)
-            _annotate(run_dir, {"peak_rss_bytes": peak.peak})
+            if exp.is_main:  # one writer: another rank rewriting run.json raced the main rank's read
+                _annotate(run_dir, {"peak_rss_bytes": peak.peak})
             return summary
 
         extra = {**key, "dedup": to_dict(cfg.dedup) if arm.dedup else None}
@@ -214,12 +216,17 @@ def _beyond(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
-    """Add values to a finished run's run.json summary (main rank only)."""
+    """Add values to a finished run's run.json summary; call on the main rank only (one writer).
+
+    Written to a side file and renamed over run.json, so a reader never sees it half written.
+    """
     path = run_dir / "run.json"
     if path.is_file():
         payload = json.loads(path.read_text())
         payload["summary"].update(values)
-        path.write_text(json.dumps(payload, indent=2))
+        tmp = path.with_name("run.json.tmp")
+        tmp.write_text(json.dumps(payload, indent=2))
+        os.replace(tmp, path)
 
 
 def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
