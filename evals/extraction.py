@@ -6,6 +6,12 @@ longest common prefix and RougeL say how close the misses came.
 On a sharded model (or with a 1,1,1,D `grid` of replicas) every rank calls these with the same
 documents: each batch shard decodes and scores its share, and every rank gets all the results, in
 document order (evals/scoring.py).
+
+`decode` picks the greedy decoder of `extract` and `extractability`: `auto` (default) is the
+compiled static-cache decode on a CUDA device for a serial model (evals/static_decode.py: CUDA
+graphs, every row checked by a teacher-forced forward and decoded again if the check fails) and the
+KV-cache decoder with the true suffix as a speculative draft (`verified_greedy`) otherwise; `static`
+and `kv` force one. `decode_log` (a DecodeLog) receives how the rows were decoded.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from evals._model import evaluating
 from evals.decoding import beam_generate, beam_local, greedy_generate, verified_local
 from evals.metrics import exact_match, ids_text, longest_common_prefix, rouge_l, token_accuracy
 from evals.scoring import Scorer
+from evals.static_decode import DecodeLog, static_local, uses_static
 from memorize_core import fail
 
 __all__ = ["ExtractionResult", "beam_generate", "extract", "extract_pairs", "extractability",
@@ -85,7 +92,8 @@ def _result(doc: int | str, prefix: list[int], target: list[int], generated: lis
 def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: list, *,
              prefix_len: int, suffix_len: int, target_start: int, tokenizer: Any, batch_size: int,
              num_beams: int, progress: bool, desc: str, need_field: str,
-             grid: ProcessGrid | None) -> list[ExtractionResult]:
+             grid: ProcessGrid | None, decode: str = "auto",
+             decode_log: DecodeLog | None = None) -> list[ExtractionResult]:
     """Score documents with target = doc[target_start:+suffix_len], prefix = prefix_len tokens before."""
     need = target_start + suffix_len
     keep = [i for i, d in enumerate(documents) if len(d) >= need]
@@ -94,9 +102,11 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
         raise fail(need_field, need, f"no document is that long (longest has {longest} tokens); "
                    "use shorter prefix/suffix lengths or longer documents")
     sc = Scorer(model, grid)
+    static = uses_static(model, decode, num_beams)
     start = target_start - prefix_len
     rows = sc.rows(len(keep))
     mine: list[ExtractionResult] = []
+    log = DecodeLog(path="static" if static else "kv")
     batches = range(0, len(rows), batch_size)
     # counted in documents (docs/s), not batches: the rate reads the same at any batch size
     bar = tqdm(total=len(rows), desc=desc, unit="doc", disable=not (progress and sc.is_main))
@@ -106,7 +116,11 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
             prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk],
                                     dtype=torch.long, device=sc.device)
             targets = [[int(t) for t in documents[i][target_start:need]] for i in chunk]
-            if num_beams == 1:
+            if static:
+                tgt = torch.tensor(targets, dtype=torch.long, device=sc.device)
+                gen = static_local(sc, prefixes, suffix_len, batch=min(batch_size, len(rows)), targets=tgt,
+                                   log=log, ids=[ids[i] for i in chunk])
+            elif num_beams == 1:
                 tgt = torch.tensor(targets, dtype=torch.long, device=sc.device)
                 gen = verified_local(sc, prefixes, tgt)
             else:
@@ -115,19 +129,32 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
                 mine.append(_result(ids[i], [int(t) for t in documents[i][start:target_start]], target, g,
                                     lambda x: _text(x, tokenizer)))
             bar.update(len(chunk))
+        if decode_log is not None:
+            _merge_logs(sc, log, decode_log)
         return sc.collect(rows, mine, len(keep))
+
+
+def _merge_logs(sc: Scorer, mine: DecodeLog, into: DecodeLog) -> None:
+    """Add every batch shard's DecodeLog of this call to `into` (the same on every rank)."""
+    shards = sc.collect([sc.grid.batch_shard_index] if sc.grid.batch_shards > 1 else [0],
+                        [mine], max(1, sc.grid.batch_shards))
+    into.path = mine.path
+    for log in shards:
+        into.rows += log.rows
+        into.disagreements += log.disagreements
 
 
 def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: int, suffix_len: int,
             tokenizer: Any = None, batch_size: int = 32, num_beams: int = 1,
-            doc_ids: list | None = None, progress: bool = False,
-            grid: ProcessGrid | None = None) -> list[ExtractionResult]:
+            doc_ids: list | None = None, progress: bool = False, grid: ProcessGrid | None = None,
+            decode: str = "auto", decode_log: DecodeLog | None = None) -> list[ExtractionResult]:
     """Continue each document's first prefix_len tokens for suffix_len tokens and score the result.
 
     Documents shorter than prefix_len+suffix_len are skipped (absent from the result; compare
     `r.doc` with your ids to see which). `doc` is the document's index, or `doc_ids[index]`.
     RougeL is computed on `tokenizer.decode` texts when a tokenizer is given, otherwise on the
-    space-joined token ids. num_beams > 1 runs beam search instead of greedy decoding.
+    space-joined token ids. num_beams > 1 runs beam search instead of greedy decoding. `decode`:
+    the greedy decoder (auto, static, kv; see the module's docstring), reported in `decode_log`.
     """
     _positive_int("prefix_len", prefix_len)
     _positive_int("suffix_len", suffix_len)
@@ -135,7 +162,7 @@ def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: i
     return _windows(model, documents, ids, prefix_len=prefix_len, suffix_len=suffix_len,
                     target_start=prefix_len, tokenizer=tokenizer, batch_size=batch_size,
                     num_beams=num_beams, progress=progress, desc=f"extract P={prefix_len}",
-                    need_field="prefix_len+suffix_len", grid=grid)
+                    need_field="prefix_len+suffix_len", grid=grid, decode=decode, decode_log=decode_log)
 
 
 def _response_text(ids: list[int], tokenizer: Any) -> str:
@@ -201,8 +228,8 @@ def summarize(results: Sequence[ExtractionResult]) -> dict[str, float]:
 
 def extractability(model: torch.nn.Module, documents: list[list[int]], prefix_lens: list[int],
                    suffix_len: int, *, tokenizer: Any = None, batch_size: int = 32,
-                   num_beams: int = 1, doc_ids: list | None = None,
-                   progress: bool = False, grid: ProcessGrid | None = None) -> dict[int, dict[str, float]]:
+                   num_beams: int = 1, doc_ids: list | None = None, progress: bool = False,
+                   grid: ProcessGrid | None = None, decode: str = "auto") -> dict[int, dict[str, float]]:
     """k-extractability summaries for several prefix lengths k, on one fixed target per document.
 
     Following Carlini et al. (2022), the suffix stays fixed while the context grows: with
@@ -221,6 +248,6 @@ def extractability(model: torch.nn.Module, documents: list[list[int]], prefix_le
         res = _windows(model, documents, ids, prefix_len=k, suffix_len=suffix_len, target_start=top,
                        tokenizer=tokenizer, batch_size=batch_size, num_beams=num_beams,
                        progress=progress, desc=f"extractability k={k}",
-                       need_field="max(prefix_lens)+suffix_len", grid=grid)
+                       need_field="max(prefix_lens)+suffix_len", grid=grid, decode=decode)
         out[k] = summarize(res)
     return out

@@ -10,12 +10,22 @@ token at its cache position and takes the argmax of its logits, as `greedy_gener
 tokens are the same (attention over the static buffer masks the unfilled positions out).
 
 The compiled step and its cache are kept per (model, batch, capacity) and reset between calls, so
-only the first call pays the compile (`StaticDecoder.compile_s` reports it). Serial models only (the
-1,1,1,1 grid): a sharded model's decode runs the engine's collectives between the compiled pieces,
-where CUDA graphs cannot follow; `greedy_generate` serves those.
+only the first call pays the compile (`StaticDecoder.compile_s` reports it). Models whose tensors are
+whole on this rank only: a plain model, or one the engine parallelized over a grid that splits no
+tensor (1,1,1,1, or a replica of 1,1,1,D, where its collectives are no-ops). A model split over X, Y
+or Z runs the engine's collectives between the compiled pieces, where CUDA graphs cannot follow;
+`greedy_generate` serves those.
+
+Extraction on a GPU (`evals.extract(decode="auto")`) decodes through `static_local`, which checks
+every row it decodes: one teacher-forced forward over prefix + decoded tokens (the eager kernels the
+scan scores with) must give back, at every position, the token the compiled step chose. A row that
+fails — a near-tie of two logits that the compiled and the eager kernels order differently — is
+decoded again by the KV-cache decoder, and `DecodeLog` lists it with the position and the top-2
+logit gap where the two disagreed. So every row's tokens are greedy under the eager forward.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import Any
@@ -25,6 +35,8 @@ from transformers.cache_utils import StaticCache
 
 from axonn.engine import engine_of
 from evals._model import cache_keyword, model_device
+from evals.decoding import greedy_local, verified_local
+from evals.scoring import Scorer
 from memorize_core import fail
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: StaticDecoder}
@@ -42,7 +54,8 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, batch: int, capacity: int, *, compile: bool = True,
                  backend: str = "inductor", mode: str | None = None) -> None:
-        self.model, self.batch, self.capacity = model, batch, capacity
+        self._model = weakref.ref(model)  # kept in _DECODERS under the model: a strong one would keep
+        self.batch, self.capacity = batch, capacity  # every evaluated model (and its GPU memory) alive
         device = model_device(model)
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
         self.kw = cache_keyword(model)  # `cache` or `past_key_values`, as this transformers names it
@@ -53,6 +66,14 @@ class StaticDecoder:
         else:
             self.step = _step
         self._compiled = compile
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model this decoder serves (alive while a caller holds it)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this StaticDecoder was freed")
+        return model
 
     def generate(self, prefixes: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """[B, max_new_tokens] greedy tokens after `prefixes` (the cache is reset first)."""
@@ -90,7 +111,7 @@ def static_greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor, m
                            **kw: Any) -> torch.LongTensor:
     """greedy_generate of a serial model through a static cache and a compiled decode step:
     [B, max_new_tokens], the same tokens. `kw`: StaticDecoder's (compile, backend, mode)."""
-    if engine_of(model) is not None:
+    if splits_tensors(model):
         raise fail("decode", "static", "the compiled static-cache decode runs serial models only; use "
                    "evals.decoding.greedy_generate for a model sharded by the engine")
     if not isinstance(prefixes, torch.Tensor) or prefixes.dim() != 2 or prefixes.dtype != torch.long:
@@ -104,3 +125,122 @@ def static_greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor, m
             return dec.generate(prefixes.to(model_device(model)), max_new_tokens)
     finally:
         model.train(was_training)
+
+
+DECODES = ("auto", "static", "kv")
+_ARGMAX_ELEMENTS = 2 ** 27  # logits elements per verification forward (512 MiB in fp32)
+
+
+@dataclasses.dataclass
+class DecodeLog:
+    """How an extraction decoded its greedy rows: `path` static (the compiled static-cache decode,
+    every row verified) or kv (the KV-cache decoder); for the static path, the rows decoded, and each
+    row whose check failed (decoded again by the KV-cache decoder) with the first position where the
+    compiled step's token differs from the teacher-forced argmax and the top-2 logit gap there."""
+
+    path: str = "kv"
+    rows: int = 0
+    disagreements: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: path, rows, verified (rows whose compiled tokens passed), redecoded, disagreements."""
+        return {"path": self.path, "rows": self.rows, "verified": self.rows - len(self.disagreements),
+                "redecoded": len(self.disagreements), "disagreements": self.disagreements}
+
+
+def check_decode(decode: str) -> str:
+    """`decode` if it is one of DECODES, else a one-line ConfigError naming the choices."""
+    if decode not in DECODES:
+        raise fail("decode", decode, "pass auto (the compiled static decode on a GPU, else the KV-cache "
+                   "decoder), static or kv")
+    return decode
+
+
+def splits_tensors(model: torch.nn.Module) -> bool:
+    """Whether the engine split `model`'s tensors over other ranks (X, Y or Z > 1)."""
+    handle = engine_of(model)
+    return handle is not None and handle.grid.x * handle.grid.y * handle.grid.z > 1
+
+
+def uses_static(model: torch.nn.Module, decode: str, num_beams: int = 1) -> bool:
+    """Whether greedy extraction of `model` takes the static path: `decode` static, or auto on a CUDA
+    device, for a model whose tensors are whole on this rank (`splits_tensors` false) and greedy
+    decoding. `static` on a tensor-split model or with beam search is refused in one line."""
+    check_decode(decode)
+    if decode == "kv":
+        return False
+    serial, greedy = not splits_tensors(model), num_beams == 1
+    if decode == "static":
+        if not serial:
+            raise fail("decode", decode, "the compiled static-cache decode runs serial models only (or "
+                       "replicas on a 1,1,1,D grid); pass auto or kv for a model sharded by the engine")
+        if not greedy:
+            raise fail("decode", decode, f"the static decode is greedy; pass decode=auto or kv with "
+                       f"num_beams={num_beams}")
+        return True
+    return serial and greedy and model_device(model).type == "cuda"
+
+
+def verify_greedy(sc: Scorer, prefixes: torch.Tensor, tokens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check decoded rows by one teacher-forced forward: (first, gap) per row, `first` the first
+    position whose token is not the argmax given the prefix and the tokens before it (S where every
+    token is) and `gap` the top-2 logit gap there (0 for a row that passed). Rows in chunks of at most
+    _ARGMAX_ELEMENTS logits; the LM head runs on the S scored positions only where the model allows."""
+    b, s = tokens.shape
+    first = torch.full((b,), s, dtype=torch.long, device=tokens.device)
+    gap = torch.zeros(b, device=tokens.device)
+    if s == 0 or b == 0:
+        return first, gap
+    ids = torch.cat([prefixes, tokens[:, :-1]], dim=1)
+    keep = {"logits_to_keep": s} if sc._keep else {}
+    step = max(1, _ARGMAX_ELEMENTS // (s * int(sc.model.config.vocab_size)))
+    for r in range(0, b, step):
+        logits = sc.forward(input_ids=ids[r:r + step], use_cache=False, **keep).logits[:, -s:]
+        wrong = logits.argmax(dim=-1) != tokens[r:r + step]
+        bad = wrong.any(dim=1)
+        if bad.any():
+            at = wrong.int().argmax(dim=1)
+            first[r:r + step] = torch.where(bad, at, s)
+            rows = bad.nonzero().squeeze(1)
+            top2 = logits[rows, at[rows]].float().topk(2, dim=-1).values
+            gap[r + rows] = top2[:, 0] - top2[:, 1]
+    return first, gap
+
+
+def static_local(sc: Scorer, prefixes: torch.Tensor, max_new_tokens: int, *, batch: int,
+                 targets: torch.Tensor | None = None, log: DecodeLog | None = None,
+                 ids: list[Any] | None = None) -> torch.Tensor:
+    """Greedy tokens of this rank's rows ([B, max_new_tokens]) by the static decode, every row verified.
+
+    Rows are padded to `batch` (copies of the first) so every call reuses one compiled step; the step
+    is compiled on a GPU (CUDA graphs) and runs eagerly elsewhere. Rows failing `verify_greedy` are
+    decoded again by the KV-cache decoder (`verified_local` with their `targets` as the draft when
+    given, else `greedy_local`) and recorded in `log` under their `ids`. Call inside
+    `evals._model.evaluating`.
+    """
+    b, p = prefixes.shape
+    if b == 0 or max_new_tokens == 0:
+        return prefixes.new_empty(b, max_new_tokens)
+    if b > batch:
+        raise fail("batch", batch, f"pass a decode batch of at least the {b} rows of this call")
+    model = sc.model
+    cuda = sc.device.type == "cuda"
+    with torch.inference_mode(False), torch.no_grad():  # the kept cache and CUDA graph live outside
+        dec = static_decoder(model, batch, p + max_new_tokens, compile=cuda)  # inference mode, as in
+        padded = prefixes.clone()                                              # HF's static generate
+        if b < batch:
+            padded = torch.cat([padded, padded[:1].expand(batch - b, p)])
+        out = dec.generate(padded, max_new_tokens)[:b].clone()
+    first, gap = verify_greedy(sc, prefixes, out)
+    bad = (first < max_new_tokens).nonzero().squeeze(1)
+    if len(bad):
+        out[bad] = (verified_local(sc, prefixes[bad], targets[bad]) if targets is not None
+                    else greedy_local(sc, prefixes[bad], max_new_tokens))
+    if log is not None:
+        log.path = "static"
+        log.rows += b
+        for i in bad.tolist():
+            log.disagreements.append({"row": ids[i] if ids is not None else i, "position": int(first[i]),
+                                      "top2_gap": float(gap[i])})
+    return out

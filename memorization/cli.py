@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=0, help="first N documents of every corpus and task only")
     e.add_argument("--batch-size", type=int, default=32)
     e.add_argument("--beams", type=int, default=1, help="beam search width (1 = greedy)")
+    e.add_argument("--decode", default="auto", choices=["auto", "static", "kv"],
+                   help="greedy decoder of the extraction: auto (the compiled static-cache decode, every "
+                        "row checked, on a GPU for a one-process evaluation; else the KV-cache decoder), "
+                        "static or kv")
     e.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples (default 0)")
     e.add_argument("--out", default=None,
                    help="write report.json, report.md (and extraction.jsonl) here (default: print JSON only)")

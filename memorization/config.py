@@ -171,12 +171,21 @@ class EvalConfig:
     # probability 1/2, and an epsilon lower bound at 95% from how well their losses tell which
     audit: bool = False
     audit_canaries: int = 64
+    # the greedy decoder of the extraction (evals/static_decode.py): auto = the compiled static-cache
+    # decode, every row checked by a teacher-forced forward, on a GPU for a model split over no tensor
+    # dimension; the KV-cache decoder otherwise. static or kv force one.
+    decode: str = "auto"
 
     def validate(self, prefix: str = "eval") -> None:
         """Range checks."""
         for name in ("prefix", "suffix", "batch_size", "num_beams"):
             if getattr(self, name) < 1:
                 raise fail(f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        if self.decode not in ("auto", "static", "kv"):
+            raise fail(f"{prefix}.decode", self.decode, "choose auto, static or kv")
+        if self.decode == "static" and self.num_beams > 1:
+            raise fail(f"{prefix}.decode", self.decode, f"the static decode is greedy; with num_beams="
+                       f"{self.num_beams} use auto or kv")
         if self.mia_docs < 0:
             raise fail(f"{prefix}.mia_docs", self.mia_docs, "must be >= 0 (0 = every document)")
         if not 0 < self.mia_k <= 1:

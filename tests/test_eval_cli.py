@@ -173,6 +173,7 @@ BAD = [
     (["--perplexity", "{d}/missing.txt"], ["--perplexity", "no such file"]),
     (["--corpus", "{d}/members.txt", "--max-tokens", "100"], ["--max-tokens=100", "context of 64"]),
     (["--corpus", "{d}/members.txt", "--max-tokens", "10"], ["--max-tokens=10", "--prefix + --suffix = 64"]),
+    (["--corpus", "{d}/members.txt", "--decode", "static", "--beams", "2"], ["--decode='static'", "greedy"]),
 ]
 
 
@@ -216,3 +217,19 @@ def test_bad_model_folders(setup, tmp_path, capsys, what):
     argv = ["--model", model, *mia, *(["--reference", ref] if ref else []), "--out", tmp_path / "out"]
     _refused(capsys, argv, *needles)
     assert not (tmp_path / "out").exists()
+
+
+def test_static_decode_gives_the_kv_decoders_report_and_says_how_it_decoded(setup, tmp_path, capsys):
+    """`--decode static` (what a GPU evaluation takes by default) on CPU: the same extraction rows as the
+    KV-cache decoder, every row verified, and report.md says so."""
+    argv = ["--model", setup / "model", "--corpus", setup / "members.txt", "--prefix", 4, "--suffix", 6,
+            "--batch-size", 8, "--sampling", ""]
+    kv = _run(capsys, *argv, "--decode", "kv", "--out", tmp_path / "kv")
+    st = _run(capsys, *argv, "--decode", "static", "--out", tmp_path / "st")
+    assert kv["extraction"]["decode"]["path"] == "kv"
+    assert st["extraction"]["decode"] == {"path": "static", "rows": st["extraction"]["docs"],
+                                          "verified": st["extraction"]["docs"], "redecoded": 0,
+                                          "disagreements": []}
+    rows = [(tmp_path / arm / "extraction.jsonl").read_text() for arm in ("kv", "st")]
+    assert rows[0] == rows[1]
+    assert "compiled static-cache decode" in (tmp_path / "st" / "report.md").read_text()

@@ -40,9 +40,121 @@ def test_compiled_step_equals_and_is_reused() -> None:
     assert static_decoder(model, 6, 18, backend="eager") is dec and dec.compile_s == first  # compiled once
 
 
-def test_sharded_model_refused() -> None:
+def _tensor_split(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` parallelized serially, its engine handle then claiming a 1,2,1,1 grid (a Y split)."""
+    import dataclasses
+
+    import axonn
+    from axonn.engine import engine_of, set_engine
+
+    model = axonn.parallelize(model, ProcessGrid.serial())
+    grid = ProcessGrid.__new__(ProcessGrid)
+    grid._place((1, 2, 1, 1), 0)
+    set_engine(model, dataclasses.replace(engine_of(model), grid=grid))
+    return model
+
+
+def test_tensor_split_model_refused_engine_at_one_rank_decoded() -> None:
     import axonn
 
-    model = axonn.parallelize(tiny_model(), ProcessGrid.serial())
     with pytest.raises(ConfigError, match="serial models only"):
-        static_greedy_generate(model, _prefixes(), 4)
+        static_greedy_generate(_tensor_split(tiny_model()), _prefixes(), 4)
+    # the engine at 1,1,1,1 (what a GPU run trains and evaluates with) splits nothing: decoded, the same
+    model = axonn.parallelize(tiny_model(), ProcessGrid.serial())
+    pre = _prefixes()
+    assert torch.equal(static_greedy_generate(model, pre, 6, backend="eager"), greedy_generate(model, pre, 6))
+
+
+def _memorized(n: int = 6, t: int = 20, steps: int = 150) -> tuple[torch.nn.Module, list[list[int]]]:
+    """tiny_model trained until it reproduces n random rows of t tokens (peaked logits), and the rows."""
+    model = tiny_model(seed=1)
+    docs = torch.randint(0, 64, (n, t), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(input_ids=docs, labels=docs).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model, docs.tolist()
+
+
+def test_extraction_on_the_static_path_equals_greedy_generate_on_a_trained_model() -> None:
+    from evals import extract
+    from evals.static_decode import DecodeLog
+
+    model, docs = _memorized()
+    # half memorized rows, half random ones (flat logits, nothing to copy): both kinds of row
+    other = torch.randint(0, 64, (5, 20), generator=torch.Generator().manual_seed(9)).tolist()
+    docs = docs + other
+    log = DecodeLog()
+    got = extract(model, docs, prefix_len=8, suffix_len=12, batch_size=4, decode="static", decode_log=log)
+    kv = extract(model, docs, prefix_len=8, suffix_len=12, batch_size=4, decode="kv")
+    want = greedy_generate(model, torch.tensor(docs)[:, :8], 12).tolist()
+    assert [r.generated_ids for r in got] == want == [r.generated_ids for r in kv]
+    assert sum(r.exact_match for r in got) >= 5  # the trained rows are extracted: the logits are peaked
+    assert log.to_dict() | {"disagreements": []} == {"path": "static", "rows": 11, "verified": 11,
+                                                     "redecoded": 0, "disagreements": []}
+
+
+def test_a_row_the_static_step_gets_wrong_is_caught_and_decoded_again(monkeypatch) -> None:
+    """The teacher-forced check is what makes the static path safe: corrupt one token of one row in
+    the static decode and the extraction still equals greedy_generate, the row listed in the log."""
+    import evals.static_decode as sd
+    from evals import extract
+
+    model, docs = _memorized(n=4)
+    real = sd.StaticDecoder.generate
+
+    def corrupted(self, prefixes, max_new_tokens):
+        out = real(self, prefixes, max_new_tokens)
+        out[1, 3] = (out[1, 3] + 1) % 64
+        return out
+
+    monkeypatch.setattr(sd.StaticDecoder, "generate", corrupted)
+    log = sd.DecodeLog()
+    got = extract(model, docs, prefix_len=8, suffix_len=12, batch_size=4, decode="static", decode_log=log,
+                  doc_ids=["a", "b", "c", "d"])
+    assert [r.generated_ids for r in got] == greedy_generate(model, torch.tensor(docs)[:, :8], 12).tolist()
+    d = log.to_dict()
+    assert (d["rows"], d["verified"], d["redecoded"]) == (4, 3, 1)
+    assert d["disagreements"][0]["row"] == "b" and d["disagreements"][0]["position"] == 3
+    assert d["disagreements"][0]["top2_gap"] > 0
+
+
+def test_decode_choice_checked_in_one_line(monkeypatch) -> None:
+    import axonn
+    from evals import extract
+    from evals.static_decode import uses_static
+
+    model = tiny_model()
+    assert not uses_static(model, "auto")  # a CPU model: the KV-cache decoder
+    assert uses_static(model, "static") and not uses_static(model, "kv")
+    with pytest.raises(ConfigError, match="decode=.*greedy"):
+        uses_static(model, "static", num_beams=2)
+    with pytest.raises(ConfigError, match="decode=.fast.: pass auto.*static or kv"):
+        extract(model, [list(range(20))], prefix_len=4, suffix_len=4, decode="fast")
+    sharded = _tensor_split(tiny_model())
+    with pytest.raises(ConfigError, match="serial models only"):
+        uses_static(sharded, "static")
+    assert not uses_static(sharded, "auto")
+    assert uses_static(axonn.parallelize(tiny_model(), ProcessGrid.serial()), "static")
+    import evals.static_decode as sd
+
+    monkeypatch.setattr(sd, "model_device", lambda m: torch.device("cuda"))
+    assert uses_static(model, "auto")  # on a GPU: the static path, unless beams or a tensor split
+    assert not uses_static(model, "auto", num_beams=2) and not uses_static(sharded, "auto")
+
+
+def test_a_decoded_model_is_freed_with_its_cache() -> None:
+    """The decoders kept per model must not keep the model alive (an experiment evaluates one model
+    per arm: on a GPU each would hold its weights and static cache to the end of the process)."""
+    import gc
+    import weakref
+
+    model = tiny_model()
+    static_greedy_generate(model, _prefixes(), 4, backend="eager")
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -73,6 +73,11 @@ def check_options(o: EvalOptions) -> None:
         o.tasks = ",".join(check_tasks(o.tasks))
     if o.mode not in ("auto", "easy", "paired"):
         raise fail("--mode", o.mode, "choose auto, easy or paired")
+    if o.decode not in ("auto", "static", "kv"):
+        raise fail("--decode", o.decode, "choose auto, static or kv")
+    if o.decode == "static" and o.beams > 1:
+        raise fail("--decode", o.decode, f"the static decode is greedy; drop --beams {o.beams} or pass "
+                   "--decode auto")
     parse_sampling(o.sampling)
     parse_offsets(o.offsets)
     parse_ns(o.np_n)

@@ -88,6 +88,10 @@ def markdown_report(report: dict[str, Any]) -> str:
     ex = report.get("extraction")
     if ex:
         how = "Greedy" if ex["beams"] == 1 else f"Beam search ({ex['beams']} beams)"
+        dec = ex.get("decode") or {}
+        if dec.get("path") == "static":
+            how += (f" (compiled static-cache decode, each row checked by a teacher-forced forward: "
+                    f"{dec['verified']} of {dec['rows']} passed, {dec['redecoded']} decoded again)")
         parts += [f"## Extraction: `{ex['corpus']}`",
                   f"{how} continuation of a {ex['prefix']}-token prefix, "
                   f"scored on the next {ex['suffix']} tokens.",

@@ -22,6 +22,7 @@ from evals.mia import membership_inference
 from evals.perplexity import corpus_loss
 from evals.probabilistic import sampled_extraction
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
+from evals.static_decode import DecodeLog
 from memorization.eval.membership import EvalCorpus
 from memorize_core import ConfigError, fail
 
@@ -48,6 +49,7 @@ class EvalOptions:
     suffix: int = 32
     batch_size: int = 32
     beams: int = 1
+    decode: str = "auto"  # greedy decoder: auto (compiled static cache on a GPU, serial), static or kv
     seed: int = 0
     out: str | None = None
     overwrite: bool = False
@@ -106,10 +108,13 @@ def extraction_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *,
                        ) -> tuple[dict[str, Any], list[ExtractionResult]]:
     """Greedy (or beam) extraction of every document: report.json's `extraction` and the results."""
     t = time.perf_counter()
+    log = DecodeLog()
     results = extract(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix, tokenizer=tok,
-                      batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=progress, grid=grid)
+                      batch_size=o.batch_size, num_beams=o.beams, doc_ids=c.ids, progress=progress, grid=grid,
+                      decode=o.decode, decode_log=log)
     section = {"corpus": c.spec, "prefix": o.prefix, "suffix": o.suffix, "beams": o.beams,
-               "loaded": c.loaded, **summarize(results), "seconds": time.perf_counter() - t}
+               "loaded": c.loaded, **summarize(results), "decode": log.to_dict(),
+               "seconds": time.perf_counter() - t}
     return section, results
 
 

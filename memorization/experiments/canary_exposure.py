@@ -221,7 +221,7 @@ def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: A
         s.update(id=item.id, count=item.count,
                  **_secret_mask(item.text, tokenizer, scores["secret_start"], b.goldfish))
     results = extract(model, [dup_tokens[it.id] for it in dups], prefix_len=b.eval.prefix,
-                      suffix_len=b.eval.suffix, tokenizer=tokenizer,
+                      suffix_len=b.eval.suffix, tokenizer=tokenizer, decode=b.eval.decode,
                       doc_ids=[it.id for it in dups]) if dups else []
     counts = {it.id: it.count for it in dups}
     scores["duplicates"] = [{"id": r.doc, "count": counts[r.doc], "exact_match": r.exact_match,

@@ -160,7 +160,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
         e = b.eval
         seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
-                                      tokenizer=data.tokenizer, batch_size=e.batch_size))
+                                      tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode))
         beyond = {name: _beyond(sampled_extraction(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
                                                    schemes=schemes, offsets=[0], ns=e.np_ns, p=e.np_p,
                                                    batch_size=e.batch_size))

@@ -124,7 +124,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
         def evaluate(model, run_dir, originals=originals) -> dict[str, Any]:
             res = extract(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix, tokenizer=tok,
-                          batch_size=b.eval.batch_size)
+                          batch_size=b.eval.batch_size, decode=b.eval.decode)
             beyond = sampled_extraction(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
                                         schemes=schemes, ns=b.eval.np_ns, p=b.eval.np_p,
                                         batch_size=b.eval.batch_size) if schemes else None

@@ -76,10 +76,12 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
 
 
 def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-                       progress: bool = False, grid: ProcessGrid | None = None) -> list[Any]:
+                       progress: bool = False, grid: ProcessGrid | None = None,
+                       decode_log: Any = None) -> list[Any]:
     """Greedy extraction of every training item: prefix -> suffix of documents,
     prompt -> response of chats. Call it on every rank of `grid` (default: the model's own grid:
-    the one it is sharded over, else serial; pass the run's 1,1,1,D grid to split a replica's work)."""
+    the one it is sharded over, else serial; pass the run's 1,1,1,D grid to split a replica's work).
+    Documents are decoded by eval.decode's decoder, reported in `decode_log` (an evals DecodeLog)."""
     from evals import extract, extract_pairs  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
 
     e = cfg.eval
@@ -89,7 +91,8 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
                              grid=grid)
     return extract(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
                    tokenizer=data.tokenizer, batch_size=e.batch_size, num_beams=e.num_beams,
-                   doc_ids=data.member_doc_ids, progress=progress, grid=grid)
+                   doc_ids=data.member_doc_ids, progress=progress, grid=grid, decode=e.decode,
+                   decode_log=decode_log)
 
 
 def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
@@ -271,8 +274,13 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
     summary = summarise(run)
     results = scored
     if results is None and cfg.eval.extraction:
+        from evals.static_decode import DecodeLog  # deferred: evals +3.2 s import
+
+        log = DecodeLog()
         results = extraction_results(trainer.model, cfg, run.data, grid=run.grid,
-                                     progress=trainer.cfg.progress and run.is_main)
+                                     progress=trainer.cfg.progress and run.is_main, decode_log=log)
+        if log.path == "static":  # the rows the compiled decode got wrong and decoded again, listed
+            summary["extraction_decode"] = log.to_dict()
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
     if cfg.eval.extraction and "sampled" not in (extra or {}):
