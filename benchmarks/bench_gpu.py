@@ -106,7 +106,8 @@ def _table(rows: list[tuple[str, Any]]) -> None:
         print(f"{k:<{width}}  {v}", flush=True)
 
 
-_FAMILIES = (("gemm", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet", "matmul")),
+_FAMILIES = (("compiled (triton)", ("triton_",)),  # Inductor's fused kernels: norms, rotary, CE chunks
+             ("gemm", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet", "matmul")),
              ("attention", ("flash", "fmha", "attention", "sdpa")),
              ("optimizer", ("adam", "multi_tensor")),
              ("cross-entropy", ("softmax", "nll_loss", "cross_entropy")),

@@ -15,7 +15,10 @@ Each arm runs in its own process (Liger patches transformers' classes; 1B models
 take ~20 GB each) over the batches given, in one model: per batch `--warmup` steps (compile counted
 there), then `--steps` timed steps (median), peak memory since the warm-up. MFU by the planner's
 convention (`axonn.plan.model.model_flops`) over --peak-tflops. `--table DIR` prints the arms'
-JSONs as one table with each arm's step time over the best HF arm's at the same batch.
+JSONs as one table with each arm's step time over the best HF arm's at the same batch. `--profile`
+(CUDA) adds one profiled step at the last batch: kernel time by family (GEMM, attention, Inductor's
+fused kernels, optimizer, ...), GPU idle time and the top kernels (bench_gpu.profile_step), so two
+arms' steps can be compared part by part.
 
     python benchmarks/bench_peers.py --arm engine+both [--model llama-1b] [--batches 4,8] --out DIR
     python benchmarks/bench_peers.py --table DIR
@@ -26,6 +29,7 @@ CPU dry run (no timings worth reading; checks the code paths end to end):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -35,7 +39,7 @@ from typing import Any
 import common
 import torch
 from bench_engine import engine_step
-from bench_gpu import build
+from bench_gpu import build, profile_step
 
 import axonn
 from axonn.compile import compile_blocks
@@ -168,6 +172,9 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
               + (f", planner {row['predicted_step_s']:.4f} s" if "predicted_step_s" in row else ""),
               flush=True)
         common.report(f"peer_{args.arm.replace('+', '_')}_b{b}_mfu", row["mfu"])
+    if args.profile and cuda and rows and "step_s" in rows[-1]:
+        print(f"{args.arm} batch {rows[-1]['batch']}, one profiled step:")
+        rows[-1]["profile"] = profile_step(functools.partial(step, ids))
     del model, step
     return {"arm": args.arm, "model": args.model, "seq": args.seq, "device": common.machine()["device"],
             "backend": args.backend, "build_and_run_s": time.perf_counter() - t0, "rows": rows}
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of the compile arms")
     ap.add_argument("--loss-chunk", type=lambda s: s if s in ("auto", "off") else int(s), default="auto",
                     help="the chunked arms' trainer.loss_chunk (dry runs: a small number, to chunk at all)")
+    ap.add_argument("--profile", action="store_true", help="one profiled step at the last batch (CUDA)")
     ap.add_argument("--out", type=Path, default=common.RESULTS)
     args = ap.parse_args(argv)
     if args.table:

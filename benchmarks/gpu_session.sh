@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 32 in ONE call of at most 9 minutes (BUDGET seconds, default 530) on a
-# fresh single-GPU machine: the engine's training step at 1,1,1,1 beside the single-GPU peers
-# (engine as is / + chunked LM head / + per-block compile / both; HF eager, HF + compile, HF + Liger
-# (+ compile) when liger-kernel is carried), at batch 4 and 8 (llama-1b shape, seq 2048, bf16), one
-# table; then decoding (HF generate, HF static-cache generate, greedy_generate, the compiled
-# static-cache decode; tokens compared row by row); then the GPU-marked tests of this issue.
-# Every step is time-limited (`timeout`) and no step starts past the budget.
+# The GPU checks of issues 32 and 41 in ONE call of at most 9 minutes (BUDGET seconds, default 530) on
+# a fresh single-GPU machine, the deciding steps first:
+#  1. decoding on a llama-1b trained in the same run to memorize the batch (peaked logits), bf16, batch
+#     256, 32 + 32: HF generate, the verified static decode extraction now runs (issue 41 item 3:
+#     >= 2x HF generate, tokens equal), greedy_generate, the bare compiled decode, HF static generate;
+#  2. the engine's training step at 1,1,1,1 with both switches beside HF + per-block compile, batch 4
+#     and 8 (llama-1b shape, seq 2048, bf16), each with one profiled step (kernel time by family: what
+#     the remaining gap is made of; issue 41 items 2 and 4);
+#  3. the GPU-marked tests;
+#  4. the other peer arms (engine as is / + chunked head / + compile; HF eager, HF + Liger (+ compile)
+#     when liger-kernel is carried) and decoding on the random-init model, as the budget allows.
+# One table at the end. Every step is time-limited (`timeout`) and no step starts past the budget.
 #
 #   bash benchmarks/gpu_session.sh [OUT_DIR]          # FULL=1 adds issue 21's older checks at the end
 #
@@ -60,13 +65,15 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   DRY=0
   PEERS="--model llama-1b --seq 2048 --batches 4,8 --steps 6 --warmup 2"
   DECODE="--model llama-1b --batch 256 --prefix 32 --new 32 --reps 3"
-  EAGER_S=75 COMPILE_S=120 DECODE_S=110
+  TRAINED="--train ${TRAIN_STEPS:-200} --lr 1e-3"
+  EAGER_S=75 COMPILE_S=120 DECODE_S=110 TRAINED_S=210
 else
   DRY=1
   echo "no CUDA device: dry run on CPU (tiny shapes; the figures mean nothing)" | tee -a "$LOG"
   PEERS="--device cpu --model tiny --seq 64 --batches 2,4 --steps 1 --warmup 1 --backend aot_eager --loss-chunk 32"
   DECODE="--device cpu --model tiny --batch 4 --prefix 8 --new 4 --reps 1 --backend eager"
-  EAGER_S=180 COMPILE_S=300 DECODE_S=300
+  TRAINED="--train 30 --lr 1e-2"
+  EAGER_S=180 COMPILE_S=300 DECODE_S=300 TRAINED_S=300
   BUDGET=${DRY_BUDGET:-1500}
 fi
 
@@ -74,19 +81,22 @@ step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clo
   python3 -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
   transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else \"cpu\")"'
 P=benchmarks/bench_peers.py
-# the arms that decide the issue first (engine with both switches vs the best HF peer), then the rest
-for arm in engine+both hf+compile engine hf; do
-  case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
-  step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
-done
-step decode "$DECODE_S" python3 benchmarks/bench_decode.py $DECODE --out "$OUT"
-for arm in engine+chunked engine+compile hf+liger+compile hf+liger; do
-  case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
-  step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
+D=benchmarks/bench_decode.py
+# the steps that decide issue 41 first: decoding on a trained model, then the engine with both
+# switches vs the best HF peer (each profiled), then the GPU tests, then the rest
+step decode-trained "$TRAINED_S" python3 $D $DECODE $TRAINED \
+  --arms hf_generate,static_verified,static_gated,greedy_generate,static_compiled,hf_static --out "$OUT/trained"
+for arm in engine+both hf+compile; do
+  step "peer-$arm" "$COMPILE_S" python3 $P --arm "$arm" $PEERS --profile --out "$OUT"
 done
 if [ "$DRY" = 0 ]; then
-  step pytest-gpu 60 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_speed.py
+  step pytest-gpu 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_speed.py
 fi
+for arm in engine hf engine+compile engine+chunked hf+liger+compile hf+liger; do
+  case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac
+  step "peer-$arm" "$lim" python3 $P --arm "$arm" $PEERS --out "$OUT"
+done
+step decode-random "$DECODE_S" python3 $D $DECODE --out "$OUT"
 if [ "${FULL:-0}" = 1 ]; then  # issue 21's checks (each within the same budget)
   B=benchmarks/bench_gpu.py
   step vs-torch 120 python3 $B --vs-torch --model llama-1b --seq 2048 --batch 4 --reps 10 --profile \

@@ -141,6 +141,8 @@ def _merge_logs(sc: Scorer, mine: DecodeLog, into: DecodeLog) -> None:
     into.path = mine.path
     for log in shards:
         into.rows += log.rows
+        into.checked += log.checked
+        into.gap_shift_max = max(into.gap_shift_max, log.gap_shift_max)
         into.disagreements += log.disagreements
 
 

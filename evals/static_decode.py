@@ -42,11 +42,18 @@ from memorize_core import fail
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: StaticDecoder}
 
 
+def _pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy token of [B, V] logits (argmax: ties to the lower id) and its top-2 gap (fp32)."""
+    top2 = logits.float().topk(2, dim=-1).values
+    return logits.argmax(dim=-1), top2[:, 0] - top2[:, 1]
+
+
 def _step(model: torch.nn.Module, tok: torch.Tensor, cache: StaticCache, pos: torch.Tensor,
-          kw: str) -> torch.Tensor:
-    """One decode step: the greedy token after `tok` ([B, 1]) written at cache position `pos` ([1])."""
+          kw: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step: the greedy token after `tok` ([B, 1]) written at cache position `pos` ([1]),
+    and the gap between its logit and the runner-up's."""
     out = model(input_ids=tok, **{kw: cache}, cache_position=pos, use_cache=True)
-    return out.logits[:, -1].argmax(dim=-1)
+    return _pick(out.logits[:, -1])
 
 
 class StaticDecoder:
@@ -60,6 +67,7 @@ class StaticDecoder:
         self.cache = StaticCache(config=model.config, max_cache_len=capacity)
         self.kw = cache_keyword(model)  # `cache` or `past_key_values`, as this transformers names it
         self.compile_s: float | None = None  # the first decode step's time, compile included
+        self.min_gap: torch.Tensor | None = None  # per row of the last call: its smallest top-2 gap
         if compile:
             mode = mode or ("reduce-overhead" if device.type == "cuda" else None)
             self.step = torch.compile(_step, backend=backend, mode=mode, dynamic=False)
@@ -85,16 +93,19 @@ class StaticDecoder:
         positions = torch.arange(p + max_new_tokens, device=prefixes.device)
         logits = model(input_ids=prefixes, **{self.kw: self.cache}, cache_position=positions[:p],
                        use_cache=True).logits
-        out[:, 0] = logits[:, -1].argmax(dim=-1)
+        out[:, 0], gap = _pick(logits[:, -1])
         for t in range(1, max_new_tokens):
             first = self.compile_s is None and self._compiled
             t0 = time.perf_counter()
             # the same shapes at every step; the position is a tensor, so the captured graph replays
-            out[:, t] = self.step(model, out[:, t - 1:t], self.cache, positions[p + t - 1:p + t], self.kw)
+            tok, g = self.step(model, out[:, t - 1:t], self.cache, positions[p + t - 1:p + t], self.kw)
+            out[:, t] = tok
+            gap = torch.minimum(gap, g)  # copied out at once: a CUDA graph's outputs are reused
             if first:
                 if prefixes.device.type == "cuda":
                     torch.cuda.synchronize()
                 self.compile_s = time.perf_counter() - t0
+        self.min_gap = gap
         return out
 
 
@@ -141,11 +152,18 @@ class DecodeLog:
     path: str = "kv"
     rows: int = 0
     disagreements: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    checked: int = 0  # rows put through the teacher-forced check (all of them unless check_below)
+    gap_shift_max: float = 0.0  # largest |compiled - eager| smallest top-2 gap over rows that passed
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: path, rows, verified (rows whose compiled tokens passed), redecoded, disagreements."""
-        return {"path": self.path, "rows": self.rows, "verified": self.rows - len(self.disagreements),
-                "redecoded": len(self.disagreements), "disagreements": self.disagreements}
+        """JSON-ready: path, rows, checked, verified (checked rows whose compiled tokens passed),
+        redecoded, disagreements; gap_shift_max where rows were checked."""
+        out = {"path": self.path, "rows": self.rows, "checked": self.checked,
+               "verified": self.checked - len(self.disagreements), "redecoded": len(self.disagreements),
+               "disagreements": self.disagreements}
+        if self.checked:
+            out["gap_shift_max"] = self.gap_shift_max
+        return out
 
 
 def check_decode(decode: str) -> str:
@@ -182,42 +200,53 @@ def uses_static(model: torch.nn.Module, decode: str, num_beams: int = 1) -> bool
 
 
 def verify_greedy(sc: Scorer, prefixes: torch.Tensor, tokens: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check decoded rows by one teacher-forced forward: (first, gap) per row, `first` the first
-    position whose token is not the argmax given the prefix and the tokens before it (S where every
-    token is) and `gap` the top-2 logit gap there (0 for a row that passed). Rows in chunks of at most
-    _ARGMAX_ELEMENTS logits; the LM head runs on the S scored positions only where the model allows."""
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check decoded rows by one teacher-forced forward: (first, gap, min_gap) per row, `first` the
+    first position whose token is not the argmax given the prefix and the tokens before it (S where
+    every token is), `gap` the top-2 logit gap there (0 for a row that passed) and `min_gap` the
+    smallest top-2 gap over the row's S positions. Rows in chunks of at most _ARGMAX_ELEMENTS logits;
+    the LM head runs on the S scored positions only where the model allows."""
     b, s = tokens.shape
     first = torch.full((b,), s, dtype=torch.long, device=tokens.device)
     gap = torch.zeros(b, device=tokens.device)
+    min_gap = torch.zeros(b, device=tokens.device)
     if s == 0 or b == 0:
-        return first, gap
+        return first, gap, min_gap
     ids = torch.cat([prefixes, tokens[:, :-1]], dim=1)
     keep = {"logits_to_keep": s} if sc._keep else {}
     step = max(1, _ARGMAX_ELEMENTS // (s * int(sc.model.config.vocab_size)))
     for r in range(0, b, step):
         logits = sc.forward(input_ids=ids[r:r + step], use_cache=False, **keep).logits[:, -s:]
+        top2 = logits.float().topk(2, dim=-1).values
+        min_gap[r:r + step] = (top2[..., 0] - top2[..., 1]).amin(dim=1)
         wrong = logits.argmax(dim=-1) != tokens[r:r + step]
         bad = wrong.any(dim=1)
         if bad.any():
             at = wrong.int().argmax(dim=1)
             first[r:r + step] = torch.where(bad, at, s)
             rows = bad.nonzero().squeeze(1)
-            top2 = logits[rows, at[rows]].float().topk(2, dim=-1).values
-            gap[r + rows] = top2[:, 0] - top2[:, 1]
-    return first, gap
+            gap[r + rows] = (top2[rows, at[rows], 0] - top2[rows, at[rows], 1])
+    return first, gap, min_gap
 
 
 def static_local(sc: Scorer, prefixes: torch.Tensor, max_new_tokens: int, *, batch: int,
                  targets: torch.Tensor | None = None, log: DecodeLog | None = None,
-                 ids: list[Any] | None = None) -> torch.Tensor:
+                 ids: list[Any] | None = None, backend: str | None = None,
+                 check_below: float | None = None) -> torch.Tensor:
     """Greedy tokens of this rank's rows ([B, max_new_tokens]) by the static decode, every row verified.
 
     Rows are padded to `batch` (copies of the first) so every call reuses one compiled step; the step
-    is compiled on a GPU (CUDA graphs) and runs eagerly elsewhere. Rows failing `verify_greedy` are
+    is compiled on a GPU (CUDA graphs) and runs eagerly elsewhere, unless a torch.compile `backend`
+    is named (then compiled with it on any device). Rows failing `verify_greedy` are
     decoded again by the KV-cache decoder (`verified_local` with their `targets` as the draft when
     given, else `greedy_local`) and recorded in `log` under their `ids`. Call inside
     `evals._model.evaluating`.
+
+    `check_below` (a logit gap; None = check every row, the default everywhere extraction runs)
+    checks only the rows whose smallest top-2 gap during the compiled decode is below it: a kernel
+    difference smaller than half a row's gap cannot change its argmax, so rows with a clear margin
+    at every step keep their tokens unchecked. How far the compiled and eager gaps move apart on the
+    rows checked is logged (`gap_shift_max`), which is what a safe `check_below` is read from.
     """
     b, p = prefixes.shape
     if b == 0 or max_new_tokens == 0:
@@ -226,13 +255,25 @@ def static_local(sc: Scorer, prefixes: torch.Tensor, max_new_tokens: int, *, bat
         raise fail("batch", batch, f"pass a decode batch of at least the {b} rows of this call")
     model = sc.model
     cuda = sc.device.type == "cuda"
-    with torch.inference_mode(False), torch.no_grad():  # the kept cache and CUDA graph live outside
-        dec = static_decoder(model, batch, p + max_new_tokens, compile=cuda)  # inference mode, as in
-        padded = prefixes.clone()                                              # HF's static generate
+    how = {"compile": cuda} if backend is None else {"backend": backend}
+    # the kept cache and CUDA graph live outside inference mode, as in HF's static-cache generate
+    with torch.inference_mode(False), torch.no_grad():
+        dec = static_decoder(model, batch, p + max_new_tokens, **how)
+        padded = prefixes.clone()
         if b < batch:
             padded = torch.cat([padded, padded[:1].expand(batch - b, p)])
         out = dec.generate(padded, max_new_tokens)[:b].clone()
-    first, gap = verify_greedy(sc, prefixes, out)
+        compiled_gap = dec.min_gap[:b].clone()
+    check = (torch.arange(b, device=out.device) if check_below is None
+             else (compiled_gap < check_below).nonzero().squeeze(1))
+    first = torch.full((b,), max_new_tokens, dtype=torch.long, device=out.device)
+    gap = torch.zeros(b, device=out.device)
+    if len(check):
+        first[check], gap[check], eager_gap = verify_greedy(sc, prefixes[check], out[check])
+        passed = first[check] == max_new_tokens
+        if log is not None and passed.any():
+            shift = (compiled_gap[check][passed] - eager_gap[passed]).abs().max()
+            log.gap_shift_max = max(log.gap_shift_max, float(shift))
     bad = (first < max_new_tokens).nonzero().squeeze(1)
     if len(bad):
         out[bad] = (verified_local(sc, prefixes[bad], targets[bad]) if targets is not None
@@ -240,6 +281,7 @@ def static_local(sc: Scorer, prefixes: torch.Tensor, max_new_tokens: int, *, bat
     if log is not None:
         log.path = "static"
         log.rows += b
+        log.checked += len(check)
         for i in bad.tolist():
             log.disagreements.append({"row": ids[i] if ids is not None else i, "position": int(first[i]),
                                       "top2_gap": float(gap[i])})

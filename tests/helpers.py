@@ -167,3 +167,17 @@ def write_indexed(prefix: str | Path, documents: list[list[int]],
         f.write(struct.pack("<QQ", len(documents), len(doc_idx)))
         f.write(sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
     return bin_path, idx_path
+
+
+def memorized_model(n: int = 6, t: int = 20, steps: int = 150) -> tuple[torch.nn.Module, list[list[int]]]:
+    """tiny_model trained until it reproduces n random rows of t tokens (peaked logits), and the rows."""
+    model = tiny_model(seed=1)
+    docs = torch.randint(0, 64, (n, t), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(input_ids=docs, labels=docs).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    return model, docs.tolist()

@@ -1,13 +1,13 @@
 """GPU-only checks of issue 32's speed paths (benchmarks/gpu_session.sh runs them): the chunked head
 with its compiled per-chunk kernels follows the full-logit loss under bf16 autocast, a compiled
-Trainer step matches the eager one, and the compiled static-cache decode (CUDA graphs) gives
-greedy_generate's tokens."""
+Trainer step matches the eager one, the compiled static-cache decode (CUDA graphs) gives
+greedy_generate's tokens, and extraction on CUDA decodes through it with every row checked (issue 41)."""
 from __future__ import annotations
 
 import engine_cases as ec
 import pytest
 import torch
-from helpers import rows, tiny_model
+from helpers import memorized_model, rows, tiny_model
 
 from axonn.config import TrainerConfig
 from axonn.grid import ProcessGrid
@@ -63,3 +63,21 @@ def test_compiled_static_decode_tokens_on_cuda() -> None:
     dec = static_decoder(model, 8, 22)
     first = dec.compile_s
     assert torch.equal(static_greedy_generate(model, pre, 10), ref) and dec.compile_s == first
+
+
+@needs_cuda
+def test_extraction_on_cuda_takes_the_verified_static_path() -> None:
+    """What `memorize eval` and the experiments run on a GPU: decode=auto is the compiled static decode
+    (CUDA graphs) with every row checked, its rows equal the KV-cache decoder's on a trained model,
+    the engine at 1,1,1,1 (a GPU run's model) included."""
+    import axonn
+    from evals import extract
+    from evals.static_decode import DecodeLog
+
+    model, docs = memorized_model()
+    for m in (model.cuda(), axonn.parallelize(model, ProcessGrid.serial(device="cuda"))):
+        log = DecodeLog()
+        got = extract(m, docs, prefix_len=8, suffix_len=12, batch_size=4, decode_log=log)
+        kv = extract(m, docs, prefix_len=8, suffix_len=12, batch_size=4, decode="kv")
+        assert [r.generated_ids for r in got] == [r.generated_ids for r in kv]
+        assert log.to_dict()["path"] == "static" and log.rows == len(docs), log.to_dict()
