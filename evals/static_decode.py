@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import StaticCache
 
 from axonn.engine import engine_of
-from evals._model import cache_keyword, model_device
+from evals._model import _inner, cache_keyword, model_device
 from evals.decoding import greedy_local, verified_local
 from evals.scoring import Scorer
 from memorize_core import fail
@@ -182,13 +182,18 @@ def splits_tensors(model: torch.nn.Module) -> bool:
 
 def uses_static(model: torch.nn.Module, decode: str, num_beams: int = 1) -> bool:
     """Whether greedy extraction of `model` takes the static path: `decode` static, or auto on a CUDA
-    device, for a model whose tensors are whole on this rank (`splits_tensors` false) and greedy
-    decoding. `static` on a tensor-split model or with beam search is refused in one line."""
+    device, for a model whose tensors are whole on this rank (`splits_tensors` false), whose class
+    declares static-cache support, and greedy decoding. `static` where one of these fails is refused
+    in one line."""
     check_decode(decode)
     if decode == "kv":
         return False
     serial, greedy = not splits_tensors(model), num_beams == 1
+    compilable = bool(getattr(type(_inner(model)), "_can_compile_fullgraph", False))
     if decode == "static":
+        if not compilable:
+            raise fail("decode", decode, f"{type(_inner(model)).__name__} does not declare static-cache "
+                       "support (transformers' _can_compile_fullgraph); pass auto or kv")
         if not serial:
             raise fail("decode", decode, "the compiled static-cache decode runs serial models only (or "
                        "replicas on a 1,1,1,D grid); pass auto or kv for a model sharded by the engine")
@@ -196,7 +201,7 @@ def uses_static(model: torch.nn.Module, decode: str, num_beams: int = 1) -> bool
             raise fail("decode", decode, f"the static decode is greedy; pass decode=auto or kv with "
                        f"num_beams={num_beams}")
         return True
-    return serial and greedy and model_device(model).type == "cuda"
+    return serial and greedy and compilable and model_device(model).type == "cuda"
 
 
 def verify_greedy(sc: Scorer, prefixes: torch.Tensor, tokens: torch.Tensor

@@ -132,6 +132,10 @@ def test_decode_choice_checked_in_one_line(monkeypatch) -> None:
     monkeypatch.setattr(sd, "model_device", lambda m: torch.device("cuda"))
     assert uses_static(model, "auto")  # on a GPU: the static path, unless beams or a tensor split
     assert not uses_static(model, "auto", num_beams=2) and not uses_static(sharded, "auto")
+    monkeypatch.setattr(type(model), "_can_compile_fullgraph", False)  # a class without a static cache
+    assert not uses_static(model, "auto")
+    with pytest.raises(ConfigError, match="does not declare static-cache support"):
+        uses_static(model, "static")
 
 
 def test_a_decoded_model_is_freed_with_its_cache() -> None:
