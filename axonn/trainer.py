@@ -58,6 +58,16 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient norm."""
 
 
+def adamw_kernel(params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch's fused AdamW (one kernel over all parameters per step) where it runs, on CUDA and CPU
+    floating-point parameters; the default implementation elsewhere. Fused is what the single-GPU
+    stacks use; the per-parameter loop it replaces launched ~10 kernels per parameter on a GPU and
+    took 4.3x the CPU time on SmolLM2-135M (445 vs 104 ms, docs/benchmarks.md). Its updates differ
+    from the loop's in the last bits (<= 9.1e-7 after 3 steps there)."""
+    ok = bool(params) and all(p.device.type in ("cuda", "cpu") and p.is_floating_point() for p in params)
+    return {"fused": True} if ok else {}
+
+
 class Trainer:
     """AdamW + warmup/cosine + clipping + accumulation over a RowDataset, serial or on a grid."""
 
@@ -129,7 +139,7 @@ class Trainer:
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2),
-                                 foreach=False)
+                                 **adamw_kernel(decay + no_decay))
 
     @property
     def is_main(self) -> bool:
@@ -216,9 +226,9 @@ class Trainer:
             return (clip_grad_norm_(model, cfg.grad_clip, self.grid) if cfg.grad_clip > 0
                     else grad_norm(model, self.grid))
         if cfg.grad_clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None],
-                                                   foreach=False))
+            return float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads))
 
     def _reduce(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics vector over batch shards."""

@@ -2,8 +2,9 @@
 
 Arms (a random-init Llama of a zoo shape, seq 2048, bf16 autocast over fp32 weights, fused AdamW,
 clip 1.0; every arm builds the same seeded model):
-  engine            the engine at 1,1,1,1 as `memorize train` runs it without the new switches
-                    (GEMM tuning on; full logits + the engine's CE)
+  engine            the engine at 1,1,1,1 as `memorize train` runs it without the new switches: one
+                    `axonn.Trainer.train_step` per step (its loss forward, CE, clip, AdamW, schedule
+                    and metric syncs; GEMM tuning on; full logits)
   engine+chunked    + the chunked LM head / cross-entropy (trainer.loss_chunk=auto)
   engine+compile    + torch.compile per decoder block (trainer.compile=true)
   engine+both       both
@@ -38,18 +39,18 @@ from typing import Any
 
 import common
 import torch
-from bench_engine import engine_step
 from bench_gpu import build, profile_step
 
 import axonn
 from axonn.compile import compile_blocks
-from axonn.lm_head import LossHead
+from axonn.config import TrainerConfig
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.memory import auto_chunk
 from axonn.plan.model import model_flops, predict
 from axonn.plan.shapes import load_shape
 from axonn.plan.volumes import Grid
 from axonn.schedule import EngineOptions
+from axonn.trainer import Trainer
 
 ARMS = ("engine", "engine+chunked", "engine+compile", "engine+both", "hf", "hf+compile", "hf+liger",
         "hf+liger+compile")
@@ -63,9 +64,23 @@ def _liger() -> Any:
     return apply_liger_kernel_to_llama
 
 
+class _Rows:
+    """The trainer's one-row dataset (it steps on the benchmark's own batches)."""
+
+    def __init__(self, seq: int, vocab: int) -> None:
+        self.ids = torch.zeros(1, seq, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, idx: Any) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[idx]}
+
+
 def make_arm(arm: str, shape: Any, seq: int, device: str, backend: str,
-             loss_chunk: int | str = "auto") -> tuple[Any, Any] | str:
-    """(model, step(ids) -> loss tensor) of one arm, or why it cannot run here."""
+             loss_chunk: int | str = "auto", batch: int = 8) -> tuple[Any, Any] | str:
+    """(model, step(ids) -> loss tensor) of one arm, or why it cannot run here; `batch`: the largest
+    batch the arm steps on."""
     if "liger" in arm:
         patch = _liger()
         if patch is None:
@@ -78,18 +93,22 @@ def make_arm(arm: str, shape: Any, seq: int, device: str, backend: str,
     if arm.startswith("engine"):
         grid = common.single_process_grid()
         model = axonn.parallelize(model, grid, options=EngineOptions(gemm_tuning=device == "cuda"))
-        # every engine arm through the trainer's loss forward (axonn.lm_head: no KV cache in a training
-        # forward, so a compiled block is one graph for every layer); full logits unless chunked
+        # every engine arm is the trainer's own step (axonn.Trainer.train_step): its loss forward (no KV
+        # cache, so a compiled block is one graph for every layer), CE, clip, AdamW and syncs; full
+        # logits unless chunked. Compiled here with --backend (the trainer's compile is inductor's).
         chunked = "chunked" in arm or "both" in arm
-        head = LossHead(model, grid, loss_chunk if chunked else "off")
-        if chunked and head.head is None:
-            return f"the chunked head does not apply: {head.reason}"
+        cfg = TrainerConfig(lr=1e-5, warmup_steps=0, grad_clip=1.0, batch_size=batch, max_steps=10**6,
+                            progress=False, device=device, precision="bf16" if amp else "fp32",
+                            loss_chunk=loss_chunk if chunked else "off", compile=False)
+        trainer = Trainer(model, cfg, _Rows(seq, shape.vocab), grid=grid)
+        if chunked and trainer.loss_head.head is None:
+            return f"the chunked head does not apply: {trainer.loss_head.reason}"
         if compiled:
             compile_blocks(model, True, torch.device(device), backend=backend)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
 
         def step(ids: torch.Tensor) -> torch.Tensor:
-            return engine_step(model, opt, ids, ids, grid, autocast=amp, head=head)
+            stats = trainer.train_step({"input_ids": ids})
+            return torch.tensor(stats.loss_sum / max(stats.supervised, 1))
         return model, step
     if compiled:
         compile_blocks(model, True, torch.device(device), backend=backend)
@@ -125,7 +144,7 @@ def run_arm(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
-    made = make_arm(args.arm, shape, args.seq, args.device, args.backend, args.loss_chunk)
+    made = make_arm(args.arm, shape, args.seq, args.device, args.backend, args.loss_chunk, max(args.batches))
     if isinstance(made, str):
         print(f"{args.arm}: skipped ({made})")
         return {"arm": args.arm, "skipped": made, "rows": []}

@@ -145,3 +145,27 @@ def test_evaluate_is_token_weighted_mean_ce():
 def test_bad_trainer_config(kw, field):
     with pytest.raises(ConfigError, match=field):
         Trainer(tiny_model(), cfg(**kw), rows())
+
+
+def test_adamw_is_torch_fused_kernel_and_steps_as_plain_pytorch():
+    """The trainer's optimizer is torch's fused AdamW (what the single-GPU stacks use: one kernel
+    per step, not ~10 per parameter) wherever it runs, and one step moves the weights as plain
+    PyTorch's loop with fused AdamW and clipping does."""
+    from axonn.trainer import adamw_kernel
+
+    data = rows(n=8)
+    t = Trainer(tiny_model(), cfg(warmup_steps=0, grad_clip=0.5, lr=1e-2), data)
+    assert t.optimizer.defaults["fused"] is True
+    assert adamw_kernel([torch.empty(2, device="meta")]) == {}  # a device without the kernel
+    plain = tiny_model()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    batch = data[torch.arange(8)]
+    t.train_step(batch)
+    logits = plain(input_ids=batch["input_ids"]).logits[:, :-1]
+    tgt = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    opt.step()
+    for (name, a), b in zip(t.model.named_parameters(), plain.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
