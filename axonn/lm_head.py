@@ -23,7 +23,7 @@ from torch import nn
 
 from axonn.config import check_loss_chunk
 from axonn.grid import ProcessGrid
-from axonn.layers.chunked_ce import chunked_cross_entropy
+from axonn.layers.chunked_ce import chunked_cross_entropy, chunked_cross_entropy_sum
 from axonn.layers.functions import compute_dtype, token_cross_entropy
 from axonn.layers.modules import ParallelLinear
 from axonn.plan.memory import head_chunk  # the planner resolves `auto` the same way
@@ -82,6 +82,15 @@ class HiddenStates:
         return chunked_cross_entropy(self.hidden, h.weight, targets, self.grid, self.chunk, rows=h.rows,
                                      dtype=self.dtype, ignore_index=ignore_index, sched=h.sched,
                                      layer=h.layer)
+
+    def ce_sum(self, targets: torch.Tensor, weights: torch.Tensor | None = None,
+               ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sum of each token's CE times its weight (default 1), differentiable; each token's CE
+        [N], not differentiable), the sum's gradient formed in the forward pass (no recompute)."""
+        h = self.head
+        return chunked_cross_entropy_sum(self.hidden, h.weight, targets, self.grid, self.chunk,
+                                         weights=weights, rows=h.rows, dtype=self.dtype,
+                                         ignore_index=ignore_index, sched=h.sched, layer=h.layer)
 
 
 class LossHead:

@@ -210,7 +210,15 @@ class Trainer:
         token's CE or None) for this rank's rows; `base` are the micro-batch's untransformed labels.
 
         Without a label transform or a hook that needs token losses: one fused CE sum (what plain
-        PyTorch computes), else one per-token CE split by mask (_ce_split)."""
+        PyTorch computes), else one per-token CE split by mask (_ce_split). Through the chunked head
+        with no per-token gradient hook, the sum's own op (its gradient formed in forward, no
+        recompute), the kept tokens as its weights under a label transform."""
+        if isinstance(logits, HiddenStates) and not self.gradient_hook.token_losses:
+            real = targets if self.label_transform is None else self._shard(base)[:, 1:].to(self.device)
+            keep = targets != IGNORE_INDEX
+            loss_sum, ce = logits.ce_sum(real, weights=None if self.label_transform is None else keep)
+            dropped = ((real != IGNORE_INDEX) & ~keep).reshape(-1)
+            return loss_sum, torch.where(dropped, ce, 0.0).sum(), dropped.sum(), None
         if self.label_transform is None and not self.gradient_hook.token_losses:
             loss_sum, _ = self._ce_sum(logits, targets)
             zero = torch.zeros(())

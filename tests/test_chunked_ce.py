@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from axonn.config import check_loss_chunk
 from axonn.grid import ProcessGrid
-from axonn.layers.chunked_ce import chunked_cross_entropy
+from axonn.layers.chunked_ce import chunked_cross_entropy, chunked_cross_entropy_sum
 from axonn.lm_head import LossHead, token_cross_entropy_of
 from axonn.plan.memory import auto_chunk
 from axonn.spawn import run_distributed
@@ -48,6 +48,38 @@ def test_function_equals_unchunked_ce_in_fp64(chunk: int) -> None:
     assert torch.all(got[t.reshape(-1) == -100] == 0)
     (got * weights).sum().backward()
     assert _rel(h.grad, want[0]) <= TOL64 and _rel(w.grad, want[1]) <= TOL64
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_sum_op_equals_weighted_unchunked_ce_in_fp64_without_recompute(chunk: int, monkeypatch) -> None:
+    """The sum op (the trainer's loss through the chunked head): the weighted sum and every gradient
+    equal the unchunked CE's in fp64, its per-token CE too, and the head's logits GEMM runs once per
+    chunk in all (forward + backward: the gradient was formed in forward, nothing is recomputed)."""
+    import axonn.layers.chunked_ce as cc
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(4, 10, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (4, 10), generator=g)
+    t[torch.rand(4, 10, generator=g) < 0.3] = -100
+    keep = torch.rand(4, 10, generator=g) < 0.7  # a goldfish-style mask: the tokens the sum keeps
+    ref = F.cross_entropy((h @ w.t()).reshape(-1, 50), t.reshape(-1), reduction="none")
+    (ref * keep.reshape(-1)).sum().mul(0.37).backward()  # a scalar upstream gradient (1 / tokens)
+    want = (h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    calls = []
+    real = cc._logits
+    monkeypatch.setattr(cc, "_logits", lambda *a: calls.append(1) or real(*a))
+    total, ce = chunked_cross_entropy_sum(h, w, t, ProcessGrid.serial(), chunk, weights=keep)
+    assert _rel(ce, ref) <= TOL64 and not ce.requires_grad
+    assert _rel(total, (ref * keep.reshape(-1)).sum()) <= TOL64
+    total.mul(0.37).backward()
+    assert _rel(h.grad, want[0]) <= TOL64 and _rel(w.grad, want[1]) <= TOL64
+    assert len(calls) == -(-40 // chunk)
+    w.requires_grad_(False)  # a frozen head (LoRA): dh alone
+    h.grad = None
+    chunked_cross_entropy_sum(h, w, t, ProcessGrid.serial(), chunk, weights=keep)[0].mul(0.37).backward()
+    assert _rel(h.grad, want[0]) <= TOL64
 
 
 def test_bf16_gemm_fp32_accumulation() -> None:
@@ -160,13 +192,21 @@ def _grid_rank(rank: int, world: int, dims: tuple, mode: str, tied: bool) -> dic
     head = LossHead(model, grid, 3)
     assert head.head is not None, head.reason
     tgt = local_labels[:, 1:]
-    ce = token_cross_entropy_of(head.forward(local_ids), tgt, grid)
-    (ce.sum() / (labels[:, 1:] != -100).sum()).backward()
-    axonn.sync_gradients(model, grid)
-    loss = float(axonn.all_reduce_sum(ce.sum().detach().clone(), grid))
-    grads = axonn.full_grad_dict(model)
-    return {"loss": abs(loss - ref_loss) / abs(ref_loss),
-            "grad": max(_rel(grads[k], g) for k, g in ref_grads.items())}
+    out = {}
+    for op in ("per-token", "sum"):  # the per-token op, then the sum op (gradient formed in forward)
+        model.zero_grad(set_to_none=True)
+        hidden = head.forward(local_ids)
+        if op == "per-token":
+            total = token_cross_entropy_of(hidden, tgt, grid).sum()
+        else:
+            total = hidden.ce_sum(tgt)[0]
+        (total / (labels[:, 1:] != -100).sum()).backward()
+        axonn.sync_gradients(model, grid)
+        loss = float(axonn.all_reduce_sum(total.detach().clone(), grid))
+        grads = axonn.full_grad_dict(model)
+        out[op] = {"loss": abs(loss - ref_loss) / abs(ref_loss),
+                   "grad": max(_rel(grads[k], g) for k, g in ref_grads.items())}
+    return out
 
 
 @pytest.mark.distributed
@@ -176,7 +216,8 @@ def test_chunked_head_on_grids_equals_serial_fp64(dims: tuple, mode: str) -> Non
     for tied in (True, False):
         per_rank = run_distributed(_grid_rank, world, dims, mode, tied, timeout=300)
         for r in per_rank:
-            assert r["loss"] <= 1e-9 and r["grad"] <= 1e-9, (dims, mode, tied, r)
+            for op, e in r.items():
+                assert e["loss"] <= 1e-9 and e["grad"] <= 1e-9, (dims, mode, tied, op, e)
 
 
 def _history(loss_chunk, transform=None, grid=None) -> tuple[list[dict], float]:

@@ -19,7 +19,16 @@ GEMM dtype once per pass instead of being cast, shifted, exponentiated and summe
 Precision: the GEMMs run in the compute dtype (bf16 under autocast, as the unchunked head), every
 softmax sum in fp32 or wider (fp64 stays fp64, so the fp64 tests are exact). ignore_index targets get
 loss 0 and no gradient. Cost: one extra head GEMM per step (the recompute) against never writing
-or reading the [tokens, vocab] logits, their fp32 copy and their softmax.
+or reading the [tokens, vocab] logits, their fp32 copy and their softmax; the trainer pays it only
+under a gradient hook that needs each token's loss (else it takes the sum op below).
+
+`ChunkedHeadCrossEntropySum` (`chunked_cross_entropy_sum`) is the same head when only a weighted SUM
+of the token losses is backpropagated (the trainer's loss without a per-token gradient hook; goldfish's
+kept tokens are the weights): the upstream gradient is then one scalar, known up to that factor at
+forward time, so each chunk's softmax - one-hot and its two head-backward GEMMs run right after its
+logits, and backward only scales dh and dW and runs the collectives. No recompute: the head costs
+the three GEMMs of the unchunked head, and neither the hidden states nor the weight block are kept
+for backward.
 """
 from __future__ import annotations
 
@@ -178,6 +187,108 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
         return dx, dw_shard, None, None, None, None, None, None, None, None, None
 
 
+class ChunkedHeadCrossEntropySum(torch.autograd.Function):
+    """sum_i weight_i CE_i of (h @ W^T) and the per-token CE (not differentiable), the gradients of the
+    sum formed during forward, chunk by chunk (no recompute in backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor,
+                weights: torch.Tensor | None, grid: ProcessGrid, rows: int, chunk: int, dtype: torch.dtype,
+                ignore_index: int, sched: Any = None, layer: int = 0, grad_mode: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        comm = grid.comm
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(h.device.type, enabled=False):
+            w = _gather(comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
+            x = h
+            if grid.x > 1:  # this rank's slice of the hidden dim (the head's input split, SplitLastDim)
+                n = h.shape[-1] // grid.x
+                x = h[..., grid.x_rank * n:(grid.x_rank + 1) * n]
+            xs = x.to(dtype)
+            n_local = w.shape[0]
+            idx, own, valid = _target_index(targets, grid.y_rank * n_local, n_local, ignore_index)
+            acc = _at_least_fp32(torch.empty((), dtype=dtype)).dtype
+            g = valid.to(acc) if weights is None else weights.to(acc) * valid
+            loss = torch.empty(targets.shape[0], dtype=acc, device=h.device)
+            dx = torch.empty(xs.shape, dtype=h.dtype, device=h.device) if need_dx else None
+            dw = torch.zeros(w.shape, dtype=acc, device=h.device) if need_dw else None
+            stats = _fused(_chunk_stats, h.device)
+            softmax_grad = _fused(_softmax_grad, h.device)
+            for s in range(0, targets.shape[0], chunk):
+                e = min(s + chunk, targets.shape[0])
+                y = _logits(xs[s:e], w, grid)
+                if grid.y == 1:  # the whole vocabulary here: one pass over the chunk's logits
+                    sum_exp, pick, gmax = stats(y, idx[s:e], own[s:e])
+                    sums = torch.stack([sum_exp, pick])
+                else:
+                    lf = _at_least_fp32(y)
+                    gmax = lf.max(dim=-1).values
+                    comm.all_reduce(gmax, "y", op="max")
+                    shifted = lf - gmax.unsqueeze(-1)
+                    pick = shifted.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1) * own[s:e]
+                    sums = torch.stack([shifted.exp().sum(dim=-1), pick])
+                    comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
+                log_sum = sums[0].log()
+                loss[s:e] = (log_sum - sums[1]) * valid[s:e]  # the unchunked CE's exact expression
+                if need_dx or need_dw:  # d(sum_i g_i CE_i)/d logits, then the head's backward GEMMs
+                    gd = softmax_grad(y, log_sum + gmax, g[s:e], idx[s:e], own[s:e], dtype)
+                    if need_dx:
+                        dx[s:e] = gd @ w
+                    if need_dw:
+                        _accumulate(dw, gd.t(), xs[s:e])
+            total = (loss * g).sum()
+        ctx.save_for_backward(dx, dw, w_shard)
+        ctx.grid, ctx.rows, ctx.sched, ctx.layer = grid, rows, sched, layer
+        ctx.mark_non_differentiable(loss)
+        return total, loss
+
+    @staticmethod
+    def backward(ctx: Any, dtotal: torch.Tensor, _dloss: torch.Tensor | None) -> tuple:
+        dx, dw, w_shard = ctx.saved_tensors
+        grid, comm = ctx.grid, ctx.grid.comm
+        dh = dw_shard = None
+        with torch.autocast(w_shard.device.type, enabled=False):
+            if dx is not None:
+                dh = dx * dtotal.to(dx.dtype)
+                comm.all_reduce(dh, "y")  # partial sums over the vocabulary slices
+                if grid.x > 1:  # mirror of the forward slice: every X rank gets the full-width gradient
+                    dh = comm.all_gather(dh.contiguous(), "x", dim=-1)
+            if dw is not None:
+                dw_shard = _reduce_weight_grad(comm, ctx.sched, ctx.layer,
+                                               (dw * dtotal.to(dw.dtype)).to(w_shard.dtype), w_shard.shape[0])
+        return dh, dw_shard, None, None, None, None, None, None, None, None, None, None
+
+
+def chunked_cross_entropy_sum(h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor,
+                              grid: ProcessGrid, chunk: int, *, weights: torch.Tensor | None = None,
+                              rows: int | None = None, dtype: torch.dtype | None = None,
+                              ignore_index: int = IGNORE_INDEX, sched: Any = None, layer: int = 0
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over tokens of weights * CE, differentiable; each token's CE [N], not differentiable) of
+    the head `w_shard` on `h`, `chunk` tokens at a time, the gradient of the sum formed in forward.
+    `weights` ([...] as targets, default 1 on every supervised token) are fixed numbers (a mask);
+    everything else as `chunked_cross_entropy`."""
+    flat, tgt, dtype = _checked(h, w_shard, targets, chunk, dtype)
+    wts = None if weights is None else weights.reshape(-1)
+    return ChunkedHeadCrossEntropySum.apply(flat, w_shard, tgt, wts, grid,
+                                            rows if rows is not None else w_shard.shape[0], chunk, dtype,
+                                            ignore_index, sched, layer, torch.is_grad_enabled())
+
+
+def _checked(h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor, chunk: int,
+             dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(h flattened to [N, H], targets to [N], the GEMM dtype) after the shape and chunk checks."""
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}: tokens per chunk must be >= 1")
+    if h.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(h.shape)} and targets {tuple(targets.shape)} disagree; "
+                         "pass hidden[:, :-1] with labels[:, 1:]")
+    if dtype is None:
+        kind = h.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w_shard.dtype
+    return h.reshape(-1, h.shape[-1]), targets.reshape(-1), dtype
+
+
 def chunked_cross_entropy(h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor,
                           grid: ProcessGrid, chunk: int, *, rows: int | None = None,
                           dtype: torch.dtype | None = None, ignore_index: int = IGNORE_INDEX,
@@ -187,15 +298,7 @@ def chunked_cross_entropy(h: torch.Tensor, w_shard: torch.Tensor, targets: torch
 
     `rows`: the vocab rows of the gathered weight block (default: the shard's, no Z split);
     `dtype`: the GEMM dtype (default: the autocast dtype when autocast is on, else the weight's)."""
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk}: tokens per chunk must be >= 1")
-    if h.shape[:-1] != targets.shape:
-        raise ValueError(f"hidden {tuple(h.shape)} and targets {tuple(targets.shape)} disagree; "
-                         "pass hidden[:, :-1] with labels[:, 1:]")
-    if dtype is None:
-        kind = h.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w_shard.dtype
-    flat = h.reshape(-1, h.shape[-1])
-    return ChunkedHeadCrossEntropy.apply(flat, w_shard, targets.reshape(-1), grid,
+    flat, tgt, dtype = _checked(h, w_shard, targets, chunk, dtype)
+    return ChunkedHeadCrossEntropy.apply(flat, w_shard, tgt, grid,
                                          rows if rows is not None else w_shard.shape[0], chunk, dtype,
                                          ignore_index, sched, layer, torch.is_grad_enabled())

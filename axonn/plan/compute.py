@@ -66,9 +66,10 @@ def elementwise_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
     full-width stream, repeated on every X and Y rank) + 2*(qkv width)/s (RoPE) + 3*F/s
     (activation) bf16 values, s = head_split; backward ~2x. The loss reads/writes the [T, V/Y]
     logits in fp32 about five times over forward and backward (20 bytes per logit); the chunked
-    head (`loss_chunk` > 0 tokens per chunk, axonn/layers/chunked_ce.py) writes each chunk's bf16
-    logits and reads them once in one fused kernel per pass: 2 + 2 bytes forward, 2 + 2 + 2 (the
-    recomputed logits, read, the bf16 gradient) backward.
+    head (`loss_chunk` > 0 tokens per chunk, axonn/layers/chunked_ce.py) forms the summed loss's
+    gradient in forward: it writes each chunk's bf16 logits, reads them in the fused statistics
+    kernel, and reads them again in the fused softmax-gradient kernel, which writes the bf16
+    gradient: 2 + 2 + 2 + 2 bytes, all in forward (its backward only scales dh and dW).
     """
     tokens = micro_batch * seq
     qkv = shape.hidden + 2 * shape.kv_dim
@@ -76,19 +77,9 @@ def elementwise_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
     per_token = 2.0 * (12 * shape.hidden + (2 * qkv + 3 * shape.ffn) / s)
     fwd = shape.layers * tokens * per_token / hw.hbm_bw
     logit = tokens * shape.vocab / grid.y / hw.hbm_bw  # seconds per byte per logit
-    loss_f, loss_b = (4.0 * logit, 6.0 * logit) if loss_chunk else (10.0 * logit, 10.0 * logit)
+    loss_f, loss_b = (8.0 * logit, 0.0) if loss_chunk else (10.0 * logit, 10.0 * logit)
     bwd = 2 * fwd + (fwd if checkpoint else 0.0)
     return fwd + loss_f, bwd + loss_b
-
-
-def head_recompute_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, hw: Hardware,
-                        loss_chunk: int = 0) -> float:
-    """The chunked head's backward recomputes its logits: one more [T, H/X] x [H/X, V/Y] GEMM per chunk."""
-    if not loss_chunk:
-        return 0.0
-    tokens = micro_batch * seq
-    chunks = -(-tokens // loss_chunk)
-    return chunks * gemm_time(min(loss_chunk, tokens), shape.vocab // grid.y, shape.hidden // grid.x, hw)
 
 
 def optimizer_time(local_params: float, hw: Hardware) -> float:

@@ -113,7 +113,7 @@ def head_chunk(setting: int | str, vocab_local: int, tokens: int) -> int:
         return 0
     if setting == "auto":
         chunk = auto_chunk(vocab_local)
-        return chunk if tokens > chunk else 0  # one chunk would only add the recompute
+        return chunk if tokens > chunk else 0  # a single chunk saves no memory
     return int(setting)
 
 
