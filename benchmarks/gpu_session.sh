@@ -7,7 +7,8 @@
 #  2. the engine's training step at 1,1,1,1 with both switches beside HF + per-block compile, batch 4
 #     and 8 (llama-1b shape, seq 2048, bf16), each with one profiled step (kernel time by family: what
 #     the remaining gap is made of; issue 41 items 2 and 4);
-#  3. the GPU-marked tests;
+#  3. the GPU-marked tests, and the LM head alone (full logits / chunked per-token / chunked sum, llama-1b's
+#     head over 4 x 2048 tokens in bf16);
 #  4. the other peer arms (engine as is / + chunked head / + compile; HF eager, HF + Liger (+ compile)
 #     when liger-kernel is carried) and decoding on the random-init model, as the budget allows.
 # One table at the end. Every step is time-limited (`timeout`) and no step starts past the budget.
@@ -91,6 +92,8 @@ for arm in engine+both hf+compile; do
 done
 if [ "$DRY" = 0 ]; then
   step pytest-gpu 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_speed.py
+  step chunked-head 60 python3 benchmarks/bench_chunked_head.py --device cuda --tokens 8192 --hidden 2048 \
+    --vocab 128256 --reps 10 --out "$OUT/chunked_head.json"
 fi
 for arm in engine hf engine+compile engine+chunked hf+liger+compile hf+liger; do
   case $arm in *compile|*both) lim=$COMPILE_S ;; *) lim=$EAGER_S ;; esac

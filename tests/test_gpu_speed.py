@@ -81,3 +81,22 @@ def test_extraction_on_cuda_takes_the_verified_static_path() -> None:
         kv = extract(m, docs, prefix_len=8, suffix_len=12, batch_size=4, decode="kv")
         assert [r.generated_ids for r in got] == [r.generated_ids for r in kv]
         assert log.to_dict()["path"] == "static" and log.rows == len(docs), log.to_dict()
+
+
+@needs_cuda
+def test_chunked_head_sum_op_bf16_follows_full_logits_on_cuda() -> None:
+    """The trainer's default head (the summed loss, gradient formed in forward) under bf16 autocast,
+    with its compiled per-chunk kernels, against the full-logit loss."""
+    model = ec.llama(tied=True).cuda()
+    ids, labels = (t.cuda() for t in ec.batch())
+    grid = ProcessGrid.serial(device="cuda")
+    ref_loss, ref = _loss_grads(model, "off")
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = LossHead(model, grid, 5).forward(ids)
+    total, _ = out.ce_sum(labels[:, 1:])
+    (total / (labels[:, 1:] != -100).sum()).backward()
+    assert abs(float(total) - ref_loss) <= 1e-3 * abs(ref_loss)
+    for name, p in model.named_parameters():
+        g = ref[name]
+        assert (p.grad.float() - g).abs().max() <= 2e-2 * g.abs().max() + 1e-6, name
