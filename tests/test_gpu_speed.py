@@ -4,6 +4,8 @@ Trainer step matches the eager one, the compiled static-cache decode (CUDA graph
 greedy_generate's tokens, and extraction on CUDA decodes through it with every row checked (issue 41)."""
 from __future__ import annotations
 
+import copy
+
 import engine_cases as ec
 import pytest
 import torch
@@ -69,13 +71,17 @@ def test_compiled_static_decode_tokens_on_cuda() -> None:
 def test_extraction_on_cuda_takes_the_verified_static_path() -> None:
     """What `memorize eval` and the experiments run on a GPU: decode=auto is the compiled static decode
     (CUDA graphs) with every row checked, its rows equal the KV-cache decoder's on a trained model,
-    the engine at 1,1,1,1 (a GPU run's model) included."""
+    the engine at 1,1,1,1 with and without compiled blocks (a GPU run's model) included."""
     import axonn
+    from axonn.compile import compile_blocks
     from evals import extract
     from evals.static_decode import DecodeLog
 
     model, docs = memorized_model()
-    for m in (model.cuda(), axonn.parallelize(model, ProcessGrid.serial(device="cuda"))):
+    engine = axonn.parallelize(copy.deepcopy(model).cuda(), ProcessGrid.serial(device="cuda"))
+    compiled = axonn.parallelize(copy.deepcopy(model).cuda(), ProcessGrid.serial(device="cuda"))
+    compile_blocks(compiled, True)  # a GPU run's model: its blocks compiled for training (inductor)
+    for m in (model.cuda(), engine, compiled):
         log = DecodeLog()
         got = extract(m, docs, prefix_len=8, suffix_len=12, batch_size=4, decode_log=log)
         kv = extract(m, docs, prefix_len=8, suffix_len=12, batch_size=4, decode="kv")

@@ -60,8 +60,12 @@ def test_tensor_split_model_refused_engine_at_one_rank_decoded() -> None:
     with pytest.raises(ConfigError, match="serial models only"):
         static_greedy_generate(_tensor_split(tiny_model()), _prefixes(), 4)
     # the engine at 1,1,1,1 (what a GPU run trains and evaluates with) splits nothing: decoded, the same
+    from axonn.compile import compile_blocks
+
     model = axonn.parallelize(tiny_model(), ProcessGrid.serial())
     pre = _prefixes()
+    assert torch.equal(static_greedy_generate(model, pre, 6, backend="eager"), greedy_generate(model, pre, 6))
+    compile_blocks(model, True, backend="eager")  # its blocks compiled, as a GPU run trains them
     assert torch.equal(static_greedy_generate(model, pre, 6, backend="eager"), greedy_generate(model, pre, 6))
 
 
