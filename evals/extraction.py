@@ -138,12 +138,8 @@ def _merge_logs(sc: Scorer, mine: DecodeLog, into: DecodeLog) -> None:
     """Add every batch shard's DecodeLog of this call to `into` (the same on every rank)."""
     shards = sc.collect([sc.grid.batch_shard_index] if sc.grid.batch_shards > 1 else [0],
                         [mine], max(1, sc.grid.batch_shards))
-    into.path = mine.path
     for log in shards:
-        into.rows += log.rows
-        into.checked += log.checked
-        into.gap_shift_max = max(into.gap_shift_max, log.gap_shift_max)
-        into.disagreements += log.disagreements
+        into.merge(log)
 
 
 def extract(model: torch.nn.Module, documents: list[list[int]], *, prefix_len: int, suffix_len: int,

@@ -151,15 +151,34 @@ class DecodeLog:
 
     path: str = "kv"
     rows: int = 0
-    disagreements: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    disagreements: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the first LISTED
     checked: int = 0  # rows put through the teacher-forced check (all of them unless check_below)
+    redecoded: int = 0  # rows whose check failed (all of them counted, the first LISTED listed)
     gap_shift_max: float = 0.0  # largest |compiled - eager| smallest top-2 gap over rows that passed
+
+    LISTED = 50  # a report lists this many disagreements (a random-init model may have thousands)
+
+    def add(self, row: Any, position: int, gap: float) -> None:
+        """Count one row whose check failed; list it while fewer than LISTED are."""
+        self.redecoded += 1
+        if len(self.disagreements) < self.LISTED:
+            self.disagreements.append({"row": row, "position": position, "top2_gap": gap})
+
+    def merge(self, other: DecodeLog) -> None:
+        """Add another shard's log of the same call."""
+        self.path = other.path
+        self.rows += other.rows
+        self.checked += other.checked
+        self.gap_shift_max = max(self.gap_shift_max, other.gap_shift_max)
+        for d in other.disagreements:
+            self.add(d["row"], d["position"], d["top2_gap"])
+        self.redecoded += other.redecoded - len(other.disagreements)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: path, rows, checked, verified (checked rows whose compiled tokens passed),
-        redecoded, disagreements; gap_shift_max where rows were checked."""
+        redecoded, disagreements (the first LISTED); gap_shift_max where rows were checked."""
         out = {"path": self.path, "rows": self.rows, "checked": self.checked,
-               "verified": self.checked - len(self.disagreements), "redecoded": len(self.disagreements),
+               "verified": self.checked - self.redecoded, "redecoded": self.redecoded,
                "disagreements": self.disagreements}
         if self.checked:
             out["gap_shift_max"] = self.gap_shift_max
@@ -288,6 +307,5 @@ def static_local(sc: Scorer, prefixes: torch.Tensor, max_new_tokens: int, *, bat
         log.rows += b
         log.checked += len(check)
         for i in bad.tolist():
-            log.disagreements.append({"row": ids[i] if ids is not None else i, "position": int(first[i]),
-                                      "top2_gap": float(gap[i])})
+            log.add(ids[i] if ids is not None else i, int(first[i]), float(gap[i]))
     return out

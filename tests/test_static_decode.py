@@ -175,3 +175,16 @@ def test_check_below_checks_exactly_the_rows_with_a_small_margin() -> None:
         gated = static_local(sc, pre, 12, batch=12, check_below=tau, log=log)
     assert torch.equal(gated, full) and torch.equal(full, greedy_generate(model, pre, 12))
     assert 0 < log.checked == int((gaps < tau).sum()) < 12
+
+
+def test_decode_log_counts_every_failed_row_and_lists_the_first_fifty() -> None:
+    from evals.static_decode import DecodeLog
+
+    a, b = DecodeLog(path="static", rows=80, checked=80), DecodeLog(path="static", rows=20, checked=20)
+    for i in range(60):
+        a.add(i, 3, 0.01)
+    b.add("x", 0, 0.5)
+    a.merge(b)
+    d = a.to_dict()
+    assert (d["rows"], d["checked"], d["redecoded"], d["verified"]) == (100, 100, 61, 39)
+    assert len(d["disagreements"]) == DecodeLog.LISTED == 50 and d["disagreements"][0]["row"] == 0
