@@ -123,6 +123,25 @@ def test_eval_under_torchrun_writes_what_serial_writes(folders, tmp_path, capsys
     assert done.stdout.count('{\n  "model": ') == 1  # only the main rank prints the report
 
 
+@pytest.mark.distributed
+def test_static_decode_on_replicas_merges_every_shards_log(folders, tmp_path):
+    """2 replicas (1,1,1,2) decoding through the static path (what a GPU evaluation of a replica grid
+    takes): the serial KV decoder's extraction.jsonl, and the report's decode log counts both shards' rows."""
+    args = ["--model", folders / "model", "--corpus", folders / "members.txt", "--prefix", 4, "--suffix", 4,
+            "--batch-size", 3, "--sampling", ""]
+    assert main(["eval", *map(str, args), "--decode", "kv", "--out", str(tmp_path / "serial")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "memorization", "eval", *map(str, args),
+                           "--grid", "1,1,1,2", "--decode", "static", "--out", str(tmp_path / "grid")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "grid" / "extraction.jsonl").read_text() == \
+        (tmp_path / "serial" / "extraction.jsonl").read_text()
+    ex = json.loads((tmp_path / "grid" / "report.json").read_text())["extraction"]
+    assert ex["decode"]["path"] == "static" and ex["decode"]["rows"] == ex["decode"]["checked"] == ex["docs"]
+
+
 def test_grid_auto_asks_the_planner_for_a_grid_that_fits_the_model(folders):
     from transformers import AutoConfig
 
