@@ -66,8 +66,8 @@ if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   DRY=0
   PEERS="--model llama-1b --seq 2048 --batches 4,8 --steps 6 --warmup 2"
   DECODE="--model llama-1b --batch 256 --prefix 32 --new 32 --reps 3"
-  TRAINED="--train ${TRAIN_STEPS:-200} --lr 1e-3"
-  EAGER_S=75 COMPILE_S=120 DECODE_S=110 TRAINED_S=210
+  TRAINED="--train ${TRAIN_STEPS:-150} --lr 1e-3"
+  EAGER_S=75 COMPILE_S=120 DECODE_S=110 TRAINED_S=200
 else
   DRY=1
   echo "no CUDA device: dry run on CPU (tiny shapes; the figures mean nothing)" | tee -a "$LOG"
