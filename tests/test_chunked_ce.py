@@ -76,6 +76,12 @@ def test_sum_op_equals_weighted_unchunked_ce_in_fp64_without_recompute(chunk: in
     total.mul(0.37).backward()
     assert _rel(h.grad, want[0]) <= TOL64 and _rel(w.grad, want[1]) <= TOL64
     assert len(calls) == -(-40 // chunk)
+    grads_formed = []
+    monkeypatch.setattr(cc, "_accumulate", lambda *a: grads_formed.append(1))
+    with torch.no_grad():  # evaluation: the loss only, no gradient formed in forward
+        assert _rel(chunked_cross_entropy_sum(h, w, t, ProcessGrid.serial(), chunk)[1], ref) <= TOL64
+    assert not grads_formed
+    monkeypatch.undo()
     w.requires_grad_(False)  # a frozen head (LoRA): dh alone
     h.grad = None
     chunked_cross_entropy_sum(h, w, t, ProcessGrid.serial(), chunk, weights=keep)[0].mul(0.37).backward()

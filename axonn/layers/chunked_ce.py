@@ -111,6 +111,39 @@ def _fused(fn: Any, device: torch.device) -> Any:
     return call
 
 
+def _operands(h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor, grid: ProcessGrid, rows: int,
+              dtype: torch.dtype, ignore_index: int, sched: Any, layer: int, grad_mode: bool) -> tuple:
+    """(the gathered weight block in the GEMM dtype, this rank's hidden slice in it, each target's
+    local index / ownership / validity, the softmax accumulation dtype) of one head call."""
+    w = _gather(grid.comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
+    x = h
+    if grid.x > 1:  # this rank's slice of the hidden dim (the head's input split, SplitLastDim)
+        n = h.shape[-1] // grid.x
+        x = h[..., grid.x_rank * n:(grid.x_rank + 1) * n]
+    n_local = w.shape[0]
+    idx, own, valid = _target_index(targets, grid.y_rank * n_local, n_local, ignore_index)
+    return w, x.to(dtype), idx, own, valid, _at_least_fp32(torch.empty((), dtype=dtype)).dtype
+
+
+def _chunk_ce(y: torch.Tensor, idx: torch.Tensor, own: torch.Tensor, valid: torch.Tensor,
+              grid: ProcessGrid, stats: Any, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's CE, its log-sum-exp) of one chunk's logits `y` over this rank's vocabulary slice
+    (reduced over Y); `keep`: leave `y` intact (else an fp32 `y` is shifted and exponentiated in place)."""
+    if grid.y == 1:  # the whole vocabulary here: one pass over the chunk's logits
+        sum_exp, pick, gmax = stats(y, idx, own)
+        sums = torch.stack([sum_exp, pick])
+    else:
+        lf = _at_least_fp32(y)
+        gmax = lf.max(dim=-1).values
+        grid.comm.all_reduce(gmax, "y", op="max")
+        shifted = lf - gmax.unsqueeze(-1) if keep else lf.sub_(gmax.unsqueeze(-1))
+        pick = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * own
+        sums = torch.stack([(shifted.exp() if keep else shifted.exp_()).sum(dim=-1), pick])
+        grid.comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
+    log_sum = sums[0].log()
+    return (log_sum - sums[1]) * valid, log_sum + gmax  # the unchunked CE's exact expression
+
+
 def _target_index(targets: torch.Tensor, start: int, n_local: int, ignore_index: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(local index of each target, whether this rank's slice owns it, whether it is supervised)."""
@@ -127,37 +160,17 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, w_shard: torch.Tensor, targets: torch.Tensor,
                 grid: ProcessGrid, rows: int, chunk: int, dtype: torch.dtype, ignore_index: int,
                 sched: Any = None, layer: int = 0, grad_mode: bool = True) -> torch.Tensor:
-        comm = grid.comm
         with torch.autocast(h.device.type, enabled=False):
-            w = _gather(comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
-            x = h
-            if grid.x > 1:  # this rank's slice of the hidden dim (the head's input split, SplitLastDim)
-                n = h.shape[-1] // grid.x
-                x = h[..., grid.x_rank * n:(grid.x_rank + 1) * n]
-            xs = x.to(dtype)
-            n_local = w.shape[0]
-            idx, own, valid = _target_index(targets, grid.y_rank * n_local, n_local, ignore_index)
-            acc = _at_least_fp32(torch.empty((), dtype=dtype)).dtype
+            w, xs, idx, own, valid, acc = _operands(h, w_shard, targets, grid, rows, dtype, ignore_index,
+                                                    sched, layer, grad_mode)
             lse = torch.empty(targets.shape[0], dtype=acc, device=h.device)
             loss = torch.empty_like(lse)
             stats = _fused(_chunk_stats, h.device)
             for s in range(0, targets.shape[0], chunk):
                 e = min(s + chunk, targets.shape[0])
-                if grid.y == 1:  # the whole vocabulary here: one pass over the chunk's logits
-                    sum_exp, pick, gmax = stats(_logits(xs[s:e], w, grid), idx[s:e], own[s:e])
-                    sums = torch.stack([sum_exp, pick])
-                else:
-                    logits = _at_least_fp32(_logits(xs[s:e], w, grid))
-                    gmax = logits.max(dim=-1).values
-                    comm.all_reduce(gmax, "y", op="max")
-                    shifted = logits.sub_(gmax.unsqueeze(-1))
-                    pick = shifted.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1) * own[s:e]
-                    sums = torch.stack([shifted.exp_().sum(dim=-1), pick])
-                    comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
-                log_sum = sums[0].log()
-                loss[s:e] = (log_sum - sums[1]) * valid[s:e]  # the unchunked CE's exact expression
-                lse[s:e] = log_sum + gmax
-        keep_w = comm.size("z") == 1  # nothing to re-gather: keep the cast block, as ParallelMatmul
+                loss[s:e], lse[s:e] = _chunk_ce(_logits(xs[s:e], w, grid), idx[s:e], own[s:e], valid[s:e],
+                                                grid, stats, keep=False)
+        keep_w = grid.comm.size("z") == 1  # nothing to re-gather: keep the cast block, as ParallelMatmul
         ctx.save_for_backward(xs, w_shard, w if keep_w else None, idx, own, valid, lse)
         ctx.grid, ctx.rows, ctx.chunk, ctx.dtype = grid, rows, chunk, dtype
         ctx.sched, ctx.layer, ctx.h_dtype, ctx.h_width = sched, layer, h.dtype, h.shape[-1]
@@ -196,18 +209,11 @@ class ChunkedHeadCrossEntropySum(torch.autograd.Function):
                 weights: torch.Tensor | None, grid: ProcessGrid, rows: int, chunk: int, dtype: torch.dtype,
                 ignore_index: int, sched: Any = None, layer: int = 0, grad_mode: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        comm = grid.comm
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # no gradient work where none is asked for (grad off, or an input that needs none: a frozen head)
+        need_dx, need_dw = (grad_mode and ctx.needs_input_grad[i] for i in (0, 1))
         with torch.autocast(h.device.type, enabled=False):
-            w = _gather(comm, sched, layer, w_shard, rows, dtype, grad_mode=grad_mode)
-            x = h
-            if grid.x > 1:  # this rank's slice of the hidden dim (the head's input split, SplitLastDim)
-                n = h.shape[-1] // grid.x
-                x = h[..., grid.x_rank * n:(grid.x_rank + 1) * n]
-            xs = x.to(dtype)
-            n_local = w.shape[0]
-            idx, own, valid = _target_index(targets, grid.y_rank * n_local, n_local, ignore_index)
-            acc = _at_least_fp32(torch.empty((), dtype=dtype)).dtype
+            w, xs, idx, own, valid, acc = _operands(h, w_shard, targets, grid, rows, dtype, ignore_index,
+                                                    sched, layer, grad_mode)
             g = valid.to(acc) if weights is None else weights.to(acc) * valid
             loss = torch.empty(targets.shape[0], dtype=acc, device=h.device)
             dx = torch.empty(xs.shape, dtype=h.dtype, device=h.device) if need_dx else None
@@ -217,21 +223,9 @@ class ChunkedHeadCrossEntropySum(torch.autograd.Function):
             for s in range(0, targets.shape[0], chunk):
                 e = min(s + chunk, targets.shape[0])
                 y = _logits(xs[s:e], w, grid)
-                if grid.y == 1:  # the whole vocabulary here: one pass over the chunk's logits
-                    sum_exp, pick, gmax = stats(y, idx[s:e], own[s:e])
-                    sums = torch.stack([sum_exp, pick])
-                else:
-                    lf = _at_least_fp32(y)
-                    gmax = lf.max(dim=-1).values
-                    comm.all_reduce(gmax, "y", op="max")
-                    shifted = lf - gmax.unsqueeze(-1)
-                    pick = shifted.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1) * own[s:e]
-                    sums = torch.stack([shifted.exp().sum(dim=-1), pick])
-                    comm.all_reduce(sums, "y")  # [sum of exp, target logit] over the vocab slices, one call
-                log_sum = sums[0].log()
-                loss[s:e] = (log_sum - sums[1]) * valid[s:e]  # the unchunked CE's exact expression
+                loss[s:e], lse = _chunk_ce(y, idx[s:e], own[s:e], valid[s:e], grid, stats, keep=True)
                 if need_dx or need_dw:  # d(sum_i g_i CE_i)/d logits, then the head's backward GEMMs
-                    gd = softmax_grad(y, log_sum + gmax, g[s:e], idx[s:e], own[s:e], dtype)
+                    gd = softmax_grad(y, lse, g[s:e], idx[s:e], own[s:e], dtype)
                     if need_dx:
                         dx[s:e] = gd @ w
                     if need_dw:
