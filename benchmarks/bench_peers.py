@@ -67,7 +67,7 @@ def _liger() -> Any:
 class _Rows:
     """The trainer's one-row dataset (it steps on the benchmark's own batches)."""
 
-    def __init__(self, seq: int, vocab: int) -> None:
+    def __init__(self, seq: int) -> None:
         self.ids = torch.zeros(1, seq, dtype=torch.long)
 
     def __len__(self) -> int:
@@ -100,7 +100,7 @@ def make_arm(arm: str, shape: Any, seq: int, device: str, backend: str,
         cfg = TrainerConfig(lr=1e-5, warmup_steps=0, grad_clip=1.0, batch_size=batch, max_steps=10**6,
                             progress=False, device=device, precision="bf16" if amp else "fp32",
                             loss_chunk=loss_chunk if chunked else "off", compile=False)
-        trainer = Trainer(model, cfg, _Rows(seq, shape.vocab), grid=grid)
+        trainer = Trainer(model, cfg, _Rows(seq), grid=grid)
         if chunked and trainer.loss_head.head is None:
             return f"the chunked head does not apply: {trainer.loss_head.reason}"
         if compiled:

@@ -116,12 +116,11 @@ def _windows(model: torch.nn.Module, documents: Sequence[Sequence[int]], ids: li
             prefixes = torch.tensor([list(documents[i][start:target_start]) for i in chunk],
                                     dtype=torch.long, device=sc.device)
             targets = [[int(t) for t in documents[i][target_start:need]] for i in chunk]
+            tgt = torch.tensor(targets, dtype=torch.long, device=sc.device)
             if static:
-                tgt = torch.tensor(targets, dtype=torch.long, device=sc.device)
                 gen = static_local(sc, prefixes, suffix_len, batch=min(batch_size, len(rows)), targets=tgt,
                                    log=log, ids=[ids[i] for i in chunk])
             elif num_beams == 1:
-                tgt = torch.tensor(targets, dtype=torch.long, device=sc.device)
                 gen = verified_local(sc, prefixes, tgt)
             else:
                 gen = beam_local(sc, prefixes, suffix_len, num_beams)

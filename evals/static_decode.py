@@ -237,11 +237,10 @@ def verify_greedy(sc: Scorer, prefixes: torch.Tensor, tokens: torch.Tensor
     if s == 0 or b == 0:
         return first, gap, min_gap
     ids = torch.cat([prefixes, tokens[:, :-1]], dim=1)
-    keep = {"logits_to_keep": s} if sc._keep else {}
     step = max(1, _ARGMAX_ELEMENTS // (s * int(sc.model.config.vocab_size)))
     for r in range(0, b, step):
-        logits = sc.forward(input_ids=ids[r:r + step], use_cache=False, **keep).logits[:, -s:]
-        top2 = logits.float().topk(2, dim=-1).values
+        logits = sc.suffix_logits(ids[r:r + step], s)  # fp32 (exact for bf16: the same argmax)
+        top2 = logits.topk(2, dim=-1).values
         min_gap[r:r + step] = (top2[..., 0] - top2[..., 1]).amin(dim=1)
         wrong = logits.argmax(dim=-1) != tokens[r:r + step]
         bad = wrong.any(dim=1)
