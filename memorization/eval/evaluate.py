@@ -24,6 +24,7 @@ from axonn.config import MAX_ROWS
 from axonn.inference import keep_gathered
 from axonn.plan.fits import check_fits, check_shape
 from evals import ExtractionResult, to_jsonl
+from evals.static_decode import DECODES
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
 from memorization.eval.sections import (
@@ -73,8 +74,8 @@ def check_options(o: EvalOptions) -> None:
         o.tasks = ",".join(check_tasks(o.tasks))
     if o.mode not in ("auto", "easy", "paired"):
         raise fail("--mode", o.mode, "choose auto, easy or paired")
-    if o.decode not in ("auto", "static", "kv"):
-        raise fail("--decode", o.decode, "choose auto, static or kv")
+    if o.decode not in DECODES:
+        raise fail("--decode", o.decode, "choose " + ", ".join(DECODES))
     if o.decode == "static" and o.beams > 1:
         raise fail("--decode", o.decode, f"the static decode is greedy; drop --beams {o.beams} or pass "
                    "--decode auto")
