@@ -122,9 +122,7 @@ def static_greedy_generate(model: torch.nn.Module, prefixes: torch.LongTensor, m
                            **kw: Any) -> torch.LongTensor:
     """greedy_generate of a serial model through a static cache and a compiled decode step:
     [B, max_new_tokens], the same tokens. `kw`: StaticDecoder's (compile, backend, mode)."""
-    if splits_tensors(model):
-        raise fail("decode", "static", "the compiled static-cache decode runs serial models only; use "
-                   "evals.decoding.greedy_generate for a model sharded by the engine")
+    uses_static(model, "static")  # a tensor-split model or a class without static cache: one line
     if not isinstance(prefixes, torch.Tensor) or prefixes.dim() != 2 or prefixes.dtype != torch.long:
         raise fail("prefixes", getattr(prefixes, "shape", type(prefixes).__name__),
                    "pass a LongTensor of shape [batch, prefix_len]")
