@@ -4,9 +4,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
+
+from memorize_core import fail
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -68,6 +70,18 @@ def returned_cache(out: object) -> object:
     """The KV cache a forward returned, under either name (`cache`, or `past_key_values` before 5.x)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def scored_seqs(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """`seqs` as lists of ints; ConfigError unless there is one at least and each has 2+ tokens (a score
+    needs a token with context)."""
+    out = [[int(t) for t in s] for s in seqs]
+    if not out:
+        raise fail("seqs", "[]", "pass at least one token sequence")
+    short = [i for i, s in enumerate(out) if len(s) < 2]
+    if short:
+        raise fail(f"seqs[{short[0]}]", out[short[0]], "every sequence needs at least 2 tokens")
+    return out
 
 
 def pad_right(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

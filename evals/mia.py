@@ -23,7 +23,7 @@ from sklearn.metrics import roc_auc_score, roc_curve
 from tqdm.auto import tqdm
 
 from axonn.grid import ProcessGrid
-from evals._model import evaluating, pad_right
+from evals._model import evaluating, pad_right, scored_seqs
 from evals.metrics import ids_text
 from evals.scoring import Scorer
 from memorize_core import fail
@@ -80,12 +80,7 @@ def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, to
     compresses `tokenizer.decode(ids)` (UTF-8) when a tokenizer is given, else the space-joined
     ids. The reference model must share the target model's tokenizer (it scores the same ids).
     """
-    seqs = [[int(t) for t in s] for s in seqs]
-    if not seqs:
-        raise fail("seqs", "[]", "pass at least one token sequence")
-    short = [i for i, s in enumerate(seqs) if len(s) < 2]
-    if short:
-        raise fail(f"seqs[{short[0]}]", seqs[short[0]], "every sequence needs at least 2 tokens")
+    seqs = scored_seqs(seqs)
     if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k <= 1:
         raise fail("k", k, "pass a fraction in (0, 1], e.g. 0.2")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -211,9 +206,22 @@ def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]
     kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size, grid=grid)
     m = score_sequences(model, members, **kw, progress="MIA members" if progress else None)
     n = score_sequences(model, nonmembers, **kw, progress="MIA non-members" if progress else None)
+    return mia_metrics(m, n, bootstrap=bootstrap, seed=seed)
+
+
+def mia_metrics(member_scores: dict[str, np.ndarray], nonmember_scores: dict[str, np.ndarray], *,
+                bootstrap: int = 0, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """{method: roc_metrics (+ bootstrap CIs)} of per-method scores (score_sequences' output for each
+    class); every method sees the same resamples (same seed), so their intervals are paired."""
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+        raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
+    if set(member_scores) != set(nonmember_scores):
+        raise fail("nonmember_scores", sorted(nonmember_scores), f"must hold the members' methods, "
+                   f"{sorted(member_scores)}")
     out: dict[str, dict[str, Any]] = {}
-    for method in m:
-        out[method] = roc_metrics(m[method], n[method])
+    for method, m in member_scores.items():
+        n = nonmember_scores[method]
+        out[method] = roc_metrics(m, n)
         if bootstrap:
-            out[method].update(bootstrap_ci(m[method], n[method], resamples=bootstrap, seed=seed))
+            out[method].update(bootstrap_ci(m, n, resamples=bootstrap, seed=seed))
     return out

@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from axonn.grid import ProcessGrid
-from evals._model import evaluating, pad_right
+from evals._model import evaluating, pad_right, scored_seqs
 from evals.kv_cache import preallocated_cache
 from evals.scoring import Scorer
 from memorize_core import IGNORE_INDEX, fail
@@ -95,12 +95,7 @@ def corpus_loss(model: torch.nn.Module, seqs: Sequence[Sequence[int]], batch_siz
     {docs, tokens, scored_tokens, loss, perplexity}; equals mean_loss on the same rows, unpadded.
     `progress` names a tqdm bar (documents/s) on the main rank.
     """
-    seqs = [[int(t) for t in s] for s in seqs]
-    if not seqs:
-        raise fail("seqs", "[]", "pass at least one token sequence")
-    short = [i for i, s in enumerate(seqs) if len(s) < 2]
-    if short:
-        raise fail(f"seqs[{short[0]}]", seqs[short[0]], "every sequence needs at least 2 tokens")
+    seqs = scored_seqs(seqs)
     _check_batch(batch_size)
     # Length-sorted batches keep padding (wasted compute) small; the sum does not depend on order.
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))

@@ -8,7 +8,7 @@ from sklearn.metrics import roc_auc_score
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from evals import membership_inference, min_k_mean, roc_metrics, score_sequences, sequence_logprobs
-from evals.mia import bootstrap_ci, roc_on_resamples
+from evals.mia import bootstrap_ci, mia_metrics, roc_on_resamples
 from memorize_core import ConfigError
 
 torch.set_num_threads(1)
@@ -201,3 +201,15 @@ def test_membership_inference_bootstrap_adds_paired_intervals():
         assert metrics["tpr_at_1pct_fpr_ci"] == pytest.approx(want["tpr_at_1pct_fpr_ci"])
     with pytest.raises(ConfigError, match="bootstrap=-1"):
         membership_inference(model, members, nonmembers, bootstrap=-1)
+
+
+def test_mia_metrics_equal_roc_metrics_per_method_and_refuse_other_methods():
+    rng = np.random.default_rng(3)
+    m = {"loss": rng.normal(1, 1, 30), "zlib": rng.normal(0, 1, 30)}
+    n = {"loss": rng.normal(0, 1, 40), "zlib": rng.normal(0, 1, 40)}
+    got = mia_metrics(m, n, bootstrap=50, seed=2)
+    for method in m:
+        assert got[method] == {**roc_metrics(m[method], n[method]),
+                               **bootstrap_ci(m[method], n[method], resamples=50, seed=2)}
+    with pytest.raises(ConfigError, match="nonmember_scores.*members' methods"):
+        mia_metrics(m, {"loss": n["loss"]})
