@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "static or kv")
     e.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples (default 0)")
     e.add_argument("--out", default=None,
-                   help="write report.json, report.md (and extraction.jsonl) here (default: print JSON only)")
+                   help="write report.json, report.md, report.png (and extraction.jsonl, sampled.jsonl, "
+                        "mia.jsonl) here (default: print JSON only)")
     e.add_argument("--overwrite", action="store_true", help="replace eval results already in --out")
     e.add_argument("--grid", default=None, metavar="X,Y,Z,D|auto",
                    help="evaluate sharded over this grid (launch with torchrun / srun; default: one process)")

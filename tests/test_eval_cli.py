@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from sklearn.metrics import roc_auc_score
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines import load_corpus, load_tokenizer, tokenize_documents
@@ -112,16 +113,28 @@ def test_out_holds_exactly_the_report_and_refuses_to_overwrite(setup, tmp_path, 
             "--mia", "--members", setup / "members.txt", "--non-members", setup / "nonmembers.txt",
             "--bootstrap", 50, "--perplexity", setup / "heldout.txt", setup / "nonmembers.txt", "--out", out]
     printed = _run(capsys, *argv)
-    assert sorted(p.name for p in out.iterdir()) == ["extraction.jsonl", "report.json", "report.md",
-                                                     "sampled.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["extraction.jsonl", "mia.jsonl", "report.json",
+                                                     "report.md", "report.png", "sampled.jsonl"]
     report = json.loads((out / "report.json").read_text())
     assert report == printed
+    # mia.jsonl: every member then every non-member with each attack's score; its AUCs are the report's
+    rows = [json.loads(line) for line in (out / "mia.jsonl").read_text().splitlines()]
+    members = [d.id for d in load_corpus(str(setup / "members.txt"))]
+    non_members = [d.id for d in load_corpus(str(setup / "nonmembers.txt"))]
+    want = [(i, True) for i in members] + [(i, False) for i in non_members]
+    assert [(r["id"], r["member"]) for r in rows] == want
+    for method, got in report["mia"]["methods"].items():
+        auc = roc_auc_score([r["member"] for r in rows], [r[method] for r in rows])
+        assert auc == pytest.approx(got["auc"], abs=1e-12), method
+    # report.png: a panel per pictured section (extraction, beyond greedy, MIA), shown in report.md
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == round(3 * 4.6 * 110)
     assert report["extraction"]["docs"] == len((out / "extraction.jsonl").read_text().splitlines()) > 0
     assert [p["corpus"] for p in report["perplexity"]] == [str(setup / "heldout.txt"),
                                                            str(setup / "nonmembers.txt")]
     md = (out / "report.md").read_text()
     for needle in ("## Extraction", "| method | AUC [95% CI] | TPR@1%FPR [95% CI]", "| min_k_plus_plus |",
-                   "## Utility", "perplexity |"):
+                   "## Utility", "perplexity |", "](report.png)", "scores are in mia.jsonl"):
         assert needle in md, needle
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert _refused(capsys, argv, "--out", "--overwrite")

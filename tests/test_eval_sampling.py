@@ -4,6 +4,7 @@ same windows), offset 0's exact match that of the greedy decode; bad flags are o
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import numpy as np
@@ -12,10 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines import load_tokenizer
-from evals.sampling import np_summary, parse_schemes
+from evals.sampling import extractable, np_summary, parse_schemes
 from evals.scan import score_windows
 from memorization.cli import main
 from memorization.eval.membership import corpus_from_texts, eval_corpus
+from memorization.eval.plots import np_threshold, pz_curves
 
 CYCLE = ["river", "stone", "light", "north", "garden", "paper"]
 OTHER = ["window", "market", "silver", "morning", "engine", "letter", "harbor", "winter", "copper", "signal"]
@@ -94,7 +96,7 @@ def test_per_offset_exact_match_and_np(evaluated):
     md = (evaluated / "report.md").read_text()
     assert "### Beyond greedy" in md and "| 8 |" in md and "`top_p=0.9`" in md
     assert sorted(p.name for p in evaluated.iterdir()) == ["extraction.jsonl", "report.json", "report.md",
-                                                          "sampled.jsonl"]
+                                                          "report.png", "sampled.jsonl"]
 
 
 def test_rows_hold_the_log_pz_of_score_windows(setup, evaluated):
@@ -120,6 +122,30 @@ def test_rows_hold_the_log_pz_of_score_windows(setup, evaluated):
             assert exact.tolist() == [decoded[r["doc"]] for r in got]
         summary = report["sampled"]["offsets"][str(o)]["np"]
         assert summary == np_summary({n: want[f"logpz/{n}"] for n in NAMES}, (1, 10), 0.5, greedy=exact)
+
+
+def test_report_png_curves_cross_the_np_lines_at_the_reports_fractions(evaluated):
+    """report.png's beyond-greedy panel: a curve's height at n's line is the report's (n, p) fraction."""
+    report = json.loads((evaluated / "report.json").read_text())
+    curves = pz_curves(_lines(evaluated / "sampled.jsonl"))
+    smp = report["sampled"]
+    assert sorted(curves) == sorted((int(o), s) for o in smp["offsets"] for s in ["greedy", *NAMES])
+    checked = 0
+    for (o, name), c in curves.items():
+        for n in smp["ns"]:
+            want = smp["offsets"][str(o)]["np"]["schemes"][name][f"n={n}"]["fraction"]
+            assert (c >= np_threshold(n, smp["p"])).mean() == want, (o, name, n)
+            checked += want > 0
+    assert checked  # some curve is above a line: the check compared non-trivial heights
+    png = (evaluated / "report.png").read_bytes()  # extraction and beyond greedy: two panels
+    assert int.from_bytes(png[16:20], "big") == round(2 * 4.6 * 110)
+
+
+def test_np_lines_sit_where_extractable_turns_true():
+    for n in (1, 10, 1000, 10**6):
+        for p in (0.1, 0.5, 0.99):
+            at = np_threshold(n, p) * math.log(10)  # natural log p_z of the line
+            assert extractable(np.array([at + 1e-9, at - 1e-9]), n, p).tolist() == [True, False], (n, p)
 
 
 def test_greedy_only_at_offset_zero_writes_no_rows(setup, tmp_path, evaluated, capsys):

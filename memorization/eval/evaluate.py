@@ -27,6 +27,7 @@ from evals import ExtractionResult, to_jsonl
 from evals.static_decode import DECODES
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report, write_files
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
+from memorization.eval.plots import eval_png
 from memorization.eval.sections import (
     EvalOptions,
     extraction_section,
@@ -209,6 +210,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         report["mode"] = mode
     results: list[ExtractionResult] = []
     sampled_rows: list[dict[str, Any]] | None = None
+    mia_rows: list[dict[str, Any]] | None = None
     log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
         if extraction is not None:
@@ -217,7 +219,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
                 # beside `extraction` (as a training run's summary has it), which stays the greedy decode's
                 report["sampled"], sampled_rows = sampled_section(o, model, extraction)
         if o.mia:
-            report["mia"] = mia_section(o, model, tok, ref, sets, progress=grid.rank == 0)
+            report["mia"], mia_rows = mia_section(o, model, tok, ref, sets, progress=grid.rank == 0)
         if ppl:
             report["perplexity"] = [perplexity_section(o, model, c) for c in ppl]
         if o.tasks:  # lm-eval's own output goes to a log beside the report (or a temp file) unless --verbose
@@ -228,11 +230,16 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
                 report["tasks_log"] = str(out / "lm-eval.log") if out is not None else str(log)
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
-        files = {"report.json": json.dumps(report, indent=2) + "\n", "report.md": markdown_report(report)}
+        png = eval_png(report, results, sampled_rows, mia_rows)
+        files: dict[str, str | bytes] = {"report.json": json.dumps(report, indent=2) + "\n",
+                                         "report.md": markdown_report(report, "report.png" if png else None)}
+        if png is not None:
+            files["report.png"] = png
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)
-        if sampled_rows is not None:
-            files["sampled.jsonl"] = "".join(json.dumps(r) + "\n" for r in sampled_rows)
+        for name, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows)):
+            if rows is not None:
+                files[name] = "".join(json.dumps(r) + "\n" for r in rows)
         if log is not None:
             files["lm-eval.log"] = LM_EVAL_LOG_HEAD + log.read_text(encoding="utf-8", errors="replace")
         write_files(out, files, replace=EVAL_FILES)

@@ -12,8 +12,10 @@ from memorization.outputs import check_writable
 from memorization.train.pipeline import RESULT_FILES
 from memorize_core import fail
 
-# sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section)
-EVAL_FILES = ("report.json", "report.md", "extraction.jsonl", "sampled.jsonl", "lm-eval.log")
+# sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section);
+# mia.jsonl: one line per member and non-member with each attack's score (sections.mia_section)
+EVAL_FILES = ("report.json", "report.md", "report.png", "extraction.jsonl", "sampled.jsonl", "mia.jsonl",
+              "lm-eval.log")
 
 
 def check_eval_out(out: str, overwrite: bool) -> Path:
@@ -28,7 +30,7 @@ def check_eval_out(out: str, overwrite: bool) -> Path:
     return path
 
 
-def write_files(out: Path, files: dict[str, str], *, replace: tuple[str, ...] = EVAL_FILES) -> None:
+def write_files(out: Path, files: dict[str, str | bytes], *, replace: tuple[str, ...] = EVAL_FILES) -> None:
     """Write every file into a scratch folder first, then move them in, dropping stale `replace` files.
 
     A failure while writing leaves --out as it was; the moves are renames within one folder.
@@ -36,8 +38,11 @@ def write_files(out: Path, files: dict[str, str], *, replace: tuple[str, ...] = 
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".eval-", dir=out))
     try:
-        for name, text in files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
+        for name, data in files.items():
+            if isinstance(data, bytes):
+                (tmp / name).write_bytes(data)
+            else:
+                (tmp / name).write_text(data, encoding="utf-8")
         for name in replace:  # an old extraction.jsonl must not sit beside a report without extraction
             if name not in files and (out / name).exists():
                 (out / name).unlink()
@@ -79,8 +84,9 @@ def _sampled(smp: dict[str, Any]) -> list[str]:
             _table(["offset", "docs", "exact match", "scheme", *[f"n={n}" for n in ns]], rows)]
 
 
-def markdown_report(report: dict[str, Any]) -> str:
-    """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks."""
+def markdown_report(report: dict[str, Any], figure: str | None = None) -> str:
+    """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks;
+    `figure` (report.png's name) is shown after them."""
     # the cut is said where documents were scored with it (a tasks-only report has none; MIA says its own)
     docs = [k for k in ("extraction", "perplexity") if report.get(k)]
     cut = f"Documents cut to their first {report['max_tokens']} tokens; " if docs else ""
@@ -117,7 +123,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         parts += [title,
                   f"Higher score = member; Min-K% k = {mia['k']}"
                   + (f"; reference model `{mia['reference']}`." if mia["reference"] else ".")
-                  + cut + " " + note,
+                  + cut + " " + note + " Each document's scores are in mia.jsonl.",
                   _table(["method", f"AUC{level}", f"TPR@1%FPR{level}", "TPR@0.1%FPR"], rows)]
         if mia.get("blind"):
             parts.append(BLIND_NOTE.format(threshold=mia["blind"]["threshold"]))
@@ -139,4 +145,6 @@ def markdown_report(report: dict[str, Any]) -> str:
                   f"{shots}, {limit}, seed {tasks['seed']}; metric ± lm-eval's standard error; "
                   f"{tasks['tokens']:,} tokens scored in {tasks['seconds']:.1f} s.",
                   "\n".join(task_table(tasks))]
+    if figure:
+        parts.append(f"![extraction, beyond greedy and membership inference]({figure})")
     return "\n\n".join(parts) + "\n"

@@ -18,7 +18,7 @@ from typing import Any
 from axonn.grid import ProcessGrid
 from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
-from evals.mia import membership_inference
+from evals.mia import mia_metrics, score_sequences
 from evals.perplexity import corpus_loss
 from evals.probabilistic import sampled_extraction
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
@@ -148,21 +148,27 @@ def perplexity_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: Proce
 
 def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
                 sets: tuple[EvalCorpus, EvalCorpus, str, int], progress: bool = True,
-                grid: ProcessGrid | None = None) -> dict[str, Any]:
-    """The report's `mia`: every attack's AUC/TPR (+ CIs) and the blind baseline beside them."""
+                grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The report's `mia` (every attack's AUC/TPR (+ CIs) and the blind baseline beside them) and one row
+    per scored document: its id, whether it is a member, and each attack's score (higher = member)."""
     t = time.perf_counter()
     m, n, source, cut = sets
-    methods = membership_inference(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
-                                   batch_size=o.batch_size, bootstrap=o.bootstrap, seed=o.seed,
-                                   progress=progress, grid=grid)
+    kw = dict(tokenizer=tok, ref_model=ref, k=o.mia_k, batch_size=o.batch_size, grid=grid)
+    scores = [score_sequences(model, c.seqs, **kw, progress=f"MIA {name}" if progress else None)
+              for c, name in ((m, "members"), (n, "non-members"))]
+    methods = mia_metrics(*scores, bootstrap=o.bootstrap, seed=o.seed)
     # the texts the attacks scored (as cut), without the model
     blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
                            bootstrap=o.bootstrap, seed=o.seed)
     counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
               "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
               "non_member_tokens": sum(map(len, n.seqs))}
-    return {"members": m.spec, "non_members": n.spec, "source": source, "max_tokens": cut,
-            "reference": o.reference,
-            "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
-            "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
-            "seconds": time.perf_counter() - t}
+    rows = [{"id": doc, "member": member, **{k: float(v[i]) for k, v in got.items()}}
+            for c, member, got in ((m, True, scores[0]), (n, False, scores[1]))
+            for i, doc in enumerate(c.ids)]
+    section = {"members": m.spec, "non_members": n.spec, "source": source, "max_tokens": cut,
+               "reference": o.reference,
+               "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
+               "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
+               "seconds": time.perf_counter() - t}
+    return section, rows

@@ -199,7 +199,7 @@ class Probe:
         if self.members and self.non_members:
             m, n = self.members.corpus, self.non_members.corpus
             rec["mia"] = mia_section(o, model, self.tok, self.reference, (m, n, "callback", self.max_tokens),
-                                     progress=False, grid=grid)
+                                     progress=False, grid=grid)[0]
         if self.held_out:
             rec["perplexity"] = [perplexity_section(o, model, self.held_out.corpus, grid=grid)]
         if self.duplicates:

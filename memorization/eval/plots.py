@@ -1,0 +1,119 @@
+"""report.png of `memorize eval`: one panel per scored section that has a picture.
+
+- extraction: how many suffix tokens each document's greedy (or beam) continuation matches before its
+  first miss (the longest common prefix), a bar per length; a bar at the suffix length is an exact match;
+- beyond greedy: the fraction of documents whose suffix probability p_z under a decoding scheme is at least
+  x, against log10 x, one line per scheme (colour, greedy included) and prefix offset (line style); a
+  dotted line per n marks the p_z from which n samples extract with probability p, so the (n, p)
+  fractions of report.md are where the curves cross those lines;
+- membership inference: each attack's ROC curve on log-log axes (members the positive class), its AUC in
+  the legend, where the low-FPR region that matters for privacy is visible (Carlini et al. 2022).
+"""
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from sklearn.metrics import roc_curve
+
+from evals import ExtractionResult
+
+_STYLES = ("-", "--", ":", "-.")
+
+
+def _extraction(ax: Any, ex: dict[str, Any], results: Sequence[ExtractionResult]) -> None:
+    lcp = np.array([r.lcp for r in results], dtype=np.int64)
+    suffix = int(ex["suffix"])
+    counts = np.bincount(np.clip(lcp, 0, suffix), minlength=suffix + 1)
+    colours = ["tab:blue"] * suffix + ["tab:red"]
+    ax.bar(np.arange(suffix + 1), counts, width=0.9, color=colours)
+    how = "greedy" if ex["beams"] == 1 else f"{ex['beams']} beams"
+    ax.set_title(f"Extraction ({how}): {int(counts[-1])}/{len(results)} exact", fontsize=10)
+    ax.set_xlabel(f"suffix tokens matched before the first miss (of {suffix})")
+    ax.set_ylabel("documents")
+
+
+def pz_curves(rows: Sequence[dict[str, Any]]) -> dict[tuple[int, str], np.ndarray]:
+    """sampled.jsonl's rows as {(offset, scheme): log10 p_z per document} (-inf where p_z = 0)."""
+    by_offset: dict[int, list[dict[str, float | None]]] = {}
+    for r in rows:
+        by_offset.setdefault(int(r["offset"]), []).append(r["logpz"])
+    return {(off, name): np.array([-np.inf if d[name] is None else d[name] / np.log(10) for d in docs])
+            for off, docs in by_offset.items() for name in docs[0]}
+
+
+def np_threshold(n: int, p: float) -> float:
+    """log10 of the smallest p_z that n samples extract with probability p: 1 - (1 - p)^(1/n)."""
+    return float(np.log10(-np.expm1(np.log1p(-p) / n)))
+
+
+def _sampled(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    curves = pz_curves(rows)
+    p, ns = float(smp["p"]), smp["ns"]
+    lines = [np_threshold(n, p) for n in ns]
+    finite = np.concatenate([c[np.isfinite(c)] for c in curves.values()] + [np.array([0.0, *lines])])
+    lo = max(-300.0, float(finite.min()) * 1.05 - 1.0)  # every finite p_z and line in view (0 on the edge)
+    x = np.linspace(lo, 0.0, 400)
+    colours: dict[str, str] = {}
+    offsets = sorted({off for off, _ in curves})
+    for (off, name), c in curves.items():
+        colour = colours.setdefault(name, f"C{len(colours)}")
+        ax.plot(x, (c[None, :] >= x[:, None]).mean(1), color=colour,
+                linestyle=_STYLES[offsets.index(off) % len(_STYLES)], label=f"{name}, offset {off}")
+    for i, at in enumerate(lines):
+        ax.axvline(at, color="grey", linestyle=":", linewidth=0.8,
+                   label=f"n = {', '.join(map(str, ns))} (right to left)" if i == 0 else None)
+    ax.set_xlim(lo, 0.0)
+    ax.set_ylim(-0.02, 1.06)
+    ax.set_xlabel("log10 p_z (the suffix's probability under the scheme)")
+    ax.set_ylabel("fraction of documents with p_z at least")
+    ax.set_title(f"Beyond greedy: right of a line, (n, p={p})-extractable", fontsize=10)
+    ax.legend(fontsize=6, loc="best")
+
+
+def _mia(ax: Any, mia: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    y = np.array([r["member"] for r in rows], dtype=np.int64)
+    floor = 1.0 / max(1, int((y == 0).sum()))  # the smallest non-zero FPR this many non-members can show
+    for method, got in mia["methods"].items():
+        fpr, tpr, _ = roc_curve(y, np.array([r[method] for r in rows], dtype=np.float64))
+        low = floor / 2  # zeros drawn at half the floor on the log axes
+        ax.plot(np.maximum(fpr, low), np.maximum(tpr, low), label=f"{method} (AUC {got['auc']:.3f})")
+    grid = np.logspace(np.log10(floor / 2), 0, 50)
+    ax.plot(grid, grid, color="grey", linestyle=":", label="chance")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("true positive rate")
+    c = mia["counts"]
+    ax.set_title(f"Membership inference: {c['members']} members vs {c['non_members']}", fontsize=10)
+    ax.legend(fontsize=6)
+
+
+def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
+             sampled_rows: Sequence[dict[str, Any]] | None, mia_rows: Sequence[dict[str, Any]] | None
+             ) -> bytes | None:
+    """The PNG of report.png for a `memorize eval` report (None when no section has a picture)."""
+    panels = []
+    if report.get("extraction") and results:
+        panels.append(lambda ax: _extraction(ax, report["extraction"], results))
+    if report.get("sampled") and sampled_rows:
+        panels.append(lambda ax: _sampled(ax, report["sampled"], sampled_rows))
+    if report.get("mia") and mia_rows:
+        panels.append(lambda ax: _mia(ax, report["mia"], mia_rows))
+    if not panels:
+        return None
+    import matplotlib  # deferred: +0.5 s with pyplot; only the report needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred: after the Agg backend is chosen
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    for draw, ax in zip(panels, axes[0]):
+        draw(ax)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
