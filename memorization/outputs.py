@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -144,3 +145,26 @@ def record_entries(out: str | Path, command: str, names: Iterable[str]) -> None:
 
 __all__ = ["LEDGER", "check_inputs", "check_name", "check_writable", "existing_entries", "record_entries",
            "recorded_entries", "remove_entries"]
+
+
+def write_files(out: Path, files: Mapping[str, str | bytes], *, replace: Iterable[str]) -> None:
+    """Write every file (text or bytes) into a scratch folder inside `out` first, then move them in,
+    dropping the `replace` files the call does not write (stale results of an earlier call).
+
+    A failure while writing leaves `out` as it was; the moves are renames within one folder.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".write-", dir=out))
+    try:
+        for name, data in files.items():
+            if isinstance(data, bytes):
+                (tmp / name).write_bytes(data)
+            else:
+                (tmp / name).write_text(data, encoding="utf-8")
+        for name in replace:  # an old extraction.jsonl must not sit beside a report without extraction
+            if name not in files and (out / name).exists():
+                (out / name).unlink()
+        for name in files:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

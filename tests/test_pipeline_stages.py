@@ -12,6 +12,7 @@ from memorization.models import REPO_ROOT
 from memorization.report import read_metrics
 from memorization.train.pipeline import finish, run_training, start_run, train
 from memorization.train.prepare import prepare_data
+from memorization.train.report import markdown
 
 MICRO = [
     "data.limit=6", "data.vocab_size=300", "data.block_len=32", "data.min_tokens=16", "data.held_out_limit=4",
@@ -129,3 +130,52 @@ def test_a_sharded_run_scores_the_same_extraction_as_the_serial_run(setup, tmp_p
     passes = [json.loads(x) for x in (tmp_path / "grid" / "passes" / "passes.jsonl").read_text().splitlines()]
     assert [p["pass"] for p in passes] == [1, 2, 3]
     assert [p["exact_match_rate"] for p in passes] == [p["exact_match_rate"] for p in serial_passes["passes"]]
+
+
+def _png_width(path) -> int:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big")
+
+
+def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
+    cfg, data = setup
+    summary = run_training(cfg, tmp_path / "run", data=data)
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert md.startswith(f"# memorize train: `{cfg.name}`")
+    assert f"| {summary['final_train_loss']:.4f} | {summary['val_loss']:.4f} |" in md
+    s = summary
+    assert f"| {s['docs']} | {s['exact_match_rate']:.3f} | {s['token_accuracy']:.3f} |" in md
+    for method, got in summary["mia"]["methods"].items():
+        lo, hi = got["auc_ci"]
+        assert f"| {method} | {got['auc']:.3f} [{lo:.3f}, {hi:.3f}] |" in md, method
+    assert "mia.jsonl" not in md and "sampled.jsonl" not in md  # a run writes neither
+    assert "](report.png)" in md and _png_width(tmp_path / "run" / "report.png") == 3 * 460  # loss, EM, MIA
+    # a run that scores nothing: the loss panel alone, no evaluation sections
+    bare = replace(cfg, eval=replace(cfg.eval, extraction=False, mia=False))
+    run_training(bare, tmp_path / "bare", data=data)
+    md = (tmp_path / "bare" / "report.md").read_text()
+    assert "## Extraction" not in md and "## Membership" not in md and "| final training loss |" in md
+    assert _png_width(tmp_path / "bare" / "report.png") == 460
+
+
+def test_report_tells_dp_epsilon_audit_bound_and_goldfish_coverage(setup):
+    cfg, _ = setup
+    summary = {"name": "r", "loss": "goldfish", "goldfish_strategy": "hash", "goldfish_k": 4,
+               "goldfish_h": 13, "model": "tiny", "params": 1000, "trainable_params": 10, "steps": 5,
+               "epochs": 1.0, "tokens": 640, "train_seconds": 1.5, "final_train_loss": 3.0,
+               "val_loss": float("nan"), "epsilon": 7.994,
+               "delta": 1e-5, "grid": "1,2,1,1",
+               "audit": {"m": 64, "included": 30, "guesses": 20, "correct": 14, "eps_lower_bound": 0.123,
+                         "confidence": 0.95},
+               "goldfish_coverage": {"clusters": 3, "coverage": 0.5, "suffix_coverage": 0.25,
+                                     "clusters_fully_covered": 1,
+                                     "warnings": ["cluster x: nothing withheld"]}}
+    md = markdown(summary, cfg, None)
+    for needle in ("goldfish (hash, k=4, h=13) loss", "10 trained", "on grid 1,2,1,1.",
+                   "epsilon 7.99 at delta 1.0e-05", "| 3.0000 | – |", "guessed 20 and was right 14 times: "
+                   "epsilon >= **0.12** at 95% confidence; the accountant's epsilon is 7.99",
+                   "3 clusters", "supervises 50.0%", "(25.0% of the extraction suffix)", "1 clusters have",
+                   "- warning: cluster x: nothing withheld"):
+        assert needle in md, needle
+    assert "## Extraction" not in md and "report.png" not in md

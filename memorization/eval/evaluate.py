@@ -25,7 +25,7 @@ from axonn.inference import keep_gathered
 from axonn.plan.fits import check_fits, check_shape
 from evals import ExtractionResult, to_jsonl
 from evals.static_decode import DECODES
-from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report, write_files
+from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
 from memorization.eval.plots import eval_png
 from memorization.eval.sections import (
@@ -42,7 +42,7 @@ from memorization.eval.sections import (
 )
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
-from memorization.outputs import check_inputs
+from memorization.outputs import check_inputs, write_files
 from memorization.train.parallel import eval_mode, inference_grid, plan_inference
 from memorize_core import fail
 
@@ -231,8 +231,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
         png = eval_png(report, results, sampled_rows, mia_rows)
-        files: dict[str, str | bytes] = {"report.json": json.dumps(report, indent=2) + "\n",
-                                         "report.md": markdown_report(report, "report.png" if png else None)}
+        files: dict[str, str | bytes] = {"report.json": json.dumps(report, indent=2) + "\n"}
         if png is not None:
             files["report.png"] = png
         if extraction is not None:
@@ -240,6 +239,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         for name, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows)):
             if rows is not None:
                 files[name] = "".join(json.dumps(r) + "\n" for r in rows)
+        files["report.md"] = markdown_report(report, "report.png" if png else None, row_files=set(files))
         if log is not None:
             files["lm-eval.log"] = LM_EVAL_LOG_HEAD + log.read_text(encoding="utf-8", errors="replace")
         write_files(out, files, replace=EVAL_FILES)

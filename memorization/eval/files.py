@@ -1,15 +1,14 @@
-"""The files of `memorize eval`: the --out check, report.md tables, and an all-at-the-end write."""
+"""The files of `memorize eval`: the --out check and the report.md tables (written all at once at the end:
+memorization.outputs.write_files)."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from memorization.eval.utility import task_table
 from memorization.outputs import check_writable
-from memorization.train.pipeline import RESULT_FILES
+from memorization.train.run_plan import RESULT_FILES
 from memorize_core import fail
 
 # sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section);
@@ -30,28 +29,6 @@ def check_eval_out(out: str, overwrite: bool) -> Path:
     return path
 
 
-def write_files(out: Path, files: dict[str, str | bytes], *, replace: tuple[str, ...] = EVAL_FILES) -> None:
-    """Write every file into a scratch folder first, then move them in, dropping stale `replace` files.
-
-    A failure while writing leaves --out as it was; the moves are renames within one folder.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".eval-", dir=out))
-    try:
-        for name, data in files.items():
-            if isinstance(data, bytes):
-                (tmp / name).write_bytes(data)
-            else:
-                (tmp / name).write_text(data, encoding="utf-8")
-        for name in replace:  # an old extraction.jsonl must not sit beside a report without extraction
-            if name not in files and (out / name).exists():
-                (out / name).unlink()
-        for name in files:
-            os.replace(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 BLIND_NOTE = ("The blind baseline is a text classifier with no model (word and character n-grams, "
               "logistic regression, cross-validated): it measures how different the two sets are, not "
               "membership. Near 0.5 the sets are alike and the attacks' AUCs are about membership; when "
@@ -68,7 +45,7 @@ def _ci(point: float, ci: list[float] | None) -> str:
     return f"{point:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 
-def _sampled(smp: dict[str, Any]) -> list[str]:
+def _sampled(smp: dict[str, Any], rows_file: bool) -> list[str]:
     """report.md's extraction beyond greedy: per offset, greedy exact match and the (n, p) fractions."""
     ns = smp["ns"]
     rows = []
@@ -80,13 +57,16 @@ def _sampled(smp: dict[str, Any]) -> list[str]:
     return [f"### Beyond greedy: (n, p)-extractable at p = {smp['p']}",
             "Per prefix offset into the document: greedy exact match (one teacher-forced forward) and, per "
             "sampling scheme, the fraction of documents whose suffix n samples give at least once with "
-            f"probability >= {smp['p']} (Hayes et al. 2024); log p_z per document in sampled.jsonl.",
+            f"probability >= {smp['p']} (Hayes et al. 2024)"
+            + ("; log p_z per document in sampled.jsonl." if rows_file else "."),
             _table(["offset", "docs", "exact match", "scheme", *[f"n={n}" for n in ns]], rows)]
 
 
-def markdown_report(report: dict[str, Any], figure: str | None = None) -> str:
+def markdown_report(report: dict[str, Any], figure: str | None = None,
+                    row_files: Collection[str] = ()) -> str:
     """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks;
-    `figure` (report.png's name) is shown after them."""
+    `figure` (report.png's name) is shown after them; `row_files` are the per-document files written
+    beside it (sampled.jsonl, mia.jsonl), named where their section is."""
     # the cut is said where documents were scored with it (a tasks-only report has none; MIA says its own)
     docs = [k for k in ("extraction", "perplexity") if report.get(k)]
     cut = f"Documents cut to their first {report['max_tokens']} tokens; " if docs else ""
@@ -105,7 +85,7 @@ def markdown_report(report: dict[str, Any], figure: str | None = None) -> str:
                          [[str(ex["docs"]), f"{ex['exact_match_rate']:.3f}", f"{ex['token_accuracy']:.3f}",
                            f"{ex['lcp_mean']:.2f}", f"{ex['rougeL']:.3f}"]])]
         if report.get("sampled"):
-            parts += _sampled(report["sampled"])
+            parts += _sampled(report["sampled"], "sampled.jsonl" in row_files)
     mia = report.get("mia")
     if mia:
         c = mia["counts"]
@@ -123,7 +103,8 @@ def markdown_report(report: dict[str, Any], figure: str | None = None) -> str:
         parts += [title,
                   f"Higher score = member; Min-K% k = {mia['k']}"
                   + (f"; reference model `{mia['reference']}`." if mia["reference"] else ".")
-                  + cut + " " + note + " Each document's scores are in mia.jsonl.",
+                  + cut + " " + note
+                  + (" Each document's scores are in mia.jsonl." if "mia.jsonl" in row_files else ""),
                   _table(["method", f"AUC{level}", f"TPR@1%FPR{level}", "TPR@0.1%FPR"], rows)]
         if mia.get("blind"):
             parts.append(BLIND_NOTE.format(threshold=mia["blind"]["threshold"]))

@@ -23,7 +23,7 @@ from evals import ExtractionResult
 _STYLES = ("-", "--", ":", "-.")
 
 
-def _extraction(ax: Any, ex: dict[str, Any], results: Sequence[ExtractionResult]) -> None:
+def extraction_panel(ax: Any, ex: dict[str, Any], results: Sequence[ExtractionResult]) -> None:
     lcp = np.array([r.lcp for r in results], dtype=np.int64)
     suffix = int(ex["suffix"])
     counts = np.bincount(np.clip(lcp, 0, suffix), minlength=suffix + 1)
@@ -97,7 +97,7 @@ def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
     """The PNG of report.png for a `memorize eval` report (None when no section has a picture)."""
     panels = []
     if report.get("extraction") and results:
-        panels.append(lambda ax: _extraction(ax, report["extraction"], results))
+        panels.append(lambda ax: extraction_panel(ax, report["extraction"], results))
     if report.get("sampled") and sampled_rows:
         panels.append(lambda ax: _sampled(ax, report["sampled"], sampled_rows))
     if report.get("mia") and mia_rows:

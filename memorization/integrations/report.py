@@ -1,6 +1,6 @@
 """The memorization callback's files, rewritten after every scored pass: passes.jsonl, report.json,
 report.md (a per-pass table, then the last pass as `memorize eval`'s report.md tells it), PNGs and the
-last pass's extraction.jsonl. Text files land all at once (memorization.eval.files.write_files)."""
+last pass's extraction.jsonl. Text files land all at once (memorization.outputs.write_files)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from evals import to_jsonl
-from memorization.eval.files import markdown_report, write_files
+from memorization.eval.files import markdown_report
 from memorization.eval.utility import headline
 from memorization.experiments.reporting import figure, json_safe, save
+from memorization.outputs import write_files
 from memorization.report import markdown_table
 
 FILES = ("passes.jsonl", "report.json", "report.md", "extraction.jsonl", "memorization-passes.png")

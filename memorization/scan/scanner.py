@@ -51,10 +51,9 @@ from evals.metrics import ids_text
 from evals.scan import score_windows
 from evals.scoring import Scorer
 from memorization.config import WANDB_MODES, WandbConfig
-from memorization.eval.files import write_files
 from memorization.eval.sections import parse_ns, parse_p, parse_sampling
 from memorization.models import context_length, folder_tokenizer, hf_config, load_model
-from memorization.outputs import check_inputs, remove_entries
+from memorization.outputs import check_inputs, remove_entries, write_files
 from memorization.scan.parts import (
     PNGS,
     SCAN_FILES,

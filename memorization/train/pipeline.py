@@ -54,6 +54,7 @@ from memorization.outputs import remove_entries
 from memorization.tracking import WandbSink
 from memorization.train.parallel import is_main_process, resolve_grid
 from memorization.train.prepare import PreparedData, documents_record, mia_sets, prepare_data
+from memorization.train.report import write_run_report
 from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
     CHECKPOINTS,
     RESULT_FILES,
@@ -261,7 +262,8 @@ def train(run: Run) -> list[dict[str, Any]]:
 
 def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] | None = None
            ) -> dict[str, Any]:
-    """Stage 4: export the model, score extraction, write extraction.jsonl and run.json; the summary.
+    """Stage 4: export the model, score extraction, write extraction.jsonl, run.json and the report
+    (report.md, report.png); the summary.
 
     Call it on every rank: exporting and scoring a sharded model are collectives. Extraction runs on
     the trained model where it is, on the run's grid (evals' one scoring path: each batch shard
@@ -303,6 +305,7 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         if run.data.audit is not None:
             record["audit"] = run.data.audit.record()
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
+        write_run_report(run.out_dir, summary, run.history, results, cfg)  # report.md, report.png
         if run.wandb is not None:
             run.wandb.summary(summary)
     return summary

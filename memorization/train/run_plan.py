@@ -73,7 +73,8 @@ from memorization.train.parallel import Dims, Launch, check_memory, head_setting
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
-RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "checkpoints")
+RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "report.json", "report.md",
+                "report.png", "checkpoints")
 CHECKPOINTS = "checkpoints"
 # model-config fields a checkpoint must agree on before any work starts
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

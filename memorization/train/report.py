@@ -1,0 +1,148 @@
+"""report.md and report.png of one training run (`memorize train`, and each sub-run of an experiment).
+
+What the run wrote into run.json and metrics.jsonl, told for a reader: what was trained and how long,
+the losses, then the trained model's evaluation as `memorize eval`'s report.md tells it (extraction,
+beyond greedy, membership inference), the privacy audit and the goldfish coverage. report.png: the
+training loss per step (and the loss on the tokens goldfish dropped), the extraction's matched-length
+histogram, and each attack's AUC with its 95% interval. Written by the main rank at the end of the run,
+both files at once (memorization.outputs.write_files)."""
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from memorization.config import RunConfig
+from memorization.eval.files import markdown_report
+from memorization.eval.plots import extraction_panel
+from memorization.outputs import write_files
+
+REPORT_FILES = ("report.md", "report.png")
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "–" if v is None or v != v else format(v, spec)  # None and NaN: not measured
+
+
+def _eval_like(summary: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """The summary's evaluation in the shape of `memorize eval`'s report (its markdown tells it)."""
+    e, d = cfg.eval, cfg.data
+    out: dict[str, Any] = {"model": cfg.model.name, "max_tokens": d.block_len, "seconds": 0.0}
+    if summary.get("docs") and summary.get("exact_match_rate") is not None:
+        out["extraction"] = {"corpus": d.corpus, "prefix": e.prefix, "suffix": e.suffix, "beams": e.num_beams,
+                             **{k: summary[k] for k in ("docs", "exact_match_rate", "token_accuracy",
+                                                        "lcp_mean", "rougeL")},
+                             "decode": summary.get("extraction_decode")}
+        if summary.get("sampled"):
+            out["sampled"] = {**summary["sampled"], "ns": list(e.np_ns), "p": e.np_p}
+    mia = summary.get("mia")
+    if mia:
+        held = d.held_out or f"{d.corpus} (held-out split)"
+        out["mia"] = {"members": d.corpus, "non_members": held, "reference": None, "k": mia["k"],
+                      "bootstrap": e.bootstrap, "seed": cfg.seed, "max_tokens": d.block_len,
+                      "counts": {"members": mia["members"], "non_members": mia["non_members"]},
+                      "methods": mia["methods"], "blind": mia.get("blind"), "warning": mia.get("warning")}
+    return out
+
+
+def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None) -> str:
+    """report.md of the run."""
+    s = summary
+    loss = s["loss"] if s["loss"] != "goldfish" else (
+        f"goldfish ({s['goldfish_strategy']}, k={s['goldfish_k']}, h={s['goldfish_h']})")
+    trained = (f"`{s['model']}` ({s['params']:,} parameters, {s['trainable_params']:,} trained), {loss} "
+               f"loss, {s['steps']} steps ({s['epochs']} passes over {cfg.data.corpus}, {s['tokens']:,} "
+               f"tokens) in {s['train_seconds']} s")
+    trained += (f" on grid {s['grid']}." if s.get("grid") else ".")
+    if s.get("epsilon") is not None:
+        trained += f" DP-SGD: epsilon {s['epsilon']:.2f} at delta {s.get('delta', 0):.1e} (the accountant's)."
+    head = ["| final training loss | held-out loss |", "|---|---|",
+            f"| {_fmt(s.get('final_train_loss'), '.4f')} | {_fmt(s.get('val_loss'), '.4f')} |"]
+    parts = [f"# memorize train: `{s['name']}`", trained, "\n".join(head)]
+    evaluated = _eval_like(s, cfg)
+    if len(evaluated) > 3:  # a section beyond model, max_tokens and seconds
+        # markdown_report's title and timing lines are eval's; its sections are the run's
+        parts.append(markdown_report(evaluated).split("\n\n", 2)[2].rstrip("\n"))
+    audit = s.get("audit")
+    if audit:
+        nominal = (f"; the accountant's epsilon is {s['epsilon']:.2f}" if s.get("epsilon") is not None
+                   else "; the run has no DP-SGD, so no epsilon to honour")
+        parts += ["## Privacy audit (one run)",
+                  f"{audit['m']} audit canaries, {audit['included']} of them trained on. Guessing from their "
+                  f"losses which were, the audit guessed {audit['guesses']} and was right {audit['correct']} "
+                  f"times: epsilon >= **{audit['eps_lower_bound']:.2f}** at {audit['confidence']:.0%} "
+                  f"confidence{nominal}."]
+    cov = s.get("goldfish_coverage")
+    if cov:
+        parts += ["## Goldfish coverage of the near-duplicate clusters",
+                  f"{cov['clusters']} clusters of training documents that share repeated 13-token spans: the "
+                  f"union of a cluster's copies supervises {cov['coverage']:.1%} of its original's tokens "
+                  f"({cov['suffix_coverage']:.1%} of the extraction suffix); "
+                  f"{cov['clusters_fully_covered']} clusters have every token supervised by some copy."]
+        parts += [f"- warning: {w}" for w in cov.get("warnings") or []]
+    if figure:
+        parts.append(f"![training loss, extraction and membership inference]({figure})")
+    return "\n\n".join(parts) + "\n"
+
+
+def _loss(ax: Any, history: Sequence[dict[str, Any]], val_loss: float | None) -> None:
+    steps = [m["step"] for m in history]
+    ax.plot(steps, [m["loss"] for m in history], label="supervised tokens")
+    dropped = [(m["step"], m["dropped_loss"]) for m in history if m.get("dropped_loss") is not None]
+    if dropped:
+        ax.plot(*zip(*dropped), linestyle="--", alpha=0.8, label="tokens goldfish dropped")
+    if val_loss is not None and val_loss == val_loss and steps:
+        ax.plot([steps[-1]], [val_loss], "ks", label="held-out (end)")
+    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="loss (nats/token)")
+    ax.set_title("Training loss", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def _auc(ax: Any, mia: dict[str, Any]) -> None:
+    methods = dict(mia["methods"])
+    if mia.get("blind"):  # the sets' distribution shift, without the model
+        methods["blind (no model)"] = mia["blind"]
+    names = list(methods)
+    aucs = [methods[m]["auc"] for m in names]
+    cis = [methods[m].get("auc_ci") for m in names]
+    err = None
+    if all(cis):
+        err = [[a - c[0] for a, c in zip(aucs, cis)], [c[1] - a for a, c in zip(aucs, cis)]]
+    colours = ["grey" if m.startswith("blind") else "tab:purple" for m in names]
+    ax.bar(range(len(names)), aucs, yerr=err, capsize=3, color=colours)
+    ax.axhline(0.5, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
+    ax.set(ylim=(0, 1.02), ylabel="ROC AUC (95% CI)")
+    ax.set_title(f"Membership inference: {mia['members']} vs {mia['non_members']}", fontsize=10)
+
+
+def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Sequence[Any] | None,
+        cfg: RunConfig) -> bytes:
+    """report.png of the run: the loss panel, and the extraction and MIA panels where they ran."""
+    from memorization.experiments.reporting import figure  # deferred: matplotlib
+
+    panels = [lambda ax: _loss(ax, history, summary.get("val_loss"))]
+    if results:
+        ex = {"suffix": cfg.eval.suffix, "beams": cfg.eval.num_beams}
+        panels.append(lambda ax: extraction_panel(ax, ex, results))
+    if summary.get("mia"):
+        panels.append(lambda ax: _auc(ax, summary["mia"]))
+    fig, axes = figure(len(panels), width=4.6, height=3.8)
+    for draw, ax in zip(panels, axes):
+        draw(ax)
+    import matplotlib.pyplot as plt  # deferred: loaded by figure() above
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_run_report(out: Path, summary: dict[str, Any], history: Sequence[dict[str, Any]],
+                     results: Sequence[Any] | None, cfg: RunConfig) -> None:
+    """report.md and report.png into the run's folder (main rank only)."""
+    write_files(out, {"report.png": png(summary, history, results, cfg),
+                      "report.md": markdown(summary, cfg, "report.png")}, replace=REPORT_FILES)
