@@ -39,6 +39,9 @@ def test_demo_report_and_the_goldfish_effect(demo_out):
     assert (demo_out / "report.png").stat().st_size > 10_000
     assert "| standard |" in (demo_out / "report.md").read_text()
     assert list((demo_out / "standard" / "wandb").glob("offline-run-*"))
+    # each run's own report.png, in its folder and in its W&B run
+    assert list((demo_out / "standard" / "wandb").glob("offline-run-*/files/media/images/report_*.png"))
+    assert "| final training loss | held-out loss |" in (demo_out / "goldfish" / "report.md").read_text()
 
 
 def test_metrics_and_export(demo_out):

@@ -308,6 +308,7 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         write_run_report(run.out_dir, summary, run.history, results, cfg)  # report.md, report.png
         if run.wandb is not None:
             run.wandb.summary(summary)
+            run.wandb.log_image("report", run.out_dir / "report.png")
     return summary
 
 
