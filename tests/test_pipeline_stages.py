@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from sklearn.metrics import roc_auc_score
 
 from memorization.config import load_run_config
 from memorization.experiments.passes import train_with_passes
@@ -149,7 +150,15 @@ def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
     for method, got in summary["mia"]["methods"].items():
         lo, hi = got["auc_ci"]
         assert f"| {method} | {got['auc']:.3f} [{lo:.3f}, {hi:.3f}] |" in md, method
-    assert "mia.jsonl" not in md and "sampled.jsonl" not in md  # a run writes neither
+    assert "Each document's scores are in mia.jsonl." in md and "sampled.jsonl" not in md  # no sampled rows
+    rows = [json.loads(x) for x in (tmp_path / "run" / "mia.jsonl").read_text().splitlines()]
+    n = cfg.eval.mia_docs or None
+    want = [(str(i), True) for i in data.member_doc_ids[:n]]
+    want += [(str(i), False) for i in data.held_out_doc_ids[:n]]
+    assert [(r["id"], r["member"]) for r in rows] == want
+    for method, got in summary["mia"]["methods"].items():  # the file's scores give the summary's AUCs
+        auc = roc_auc_score([r["member"] for r in rows], [r[method] for r in rows])
+        assert auc == pytest.approx(got["auc"], abs=1e-12), method
     assert "](report.png)" in md and _png_width(tmp_path / "run" / "report.png") == 3 * 460  # loss, EM, MIA
     # a run that scores nothing: the loss panel alone, no evaluation sections
     bare = replace(cfg, eval=replace(cfg.eval, extraction=False, mia=False))
@@ -157,6 +166,7 @@ def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
     md = (tmp_path / "bare" / "report.md").read_text()
     assert "## Extraction" not in md and "## Membership" not in md and "| final training loss |" in md
     assert _png_width(tmp_path / "bare" / "report.png") == 460
+    assert not any((tmp_path / "bare" / name).exists() for name in ("mia.jsonl", "extraction.jsonl"))
 
 
 def test_report_tells_dp_epsilon_audit_bound_and_goldfish_coverage(setup):

@@ -289,8 +289,9 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         sampled = sampled_results(trainer.model, cfg, run.data, grid=run.grid)
         if sampled is not None:
             summary["sampled"] = sampled
+    mia_rows = None
     if cfg.eval.mia:
-        summary["mia"] = membership(trainer.model, cfg, run.data, grid=run.grid)
+        summary["mia"], mia_rows = membership(trainer.model, cfg, run.data, grid=run.grid)
     if cfg.goldfish.enabled and not run.data.is_chat and run.is_main:
         coverage = run_coverage(cfg, run.data)
         if coverage is not None:
@@ -305,6 +306,8 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         if run.data.audit is not None:
             record["audit"] = run.data.audit.record()
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
+        if mia_rows is not None:  # each member's and non-member's attack scores, as memorize eval's
+            (run.out_dir / "mia.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mia_rows))
         write_run_report(run.out_dir, summary, run.history, results, cfg)  # report.md, report.png
         if run.wandb is not None:
             run.wandb.summary(summary)
@@ -366,25 +369,32 @@ def summarise(run: Run) -> dict[str, Any]:
 
 
 def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-               grid: ProcessGrid | None = None) -> dict[str, Any]:
+               grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Membership inference of the trained model (every rank, on `grid`): the first eval.mia_docs
     training documents vs as many held-out ones, each cut to data.block_len; AUC, TPR@1%FPR and
-    bootstrap CIs per method (loss, zlib, min-k, min-k++)."""
-    from evals import membership_inference  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
-    from evals.blind import blind_baseline, shift_warning  # deferred: as above
+    bootstrap CIs per method (loss, zlib, min-k, min-k++), and one row per document with its id, whether
+    it is a member and each method's score (mia.jsonl)."""
+    from evals.blind import blind_baseline, shift_warning  # deferred: evals +3.2 s import
+    from evals.mia import mia_metrics, score_sequences  # deferred: as above (scikit-learn, rouge-score)
 
     e = cfg.eval
     members, nonmembers = mia_sets(cfg, data)
-    methods = membership_inference(model, members, nonmembers, tokenizer=data.tokenizer, k=e.mia_k,
-                                   batch_size=e.batch_size, bootstrap=e.bootstrap, seed=cfg.seed, grid=grid,
-                                   progress=cfg.trainer.progress)
+    ids = (data.member_doc_ids[:len(members)], (data.held_out_doc_ids or [])[:len(nonmembers)])
+    kw = dict(tokenizer=data.tokenizer, k=e.mia_k, batch_size=e.batch_size, grid=grid)
+    progress = cfg.trainer.progress
+    scores = [score_sequences(model, seqs, **kw, progress=f"MIA {name}" if progress else None)
+              for seqs, name in ((members, "members"), (nonmembers, "non-members"))]
+    methods = mia_metrics(*scores, bootstrap=e.bootstrap, seed=cfg.seed)
     # the texts alone, beside the attacks: far from 0.5 when data.held_out is another distribution
     decode = data.tokenizer.decode
     blind = blind_baseline([decode(s) for s in members], [decode(s) for s in nonmembers],
                            bootstrap=e.bootstrap, seed=cfg.seed)
     held = cfg.data.held_out or f"{cfg.data.corpus} (held-out split)"
-    return {"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
-            "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}
+    rows = [{"id": str(doc), "member": member, **{k: float(v[i]) for k, v in got.items()}}
+            for docs, member, got in ((ids[0], True, scores[0]), (ids[1], False, scores[1]))
+            for i, doc in enumerate(docs)]
+    return ({"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
+             "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}, rows)
 
 
 def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:

@@ -63,7 +63,8 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None) -> str
     evaluated = _eval_like(s, cfg)
     if len(evaluated) > 3:  # a section beyond model, max_tokens and seconds
         # markdown_report's title and timing lines are eval's; its sections are the run's
-        parts.append(markdown_report(evaluated).split("\n\n", 2)[2].rstrip("\n"))
+        rows = ("mia.jsonl",) if s.get("mia") else ()  # finish writes the MIA scores beside the report
+        parts.append(markdown_report(evaluated, row_files=rows).split("\n\n", 2)[2].rstrip("\n"))
     audit = s.get("audit")
     if audit:
         nominal = (f"; the accountant's epsilon is {s['epsilon']:.2f}" if s.get("epsilon") is not None
