@@ -13,6 +13,7 @@ from data_pipelines import load_corpus, load_tokenizer, tokenize_documents
 from evals.mia import membership_inference
 from evals.perplexity import corpus_loss, mean_loss
 from memorization.cli import main
+from memorization.eval.plots import PANEL_PX
 
 WORDS = ["river", "stone", "light", "quiet", "north", "garden", "paper", "window", "market", "silver",
          "morning", "engine", "letter", "harbor", "winter", "copper", "signal", "forest", "candle", "orbit",
@@ -128,7 +129,7 @@ def test_out_holds_exactly_the_report_and_refuses_to_overwrite(setup, tmp_path, 
         assert auc == pytest.approx(got["auc"], abs=1e-12), method
     # report.png: a panel per pictured section (extraction, beyond greedy, MIA), shown in report.md
     png = (out / "report.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == round(3 * 4.6 * 110)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 3 * PANEL_PX
     assert report["extraction"]["docs"] == len((out / "extraction.jsonl").read_text().splitlines()) > 0
     assert [p["corpus"] for p in report["perplexity"]] == [str(setup / "heldout.txt"),
                                                            str(setup / "nonmembers.txt")]

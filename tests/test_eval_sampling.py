@@ -17,7 +17,7 @@ from evals.sampling import extractable, np_summary, parse_schemes
 from evals.scan import score_windows
 from memorization.cli import main
 from memorization.eval.membership import corpus_from_texts, eval_corpus
-from memorization.eval.plots import np_threshold, pz_curves
+from memorization.eval.plots import PANEL_PX, np_threshold, pz_curves
 
 CYCLE = ["river", "stone", "light", "north", "garden", "paper"]
 OTHER = ["window", "market", "silver", "morning", "engine", "letter", "harbor", "winter", "copper", "signal"]
@@ -138,7 +138,7 @@ def test_report_png_curves_cross_the_np_lines_at_the_reports_fractions(evaluated
             checked += want > 0
     assert checked  # some curve is above a line: the check compared non-trivial heights
     png = (evaluated / "report.png").read_bytes()  # extraction and beyond greedy: two panels
-    assert int.from_bytes(png[16:20], "big") == round(2 * 4.6 * 110)
+    assert int.from_bytes(png[16:20], "big") == 2 * PANEL_PX
 
 
 def test_np_lines_sit_where_extractable_turns_true():

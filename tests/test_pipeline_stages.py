@@ -8,6 +8,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from memorization.config import load_run_config
+from memorization.eval.plots import PANEL_PX
 from memorization.experiments.passes import train_with_passes
 from memorization.models import REPO_ROOT
 from memorization.report import read_metrics
@@ -159,13 +160,14 @@ def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
     for method, got in summary["mia"]["methods"].items():  # the file's scores give the summary's AUCs
         auc = roc_auc_score([r["member"] for r in rows], [r[method] for r in rows])
         assert auc == pytest.approx(got["auc"], abs=1e-12), method
-    assert "](report.png)" in md and _png_width(tmp_path / "run" / "report.png") == 3 * 460  # loss, EM, MIA
+    assert "](report.png)" in md
+    assert _png_width(tmp_path / "run" / "report.png") == 3 * PANEL_PX  # loss, extraction, MIA
     # a run that scores nothing: the loss panel alone, no evaluation sections
     bare = replace(cfg, eval=replace(cfg.eval, extraction=False, mia=False))
     run_training(bare, tmp_path / "bare", data=data)
     md = (tmp_path / "bare" / "report.md").read_text()
     assert "## Extraction" not in md and "## Membership" not in md and "| final training loss |" in md
-    assert _png_width(tmp_path / "bare" / "report.png") == 460
+    assert _png_width(tmp_path / "bare" / "report.png") == PANEL_PX
     assert not any((tmp_path / "bare" / name).exists() for name in ("mia.jsonl", "extraction.jsonl"))
 
 

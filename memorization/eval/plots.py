@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from sklearn.metrics import roc_curve
 from evals import ExtractionResult
 
 _STYLES = ("-", "--", ":", "-.")
+PANEL_PX = 460  # the width of one panel in report.png
 
 
 def extraction_panel(ax: Any, ex: dict[str, Any], results: Sequence[ExtractionResult]) -> None:
@@ -102,8 +103,11 @@ def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
         panels.append(lambda ax: _sampled(ax, report["sampled"], sampled_rows))
     if report.get("mia") and mia_rows:
         panels.append(lambda ax: _mia(ax, report["mia"], mia_rows))
-    if not panels:
-        return None
+    return panels_png(panels) if panels else None
+
+
+def panels_png(panels: Sequence[Callable[[Any], None]]) -> bytes:
+    """One figure, a panel per drawing function side by side (PANEL_PX wide each), as PNG bytes."""
     import matplotlib  # deferred: +0.5 s with pyplot; only the report needs it
 
     matplotlib.use("Agg")
@@ -114,6 +118,6 @@ def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
         draw(ax)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=PANEL_PX / 4.6)
     plt.close(fig)
     return buf.getvalue()

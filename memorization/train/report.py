@@ -8,14 +8,13 @@ histogram, and each attack's AUC with its 95% interval. Written by the main rank
 both files at once (memorization.outputs.write_files)."""
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from memorization.config import RunConfig
 from memorization.eval.files import markdown_report
-from memorization.eval.plots import extraction_panel
+from memorization.eval.plots import extraction_panel, panels_png
 from memorization.outputs import write_files
 
 REPORT_FILES = ("report.md", "report.png")
@@ -122,24 +121,13 @@ def _auc(ax: Any, mia: dict[str, Any]) -> None:
 def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Sequence[Any] | None,
         cfg: RunConfig) -> bytes:
     """report.png of the run: the loss panel, and the extraction and MIA panels where they ran."""
-    from memorization.experiments.reporting import figure  # deferred: matplotlib
-
     panels = [lambda ax: _loss(ax, history, summary.get("val_loss"))]
     if results:
         ex = {"suffix": cfg.eval.suffix, "beams": cfg.eval.num_beams}
         panels.append(lambda ax: extraction_panel(ax, ex, results))
     if summary.get("mia"):
         panels.append(lambda ax: _auc(ax, summary["mia"]))
-    fig, axes = figure(len(panels), width=4.6, height=3.8)
-    for draw, ax in zip(panels, axes):
-        draw(ax)
-    import matplotlib.pyplot as plt  # deferred: loaded by figure() above
-
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return panels_png(panels)
 
 
 def write_run_report(out: Path, summary: dict[str, Any], history: Sequence[dict[str, Any]],
