@@ -191,3 +191,18 @@ def test_report_tells_dp_epsilon_audit_bound_and_goldfish_coverage(setup):
                    "- warning: cluster x: nothing withheld"):
         assert needle in md, needle
     assert "## Extraction" not in md and "report.png" not in md
+
+
+def test_report_of_a_chat_run_says_the_prompt_is_the_prefix(setup):
+    cfg, _ = setup
+    chat = replace(cfg, data=replace(cfg.data, corpus="wiki-chat"))
+    summary = {"name": "c", "loss": "standard", "model": "tiny", "params": None, "trainable_params": None,
+               "steps": 2, "epochs": 1.0, "tokens": 64, "train_seconds": 0.5, "final_train_loss": 2.0,
+               "val_loss": 2.5, "docs": 4, "exact_match_rate": 0.25, "token_accuracy": 0.5, "lcp_mean": 3.0,
+               "rougeL": 0.6}
+    md = markdown(summary, chat, None)
+    assert "## Extraction: `wiki-chat`" in md and "(– parameters, – trained)" in md
+    assert f"continuation of each prompt, scored on the first {cfg.eval.suffix} tokens of its response." in md
+    e = cfg.eval
+    plain = markdown(summary, cfg, None)
+    assert f"continuation of a {e.prefix}-token prefix, scored on the next {e.suffix} tokens." in plain

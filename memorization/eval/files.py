@@ -78,9 +78,10 @@ def markdown_report(report: dict[str, Any], figure: str | None = None,
         if dec.get("path") == "static":
             how += (f" (compiled static-cache decode, each row checked by a teacher-forced forward: "
                     f"{dec['verified']} of {dec['rows']} passed, {dec['redecoded']} decoded again)")
-        parts += [f"## Extraction: `{ex['corpus']}`",
-                  f"{how} continuation of a {ex['prefix']}-token prefix, "
-                  f"scored on the next {ex['suffix']} tokens.",
+        chat = ex["prefix"] is None  # conversations: the prompt is the prefix
+        of = (f"each prompt, scored on the first {ex['suffix']} tokens of its response" if chat
+              else f"a {ex['prefix']}-token prefix, scored on the next {ex['suffix']} tokens")
+        parts += [f"## Extraction: `{ex['corpus']}`", f"{how} continuation of {of}.",
                   _table(["docs", "exact match", "token accuracy", "LCP (tokens)", "RougeL"],
                          [[str(ex["docs"]), f"{ex['exact_match_rate']:.3f}", f"{ex['token_accuracy']:.3f}",
                            f"{ex['lcp_mean']:.2f}", f"{ex['rougeL']:.3f}"]])]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from data_pipelines import is_chat_spec
 from memorization.config import RunConfig
 from memorization.eval.files import markdown_report
 from memorization.eval.plots import extraction_panel, panels_png
@@ -29,7 +30,8 @@ def _eval_like(summary: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     e, d = cfg.eval, cfg.data
     out: dict[str, Any] = {"model": cfg.model.name, "max_tokens": d.block_len, "seconds": 0.0}
     if summary.get("docs") and summary.get("exact_match_rate") is not None:
-        out["extraction"] = {"corpus": d.corpus, "prefix": e.prefix, "suffix": e.suffix, "beams": e.num_beams,
+        prefix = None if is_chat_spec(d.corpus) else e.prefix  # conversations: the prompt is the prefix
+        out["extraction"] = {"corpus": d.corpus, "prefix": prefix, "suffix": e.suffix, "beams": e.num_beams,
                              **{k: summary[k] for k in ("docs", "exact_match_rate", "token_accuracy",
                                                         "lcp_mean", "rougeL")},
                              "decode": summary.get("extraction_decode")}
@@ -50,9 +52,10 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None) -> str
     s = summary
     loss = s["loss"] if s["loss"] != "goldfish" else (
         f"goldfish ({s['goldfish_strategy']}, k={s['goldfish_k']}, h={s['goldfish_h']})")
-    trained = (f"`{s['model']}` ({s['params']:,} parameters, {s['trainable_params']:,} trained), {loss} "
-               f"loss, {s['steps']} steps ({s['epochs']} passes over {cfg.data.corpus}, {s['tokens']:,} "
-               f"tokens) in {s['train_seconds']} s")
+    params, trainable = _fmt(s.get("params"), ","), _fmt(s.get("trainable_params"), ",")
+    trained = (f"`{s['model']}` ({params} parameters, {trainable} trained), {loss} loss, {s['steps']} steps "
+               f"({s['epochs']} passes over {cfg.data.corpus}, {s['tokens']:,} tokens) in "
+               f"{s['train_seconds']} s")
     trained += (f" on grid {s['grid']}." if s.get("grid") else ".")
     if s.get("epsilon") is not None:
         trained += f" DP-SGD: epsilon {s['epsilon']:.2f} at delta {s.get('delta', 0):.1e} (the accountant's)."
