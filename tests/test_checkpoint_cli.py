@@ -28,6 +28,8 @@ def test_resume_auto_and_export_match_the_uninterrupted_run(tmp_path, capsys):
     (b / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
     assert main(["train", str(cfg), "--out", str(b), "--resume", "auto"]) == 0
     assert _losses(b) == _losses(a) and len(_losses(a)) == 4
+    # the resumed run's report draws every step (from metrics.jsonl), not only those since its resume
+    assert (b / "report.png").read_bytes() == (a / "report.png").read_bytes()
     wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     capsys.readouterr()

@@ -51,6 +51,7 @@ from memorization.models import (
     trainable_params,
 )
 from memorization.outputs import remove_entries
+from memorization.report import read_metrics
 from memorization.tracking import WandbSink
 from memorization.train.parallel import is_main_process, resolve_grid
 from memorization.train.prepare import PreparedData, documents_record, mia_sets, prepare_data
@@ -308,7 +309,9 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
         if mia_rows is not None:  # each member's and non-member's attack scores, as memorize eval's
             (run.out_dir / "mia.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mia_rows))
-        write_run_report(run.out_dir, summary, run.history, results, cfg)  # report.md, report.png
+        # the loss curve from metrics.jsonl: a resumed run's history holds only the steps since its resume
+        curve = read_metrics(run.out_dir / "metrics.jsonl") or run.history
+        write_run_report(run.out_dir, summary, curve, results, cfg)  # report.md, report.png
         if run.wandb is not None:
             run.wandb.summary(summary)
             run.wandb.log_image("report", run.out_dir / "report.png")
