@@ -37,12 +37,15 @@ def _mtimes(out: Path) -> dict[str, float]:
 def _check_files(out: Path, report: dict, pngs: int) -> dict:
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["runs"] and on_disk["kind"] == report["kind"]
-    assert (out / "report.md").read_text().startswith("# ")
+    md = (out / "report.md").read_text()
+    assert md.startswith("# ")
     assert len(list(out.glob("*.png"))) == pngs and sorted(on_disk["plots"]) == sorted(
         p.name for p in out.glob("*.png"))
     for run in on_disk["runs"]:
         d = out / "runs" / run["name"]
-        assert {"run.json", "metrics.jsonl", "inputs.json"} <= {p.name for p in d.iterdir()}
+        files = {p.name for p in d.iterdir()}
+        assert {"run.json", "metrics.jsonl", "inputs.json", "report.md", "report.png"} <= files
+        assert f"- [{run['name']}](runs/{run['name']}/report.md)" in md  # linked from the experiment's report
     return on_disk
 
 

@@ -122,6 +122,10 @@ def write_outputs(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> di
         md += [f"## {t.title}", "", markdown_table(t.rows, t.columns), ""]
     md += [f"- {n}" for n in o.notes] + [f"- Wall time: {seconds:.0f} s.", ""]
     md += [f"![{p.stem}]({p.name})\n" for p in o.plots]
+    own = sorted((out_dir / "runs").glob("*/report.md"))  # each sub-run's report (memorize train's)
+    if own:
+        md += ["## Each run's own report", ""]
+        md += [f"- [{p.parent.name}]({p.relative_to(out_dir).as_posix()})" for p in own] + [""]
     (out_dir / "report.md").write_text("\n".join(md))
     main = o.tables[0]
     print()
