@@ -248,3 +248,17 @@ def test_static_decode_gives_the_kv_decoders_report_and_says_how_it_decoded(setu
     rows = [(tmp_path / arm / "extraction.jsonl").read_text() for arm in ("kv", "st")]
     assert rows[0] == rows[1]
     assert "compiled static-cache decode" in (tmp_path / "st" / "report.md").read_text()
+
+
+def test_a_plot_that_fails_costs_no_results(setup, tmp_path, capsys, monkeypatch):
+    def broken(panels):
+        raise RuntimeError("no font")
+
+    monkeypatch.setattr("memorization.eval.plots.panels_png", broken)
+    out = tmp_path / "out"
+    argv = ["--model", setup / "model", "--corpus", setup / "members.txt", "--prefix", 4, "--suffix", 4,
+            "--sampling", "", "--out", out]
+    assert main([str(a) for a in ["eval", *argv]]) == 0
+    assert "warning: report.png not drawn (RuntimeError: no font)" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["extraction.jsonl", "report.json", "report.md"]
+    assert "report.png" not in (out / "report.md").read_text()

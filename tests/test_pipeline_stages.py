@@ -206,3 +206,16 @@ def test_report_of_a_chat_run_says_the_prompt_is_the_prefix(setup):
     e = cfg.eval
     plain = markdown(summary, cfg, None)
     assert f"continuation of a {e.prefix}-token prefix, scored on the next {e.suffix} tokens." in plain
+
+
+def test_a_run_whose_plot_fails_keeps_its_results_and_report(setup, tmp_path, monkeypatch, capsys):
+    def broken(panels):
+        raise RuntimeError("no backend")
+
+    monkeypatch.setattr("memorization.train.report.panels_png", broken)
+    cfg, data = setup
+    run_training(cfg, tmp_path / "run", data=data)
+    assert "warning: report.png not drawn (RuntimeError: no backend)" in capsys.readouterr().err
+    names = {p.name for p in (tmp_path / "run").iterdir()}
+    assert {"run.json", "metrics.jsonl", "mia.jsonl", "report.md"} <= names and "report.png" not in names
+    assert "report.png" not in (tmp_path / "run" / "report.md").read_text()

@@ -27,7 +27,7 @@ from evals import ExtractionResult, to_jsonl
 from evals.static_decode import DECODES
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
-from memorization.eval.plots import eval_png
+from memorization.eval.plots import best_effort, eval_png
 from memorization.eval.sections import (
     EvalOptions,
     extraction_section,
@@ -230,7 +230,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
                 report["tasks_log"] = str(out / "lm-eval.log") if out is not None else str(log)
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
-        png = eval_png(report, results, sampled_rows, mia_rows)
+        png = best_effort(eval_png, report, results, sampled_rows, mia_rows)
         files: dict[str, str | bytes] = {"report.json": json.dumps(report, indent=2) + "\n"}
         if png is not None:
             files["report.png"] = png

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,6 +105,17 @@ def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
     if report.get("mia") and mia_rows:
         panels.append(lambda ax: _mia(ax, report["mia"], mia_rows))
     return panels_png(panels) if panels else None
+
+
+def best_effort(draw: Callable[..., bytes | None], *args: Any) -> bytes | None:
+    """`draw(*args)`, or None with a warning on stderr when drawing fails: a plot never costs the
+    results it shows (they are written without it)."""
+    try:
+        return draw(*args)
+    except Exception as e:  # matplotlib's failures have many types (fonts, backends, bad values)
+        print(f"warning: report.png not drawn ({type(e).__name__}: {e}); the results are written without "
+              "it", file=sys.stderr)
+        return None
 
 
 def panels_png(panels: Sequence[Callable[[Any], None]]) -> bytes:

@@ -314,7 +314,8 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         write_run_report(run.out_dir, summary, curve, results, cfg)  # report.md, report.png
         if run.wandb is not None:
             run.wandb.summary(summary)
-            run.wandb.log_image("report", run.out_dir / "report.png")
+            if (run.out_dir / "report.png").is_file():
+                run.wandb.log_image("report", run.out_dir / "report.png")
     return summary
 
 

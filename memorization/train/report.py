@@ -15,7 +15,7 @@ from typing import Any
 from data_pipelines import is_chat_spec
 from memorization.config import RunConfig
 from memorization.eval.files import markdown_report
-from memorization.eval.plots import extraction_panel, panels_png
+from memorization.eval.plots import best_effort, extraction_panel, panels_png
 from memorization.outputs import write_files
 
 REPORT_FILES = ("report.md", "report.png")
@@ -136,5 +136,8 @@ def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Seq
 def write_run_report(out: Path, summary: dict[str, Any], history: Sequence[dict[str, Any]],
                      results: Sequence[Any] | None, cfg: RunConfig) -> None:
     """report.md and report.png into the run's folder (main rank only)."""
-    write_files(out, {"report.png": png(summary, history, results, cfg),
-                      "report.md": markdown(summary, cfg, "report.png")}, replace=REPORT_FILES)
+    image = best_effort(png, summary, history, results, cfg)
+    files = {"report.md": markdown(summary, cfg, "report.png" if image else None)}
+    if image is not None:
+        files["report.png"] = image
+    write_files(out, files, replace=REPORT_FILES)
