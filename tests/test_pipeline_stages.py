@@ -8,7 +8,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from memorization.config import load_run_config
-from memorization.eval.plots import PANEL_PX
+from memorization.eval.plots import PANEL_PX, np_threshold, pz_curves
 from memorization.experiments.passes import train_with_passes
 from memorization.models import REPO_ROOT
 from memorization.report import read_metrics
@@ -151,7 +151,17 @@ def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
     for method, got in summary["mia"]["methods"].items():
         lo, hi = got["auc_ci"]
         assert f"| {method} | {got['auc']:.3f} [{lo:.3f}, {hi:.3f}] |" in md, method
-    assert "Each document's scores are in mia.jsonl." in md and "sampled.jsonl" not in md  # no sampled rows
+    assert "Each document's scores are in mia.jsonl." in md and "log p_z per document in sampled.jsonl" in md
+    # sampled.jsonl: every member's log p_z per scheme; the report's curves cross the (n, p) lines at the
+    # summary's fractions
+    smp = summary["sampled"]
+    curves = pz_curves([json.loads(x) for x in (tmp_path / "run" / "sampled.jsonl").read_text().splitlines()])
+    assert sorted(curves) == sorted((int(o), n) for o in smp["offsets"] for n in ["greedy", *smp["schemes"]])
+    for (o, name), c in curves.items():
+        assert len(c) == smp["offsets"][str(o)]["docs"] == len(data.member_docs)
+        for n in cfg.eval.np_ns:
+            want = smp["offsets"][str(o)]["np"]["schemes"][name][f"n={n}"]["fraction"]
+            assert (c >= np_threshold(n, cfg.eval.np_p)).mean() == want, (o, name, n)
     rows = [json.loads(x) for x in (tmp_path / "run" / "mia.jsonl").read_text().splitlines()]
     n = cfg.eval.mia_docs or None
     want = [(str(i), True) for i in data.member_doc_ids[:n]]
@@ -161,14 +171,15 @@ def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
         auc = roc_auc_score([r["member"] for r in rows], [r[method] for r in rows])
         assert auc == pytest.approx(got["auc"], abs=1e-12), method
     assert "](report.png)" in md
-    assert _png_width(tmp_path / "run" / "report.png") == 3 * PANEL_PX  # loss, extraction, MIA
+    assert _png_width(tmp_path / "run" / "report.png") == 4 * PANEL_PX  # loss, extraction, p_z, MIA
     # a run that scores nothing: the loss panel alone, no evaluation sections
     bare = replace(cfg, eval=replace(cfg.eval, extraction=False, mia=False))
     run_training(bare, tmp_path / "bare", data=data)
     md = (tmp_path / "bare" / "report.md").read_text()
     assert "## Extraction" not in md and "## Membership" not in md and "| final training loss |" in md
     assert _png_width(tmp_path / "bare" / "report.png") == PANEL_PX
-    assert not any((tmp_path / "bare" / name).exists() for name in ("mia.jsonl", "extraction.jsonl"))
+    for name in ("mia.jsonl", "extraction.jsonl", "sampled.jsonl"):
+        assert not (tmp_path / "bare" / name).exists(), name
 
 
 def test_report_tells_dp_epsilon_audit_bound_and_goldfish_coverage(setup):

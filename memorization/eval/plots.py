@@ -51,7 +51,7 @@ def np_threshold(n: int, p: float) -> float:
     return float(np.log10(-np.expm1(np.log1p(-p) / n)))
 
 
-def _sampled(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+def sampled_panel(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
     curves = pz_curves(rows)
     p, ns = float(smp["p"]), smp["ns"]
     lines = [np_threshold(n, p) for n in ns]
@@ -101,7 +101,7 @@ def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
     if report.get("extraction") and results:
         panels.append(lambda ax: extraction_panel(ax, report["extraction"], results))
     if report.get("sampled") and sampled_rows:
-        panels.append(lambda ax: _sampled(ax, report["sampled"], sampled_rows))
+        panels.append(lambda ax: sampled_panel(ax, report["sampled"], sampled_rows))
     if report.get("mia") and mia_rows:
         panels.append(lambda ax: _mia(ax, report["mia"], mia_rows))
     return panels_png(panels) if panels else None

@@ -20,7 +20,7 @@ from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
 from evals.mia import mia_metrics, score_sequences
 from evals.perplexity import corpus_loss
-from evals.probabilistic import sampled_extraction
+from evals.probabilistic import sampled_extraction, split_rows
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
 from evals.static_decode import DecodeLog
 from memorization.eval.membership import EvalCorpus
@@ -133,7 +133,7 @@ def sampled_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: ProcessG
                              schemes=parse_sampling(o.sampling), offsets=parse_offsets(o.offsets),
                              ns=parse_ns(o.np_n), p=parse_p(o.np_p), batch_size=o.batch_size, doc_ids=c.ids,
                              grid=grid)
-    rows = [{"offset": int(off), **r} for off, at in got["offsets"].items() for r in at.pop("rows")]
+    got, rows = split_rows(got)
     section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
     return section, rows
 

@@ -63,7 +63,7 @@ class PassExtraction(Callback):
                                             batch_size=e.batch_size, grid=trainer.grid))
         sampled = sampled_results(trainer.model, self.cfg, self.data, grid=trainer.grid)
         if sampled is not None:  # beyond greedy: (n, p) rates per scheme, EM and (n, p) at each offset
-            record["sampled"] = sampled
+            record["sampled"] = sampled[0]
         self.records.append(record)
         trainer.log({"pass": label, "pass_exact_match": record["exact_match_rate"],
                      "pass_rougeL": record["rougeL"]})

@@ -98,12 +98,13 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
 
 
 def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-                    grid: ProcessGrid | None = None) -> dict[str, Any] | None:
+                    grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """Extraction beyond greedy of every training document (evals.probabilistic): per eval.offsets, the
     greedy exact-match rate and the (n, p)-extractable fractions of each eval.sampling scheme, from one
-    forward per window, without the per-window rows; None for chat data or when there is nothing
-    beyond the greedy decode at offset 0 to measure. Call it on every rank of `grid`."""
-    from evals.probabilistic import sampled_extraction  # deferred: evals +3.2 s import (scikit-learn, rouge)
+    forward per window; and each window's log p_z per scheme (the rows of sampled.jsonl). None for chat
+    data or when there is nothing beyond the greedy decode at offset 0 to measure. Call it on every rank
+    of `grid`."""
+    from evals.probabilistic import sampled_extraction, split_rows  # deferred: evals +3.2 s import
 
     e = cfg.eval
     schemes = run_schemes(cfg)
@@ -112,8 +113,7 @@ def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     got = sampled_extraction(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
                              schemes=schemes, offsets=e.offsets, ns=e.np_ns, p=e.np_p,
                              batch_size=e.batch_size, doc_ids=data.member_doc_ids, grid=grid)
-    per = {o: {k: v for k, v in r.items() if k != "rows"} for o, r in got["offsets"].items()}
-    return {**got, "offsets": per}
+    return split_rows(got)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -286,10 +286,11 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
             summary["extraction_decode"] = log.to_dict()
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
+    sampled_rows = None
     if cfg.eval.extraction and "sampled" not in (extra or {}):
         sampled = sampled_results(trainer.model, cfg, run.data, grid=run.grid)
         if sampled is not None:
-            summary["sampled"] = sampled
+            summary["sampled"], sampled_rows = sampled
     mia_rows = None
     if cfg.eval.mia:
         summary["mia"], mia_rows = membership(trainer.model, cfg, run.data, grid=run.grid)
@@ -307,11 +308,13 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         if run.data.audit is not None:
             record["audit"] = run.data.audit.record()
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
-        if mia_rows is not None:  # each member's and non-member's attack scores, as memorize eval's
-            (run.out_dir / "mia.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mia_rows))
+        # per document, as memorize eval writes them: log p_z per scheme and offset; each attack's score
+        for name, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows)):
+            if rows is not None:
+                (run.out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         # the loss curve from metrics.jsonl: a resumed run's history holds only the steps since its resume
         curve = read_metrics(run.out_dir / "metrics.jsonl") or run.history
-        write_run_report(run.out_dir, summary, curve, results, cfg)  # report.md, report.png
+        write_run_report(run.out_dir, summary, curve, results, sampled_rows, cfg)  # report.md, report.png
         if run.wandb is not None:
             run.wandb.summary(summary)
             if (run.out_dir / "report.png").is_file():

@@ -15,7 +15,7 @@ from typing import Any
 from data_pipelines import is_chat_spec
 from memorization.config import RunConfig
 from memorization.eval.files import markdown_report
-from memorization.eval.plots import best_effort, extraction_panel, panels_png
+from memorization.eval.plots import best_effort, extraction_panel, panels_png, sampled_panel
 from memorization.outputs import write_files
 
 REPORT_FILES = ("report.md", "report.png")
@@ -65,7 +65,8 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None) -> str
     evaluated = _eval_like(s, cfg)
     if len(evaluated) > 3:  # a section beyond model, max_tokens and seconds
         # markdown_report's title and timing lines are eval's; its sections are the run's
-        rows = ("mia.jsonl",) if s.get("mia") else ()  # finish writes the MIA scores beside the report
+        # the per-document files finish writes beside the report
+        rows = [name for name, key in (("sampled.jsonl", "sampled"), ("mia.jsonl", "mia")) if s.get(key)]
         parts.append(markdown_report(evaluated, row_files=rows).split("\n\n", 2)[2].rstrip("\n"))
     audit = s.get("audit")
     if audit:
@@ -122,21 +123,26 @@ def _auc(ax: Any, mia: dict[str, Any]) -> None:
 
 
 def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Sequence[Any] | None,
-        cfg: RunConfig) -> bytes:
-    """report.png of the run: the loss panel, and the extraction and MIA panels where they ran."""
+        sampled_rows: Sequence[dict[str, Any]] | None, cfg: RunConfig) -> bytes:
+    """report.png of the run: the loss panel, and the extraction, beyond-greedy and MIA panels where
+    they ran."""
     panels = [lambda ax: _loss(ax, history, summary.get("val_loss"))]
     if results:
         ex = {"suffix": cfg.eval.suffix, "beams": cfg.eval.num_beams}
         panels.append(lambda ax: extraction_panel(ax, ex, results))
+    if summary.get("sampled") and sampled_rows:
+        smp = {"ns": list(cfg.eval.np_ns), "p": cfg.eval.np_p}
+        panels.append(lambda ax: sampled_panel(ax, smp, sampled_rows))
     if summary.get("mia"):
         panels.append(lambda ax: _auc(ax, summary["mia"]))
     return panels_png(panels)
 
 
 def write_run_report(out: Path, summary: dict[str, Any], history: Sequence[dict[str, Any]],
-                     results: Sequence[Any] | None, cfg: RunConfig) -> None:
+                     results: Sequence[Any] | None, sampled_rows: Sequence[dict[str, Any]] | None,
+                     cfg: RunConfig) -> None:
     """report.md and report.png into the run's folder (main rank only)."""
-    image = best_effort(png, summary, history, results, cfg)
+    image = best_effort(png, summary, history, results, sampled_rows, cfg)
     files = {"report.md": markdown(summary, cfg, "report.png" if image else None)}
     if image is not None:
         files["report.png"] = image

@@ -73,8 +73,8 @@ from memorization.train.parallel import Dims, Launch, check_memory, head_setting
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
-RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "mia.jsonl", "model", "report.json",
-                "report.md", "report.png", "checkpoints")
+RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "sampled.jsonl", "mia.jsonl", "model",
+                "report.json", "report.md", "report.png", "checkpoints")
 CHECKPOINTS = "checkpoints"
 # model-config fields a checkpoint must agree on before any work starts
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -115,7 +115,8 @@ class RunPlan:
 
 def run_files(cfg: RunConfig) -> tuple[str, ...]:
     """The entries a run writes under OUT (what --overwrite replaces)."""
-    optional = (("extraction.jsonl", cfg.eval.extraction), ("mia.jsonl", cfg.eval.mia))
+    optional = (("extraction.jsonl", cfg.eval.extraction), ("sampled.jsonl", cfg.eval.extraction),
+                ("mia.jsonl", cfg.eval.mia))
     skip = {name for name, on in optional if not on}
     return tuple(name for name in RESULT_FILES if name not in skip)
 
