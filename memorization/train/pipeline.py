@@ -309,12 +309,14 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
             record["audit"] = run.data.audit.record()
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
         # per document, as memorize eval writes them: log p_z per scheme and offset; each attack's score
-        for name, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows)):
-            if rows is not None:
-                (run.out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        row_files = {n: rows for n, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows))
+                     if rows is not None}
+        for name, rows in row_files.items():
+            (run.out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         # the loss curve from metrics.jsonl: a resumed run's history holds only the steps since its resume
         curve = read_metrics(run.out_dir / "metrics.jsonl") or run.history
-        write_run_report(run.out_dir, summary, curve, results, sampled_rows, cfg)  # report.md, report.png
+        write_run_report(run.out_dir, summary, curve, results, sampled_rows, cfg,  # report.md, report.png
+                         row_files=tuple(row_files))
         if run.wandb is not None:
             run.wandb.summary(summary)
             if (run.out_dir / "report.png").is_file():

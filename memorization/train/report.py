@@ -47,8 +47,10 @@ def _eval_like(summary: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None) -> str:
-    """report.md of the run."""
+def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None,
+             row_files: Sequence[str] = ()) -> str:
+    """report.md of the run; `row_files` are the per-document files written beside it (named where their
+    section is)."""
     s = summary
     loss = s["loss"] if s["loss"] != "goldfish" else (
         f"goldfish ({s['goldfish_strategy']}, k={s['goldfish_k']}, h={s['goldfish_h']})")
@@ -65,9 +67,7 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None) -> str
     evaluated = _eval_like(s, cfg)
     if len(evaluated) > 3:  # a section beyond model, max_tokens and seconds
         # markdown_report's title and timing lines are eval's; its sections are the run's
-        # the per-document files finish writes beside the report
-        rows = [name for name, key in (("sampled.jsonl", "sampled"), ("mia.jsonl", "mia")) if s.get(key)]
-        parts.append(markdown_report(evaluated, row_files=rows).split("\n\n", 2)[2].rstrip("\n"))
+        parts.append(markdown_report(evaluated, row_files=row_files).split("\n\n", 2)[2].rstrip("\n"))
     audit = s.get("audit")
     if audit:
         nominal = (f"; the accountant's epsilon is {s['epsilon']:.2f}" if s.get("epsilon") is not None
@@ -140,10 +140,11 @@ def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Seq
 
 def write_run_report(out: Path, summary: dict[str, Any], history: Sequence[dict[str, Any]],
                      results: Sequence[Any] | None, sampled_rows: Sequence[dict[str, Any]] | None,
-                     cfg: RunConfig) -> None:
-    """report.md and report.png into the run's folder (main rank only)."""
+                     cfg: RunConfig, *, row_files: Sequence[str] = ()) -> None:
+    """report.md and report.png into the run's folder (main rank only); `row_files`: the per-document
+    files the run wrote beside them."""
     image = best_effort(png, summary, history, results, sampled_rows, cfg)
-    files = {"report.md": markdown(summary, cfg, "report.png" if image else None)}
+    files = {"report.md": markdown(summary, cfg, "report.png" if image else None, row_files)}
     if image is not None:
         files["report.png"] = image
     write_files(out, files, replace=REPORT_FILES)
