@@ -186,6 +186,11 @@ def bootstrap_ci(member_scores: np.ndarray | Sequence[float], nonmember_scores: 
             "tpr_at_1pct_fpr_ci": [float(x) for x in np.percentile(np.concatenate(tprs), q)]}
 
 
+def _check_bootstrap(bootstrap: Any) -> None:
+    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
+        raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
+
+
 def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]],
                          nonmembers: Sequence[Sequence[int]], *, tokenizer: Any = None,
                          ref_model: torch.nn.Module | None = None, k: float = 0.2,
@@ -201,20 +206,32 @@ def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]
     if not members or not nonmembers:
         raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)} sequences",
                    "pass at least one member and one non-member sequence")
-    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
-        raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
-    kw = dict(tokenizer=tokenizer, ref_model=ref_model, k=k, batch_size=batch_size, grid=grid)
-    m = score_sequences(model, members, **kw, progress="MIA members" if progress else None)
-    n = score_sequences(model, nonmembers, **kw, progress="MIA non-members" if progress else None)
-    return mia_metrics(m, n, bootstrap=bootstrap, seed=seed)
+    _check_bootstrap(bootstrap)
+    scores = score_both(model, members, nonmembers, tokenizer=tokenizer, ref_model=ref_model, k=k,
+                        batch_size=batch_size, grid=grid, progress=progress)
+    return mia_metrics(*scores, bootstrap=bootstrap, seed=seed)
+
+
+def score_both(model: torch.nn.Module, members: Sequence[Sequence[int]], nonmembers: Sequence[Sequence[int]],
+               *, progress: bool = False, **kw: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """score_sequences of the members and of the non-members (`kw` its keywords; bars named for each)."""
+    return (score_sequences(model, members, **kw, progress="MIA members" if progress else None),
+            score_sequences(model, nonmembers, **kw, progress="MIA non-members" if progress else None))
+
+
+def score_rows(member_ids: Sequence[Any], nonmember_ids: Sequence[Any], member_scores: dict[str, np.ndarray],
+               nonmember_scores: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """One row per scored document, members first: {"id", "member", <method>: score} (mia.jsonl's rows)."""
+    sides = ((member_ids, True, member_scores), (nonmember_ids, False, nonmember_scores))
+    return [{"id": doc, "member": member, **{k: float(v[i]) for k, v in got.items()}}
+            for ids, member, got in sides for i, doc in enumerate(ids)]
 
 
 def mia_metrics(member_scores: dict[str, np.ndarray], nonmember_scores: dict[str, np.ndarray], *,
                 bootstrap: int = 0, seed: int = 0) -> dict[str, dict[str, Any]]:
     """{method: roc_metrics (+ bootstrap CIs)} of per-method scores (score_sequences' output for each
     class); every method sees the same resamples (same seed), so their intervals are paired."""
-    if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 0:
-        raise fail("bootstrap", bootstrap, "pass the number of resamples, an integer >= 0 (0 = none)")
+    _check_bootstrap(bootstrap)
     if set(member_scores) != set(nonmember_scores):
         raise fail("nonmember_scores", sorted(nonmember_scores), f"must hold the members' methods, "
                    f"{sorted(member_scores)}")

@@ -93,9 +93,6 @@ def np_rates(result: dict[str, Any], offset: int = 0, n: int | None = None) -> d
     return {name: per[f"n={n}"]["fraction"] for name, per in summary["schemes"].items()}
 
 
-__all__ = ["np_rates", "sampled_extraction"]
-
-
 def split_rows(got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """sampled_extraction's result as (the summary without rows, one row per scored (offset, document):
     {"offset", "doc", "logpz"}), the rows as sampled.jsonl holds them."""
@@ -103,3 +100,7 @@ def split_rows(got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]
                                   for o, at in got["offsets"].items()}}
     rows = [{"offset": int(o), **r} for o, at in got["offsets"].items() for r in at["rows"]]
     return summary, rows
+
+
+__all__ = ["np_rates", "sampled_extraction", "split_rows"]
+

@@ -26,6 +26,7 @@ PANEL_PX = 460  # the width of one panel in report.png
 
 
 def extraction_panel(ax: Any, ex: dict[str, Any], results: Sequence[ExtractionResult]) -> None:
+    """The matched-length histogram of `results` (`ex`: the section's suffix and beams) on `ax`."""
     lcp = np.array([r.lcp for r in results], dtype=np.int64)
     suffix = int(ex["suffix"])
     counts = np.bincount(np.clip(lcp, 0, suffix), minlength=suffix + 1)
@@ -52,6 +53,7 @@ def np_threshold(n: int, p: float) -> float:
 
 
 def sampled_panel(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    """The p_z curves of sampled.jsonl's `rows` and the (n, p) lines of `smp` (its ns and p) on `ax`."""
     curves = pz_curves(rows)
     p, ns = float(smp["p"]), smp["ns"]
     lines = [np_threshold(n, p) for n in ns]
@@ -100,9 +102,9 @@ def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
     panels = []
     if report.get("extraction") and results:
         panels.append(lambda ax: extraction_panel(ax, report["extraction"], results))
-    if report.get("sampled") and sampled_rows:
+    if sampled_rows:  # rows come with the section
         panels.append(lambda ax: sampled_panel(ax, report["sampled"], sampled_rows))
-    if report.get("mia") and mia_rows:
+    if mia_rows:
         panels.append(lambda ax: _mia(ax, report["mia"], mia_rows))
     return panels_png(panels) if panels else None
 

@@ -18,7 +18,7 @@ from typing import Any
 from axonn.grid import ProcessGrid
 from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
-from evals.mia import mia_metrics, score_sequences
+from evals.mia import mia_metrics, score_both, score_rows
 from evals.perplexity import corpus_loss
 from evals.probabilistic import sampled_extraction, split_rows
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
@@ -153,9 +153,8 @@ def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
     per scored document: its id, whether it is a member, and each attack's score (higher = member)."""
     t = time.perf_counter()
     m, n, source, cut = sets
-    kw = dict(tokenizer=tok, ref_model=ref, k=o.mia_k, batch_size=o.batch_size, grid=grid)
-    scores = [score_sequences(model, c.seqs, **kw, progress=f"MIA {name}" if progress else None)
-              for c, name in ((m, "members"), (n, "non-members"))]
+    scores = score_both(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
+                        batch_size=o.batch_size, grid=grid, progress=progress)
     methods = mia_metrics(*scores, bootstrap=o.bootstrap, seed=o.seed)
     # the texts the attacks scored (as cut), without the model
     blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
@@ -163,9 +162,7 @@ def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
     counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
               "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
               "non_member_tokens": sum(map(len, n.seqs))}
-    rows = [{"id": doc, "member": member, **{k: float(v[i]) for k, v in got.items()}}
-            for c, member, got in ((m, True, scores[0]), (n, False, scores[1]))
-            for i, doc in enumerate(c.ids)]
+    rows = score_rows(m.ids, n.ids, *scores)
     section = {"members": m.spec, "non_members": n.spec, "source": source, "max_tokens": cut,
                "reference": o.reference,
                "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,

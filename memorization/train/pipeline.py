@@ -384,24 +384,21 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     bootstrap CIs per method (loss, zlib, min-k, min-k++), and one row per document with its id, whether
     it is a member and each method's score (mia.jsonl)."""
     from evals.blind import blind_baseline, shift_warning  # deferred: evals +3.2 s import
-    from evals.mia import mia_metrics, score_sequences  # deferred: as above (scikit-learn, rouge-score)
+    from evals.mia import mia_metrics, score_both, score_rows  # deferred: as above (scikit-learn, rouge)
 
     e = cfg.eval
     members, nonmembers = mia_sets(cfg, data)
-    ids = (data.member_doc_ids[:len(members)], (data.held_out_doc_ids or [])[:len(nonmembers)])
-    kw = dict(tokenizer=data.tokenizer, k=e.mia_k, batch_size=e.batch_size, grid=grid)
-    progress = cfg.trainer.progress
-    scores = [score_sequences(model, seqs, **kw, progress=f"MIA {name}" if progress else None)
-              for seqs, name in ((members, "members"), (nonmembers, "non-members"))]
+    scores = score_both(model, members, nonmembers, tokenizer=data.tokenizer, k=e.mia_k,
+                        batch_size=e.batch_size, grid=grid, progress=cfg.trainer.progress)
     methods = mia_metrics(*scores, bootstrap=e.bootstrap, seed=cfg.seed)
     # the texts alone, beside the attacks: far from 0.5 when data.held_out is another distribution
     decode = data.tokenizer.decode
     blind = blind_baseline([decode(s) for s in members], [decode(s) for s in nonmembers],
                            bootstrap=e.bootstrap, seed=cfg.seed)
     held = cfg.data.held_out or f"{cfg.data.corpus} (held-out split)"
-    rows = [{"id": str(doc), "member": member, **{k: float(v[i]) for k, v in got.items()}}
-            for docs, member, got in ((ids[0], True, scores[0]), (ids[1], False, scores[1]))
-            for i, doc in enumerate(docs)]
+    ids = [str(i) for i in data.member_doc_ids[:len(members)]]
+    held_ids = [str(i) for i in (data.held_out_doc_ids or [])[:len(nonmembers)]]
+    rows = score_rows(ids, held_ids, *scores)
     return ({"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
              "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}, rows)
 

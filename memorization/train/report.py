@@ -130,7 +130,7 @@ def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Seq
     if results:
         ex = {"suffix": cfg.eval.suffix, "beams": cfg.eval.num_beams}
         panels.append(lambda ax: extraction_panel(ax, ex, results))
-    if summary.get("sampled") and sampled_rows:
+    if sampled_rows:
         smp = {"ns": list(cfg.eval.np_ns), "p": cfg.eval.np_p}
         panels.append(lambda ax: sampled_panel(ax, smp, sampled_rows))
     if summary.get("mia"):
