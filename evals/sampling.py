@@ -319,6 +319,39 @@ def _wider(block: _Block, t: float, p: float, width: int, rows: torch.Tensor, v:
     return out
 
 
+def _block(logits: torch.Tensor, targets: torch.Tensor, schemes: Sequence[Scheme], grid: ProcessGrid | None,
+           sharded_vocab: bool, keep: int, lse: torch.Tensor | None) -> _Block:
+    """The shared work of `schemes` over logits [N, V(/Y)] with targets [N] (global ids)."""
+    if keep < 1:
+        raise fail("min_tokens_to_keep", keep, "must be >= 1 (generate uses 1)")
+    raw = _plain(logits).float()
+    vocab = _Vocab(grid, sharded_vocab, raw.shape[-1])
+    ks = [min(max(s.top_k, keep), vocab.size) for s in schemes if s.top_k is not None]
+    truncated = any(s.top_k is not None or s.top_p is not None for s in schemes)
+    first = max([_FIRST] + [k + 1 for k in ks]) if truncated else 0
+    block = _Block(raw, targets.to(raw.device), vocab, keep, first)
+    if lse is not None:
+        block._lse[1.0] = _plain(lse).float().reshape(-1)
+    return block
+
+
+def _score(block: _Block, s: Scheme) -> torch.Tensor:
+    """log p(block's targets) [N] under scheme `s`, float64, -inf where truncated."""
+    t = s.temperature
+    xt = _scale(block.xt_raw, t)
+    kth = None
+    if s.top_k is None:
+        norm = block.lse(t)
+        lp = (xt - norm).double()  # the scorer's float32 log-prob at T = 1
+        norm = norm.double()
+    else:
+        kth, norm = _top_k(block, t, min(max(s.top_k, block.keep), block.vocab.size))
+        lp = torch.where(xt >= kth, xt.double() - norm, -math.inf)
+    if s.top_p is not None:
+        lp = _top_p(block, t, s.top_p, kth, norm, xt)
+    return lp
+
+
 def scheme_logprobs(logits: torch.Tensor, targets: torch.Tensor, schemes: Sequence[Scheme],
                     grid: ProcessGrid | None = None, sharded_vocab: bool = False, *,
                     min_tokens_to_keep: int = 1, lse: torch.Tensor | None = None
@@ -328,34 +361,28 @@ def scheme_logprobs(logits: torch.Tensor, targets: torch.Tensor, schemes: Sequen
     `logits` [..., V] (or this rank's V/Y slice with `sharded_vocab` on `grid`), targets global ids;
     call on every Y rank together. The schemes share one top-k of the logits and their normalizers;
     `lse` [...] is the T=1 log-normalizer when the caller has it (axonn.layers.vocab.vocab_logsumexp)."""
-    if min_tokens_to_keep < 1:
-        raise fail("min_tokens_to_keep", min_tokens_to_keep, "must be >= 1 (generate uses 1)")
-    raw = _plain(logits).float()
     shape = targets.shape
-    raw, tg = raw.reshape(-1, raw.shape[-1]), targets.reshape(-1).to(raw.device)
-    vocab = _Vocab(grid, sharded_vocab, raw.shape[-1])
-    ks = [min(max(s.top_k, min_tokens_to_keep), vocab.size) for s in schemes if s.top_k is not None]
-    truncated = any(s.top_k is not None or s.top_p is not None for s in schemes)
-    first = max([_FIRST] + [k + 1 for k in ks]) if truncated else 0
-    block = _Block(raw, tg, vocab, min_tokens_to_keep, first)
-    if lse is not None:
-        block._lse[1.0] = _plain(lse).float().reshape(-1)
-    out: dict[Scheme, torch.Tensor] = {}
-    for s in schemes:
-        t = s.temperature
-        xt = _scale(block.xt_raw, t)
-        kth = None
-        if s.top_k is None:
-            norm = block.lse(t)
-            lp = (xt - norm).double()  # the scorer's float32 log-prob at T = 1
-            norm = norm.double()
-        else:
-            kth, norm = _top_k(block, t, min(max(s.top_k, min_tokens_to_keep), vocab.size))
-            lp = torch.where(xt >= kth, xt.double() - norm, -math.inf)
-        if s.top_p is not None:
-            lp = _top_p(block, t, s.top_p, kth, norm, xt)
-        out[s] = lp.reshape(shape)
-    return out
+    block = _block(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), schemes, grid, sharded_vocab,
+                   min_tokens_to_keep, lse)
+    return {s: _score(block, s).reshape(shape) for s in schemes}
+
+
+def candidate_logprobs(logits: torch.Tensor, candidates: torch.Tensor, scheme: Scheme,
+                       grid: ProcessGrid | None = None, sharded_vocab: bool = False, *,
+                       min_tokens_to_keep: int = 1) -> torch.Tensor:
+    """log p of each of C candidate tokens [N, C] (global ids) given logits [N, V(/Y)] under `scheme`,
+    float64, -inf where truncated: `scheme_logprobs` of every column, its normalizers computed once."""
+    if logits.dim() != 2 or candidates.dim() != 2 or candidates.shape[0] != logits.shape[0]:
+        raise fail("candidates", tuple(candidates.shape), f"pass [N, C] token ids for logits of shape "
+                   f"{tuple(logits.shape)} ([N, V])")
+    candidates = candidates.to(logits.device)
+    block = _block(logits, candidates[:, 0], (scheme,), grid, sharded_vocab, min_tokens_to_keep, None)
+    cols = []
+    for c in range(candidates.shape[1]):
+        block.targets = candidates[:, c]
+        block.xt_raw = block.vocab.pick(block.raw, block.targets)
+        cols.append(_score(block, scheme))
+    return torch.stack(cols, dim=1) if cols else logits.new_empty(logits.shape[0], 0, dtype=torch.float64)
 
 
 def scheme_token_logprob(logits: torch.Tensor, targets: torch.Tensor, scheme: Scheme,
@@ -418,5 +445,6 @@ def np_summary(log_pz_by_scheme: dict[str, np.ndarray], ns: Sequence[int] = (1, 
     return out
 
 
-__all__ = ["DEFAULT_SCHEMES", "Scheme", "extractable", "log_pz", "np_summary", "parse_schemes",
+__all__ = ["DEFAULT_SCHEMES", "Scheme", "candidate_logprobs", "extractable", "log_pz", "np_summary",
+           "parse_schemes",
            "scheme_logprobs", "scheme_token_logprob"]

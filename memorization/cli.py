@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples (default 0)")
     e.add_argument("--out", default=None,
                    help="write report.json, report.md, report.png (and extraction.jsonl, sampled.jsonl, "
-                        "mia.jsonl) here (default: print JSON only)")
+                        "near_verbatim.jsonl, mia.jsonl) here (default: print JSON only)")
     e.add_argument("--overwrite", action="store_true", help="replace eval results already in --out")
     e.add_argument("--grid", default=None, metavar="X,Y,Z,D|auto",
                    help="evaluate sharded over this grid (launch with torchrun / srun; default: one process)")
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offsets", default="0", metavar="O[,O...]",
                    help="with --corpus: token offsets of the prefix into each document, e.g. 0,16,32 "
                         "(default 0; greedy exact match and (n, p) at each)")
+    e.add_argument("--near-verbatim", type=int, default=0, metavar="D",
+                   help="with --corpus: also bound, per --sampling scheme, the probability that a sample "
+                        "lies within D changed tokens of the suffix (a constrained beam search; 0: off)")
+    e.add_argument("--nv-beams", type=int, default=8, metavar="W",
+                   help="with --near-verbatim: paths kept per number of changed tokens (default 8)")
     _add_scan(sub)
     c = sub.add_parser("coverage", help="goldfish mask coverage of duplicate clusters (no training, seconds)")
     c.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")

@@ -167,6 +167,11 @@ class EvalConfig:
     offsets: list = field(default_factory=lambda: [0])
     np_ns: list = field(default_factory=lambda: [1, 10, 100, 1000])
     np_p: float = 0.5
+    # near-verbatim extraction (evals/near_verbatim.py): a lower bound of each scheme's probability of
+    # a sample within d changed suffix tokens, d = 0..near_verbatim (0 = off), from a beam search keeping
+    # nv_beams paths per number of changes
+    near_verbatim: int = 0
+    nv_beams: int = 8
     # the one-run privacy audit (memorization/eval/dp_audit.py): m random canaries, each trained on with
     # probability 1/2, and an epsilon lower bound at 95% from how well their losses tell which
     audit: bool = False
@@ -203,6 +208,13 @@ class EvalConfig:
             raise fail(f"{prefix}.np_ns", self.np_ns, "a list of sample counts >= 1, e.g. [1, 10, 100, 1000]")
         if isinstance(self.np_p, bool) or not isinstance(self.np_p, (int, float)) or not 0 < self.np_p < 1:
             raise fail(f"{prefix}.np_p", self.np_p, "a probability in (0, 1), e.g. 0.5")
+        if isinstance(self.near_verbatim, bool) or not isinstance(self.near_verbatim, int) or not (
+                0 <= self.near_verbatim < self.suffix):
+            raise fail(f"{prefix}.near_verbatim", self.near_verbatim, f"the largest number of changed suffix "
+                       f"tokens to count: an integer in [0, eval.suffix={self.suffix}) (0 = off), e.g. 3")
+        if isinstance(self.nv_beams, bool) or not isinstance(self.nv_beams, int) or self.nv_beams < 1:
+            raise fail(f"{prefix}.nv_beams", self.nv_beams, "paths kept per number of changed tokens, >= 1, "
+                       "e.g. 8")
         if self.audit and not 4 <= self.audit_canaries <= 100_000:
             raise fail(f"{prefix}.audit_canaries", self.audit_canaries, "must be within [4, 100000] (the "
                        "audit guesses on the highest and lowest scores of m canaries), e.g. 64")

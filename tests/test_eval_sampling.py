@@ -1,6 +1,7 @@
 """`memorize eval --corpus --sampling --offsets`: per offset the greedy exact-match rate and the (n, p)
 summaries, each document's log p_z per scheme in sampled.jsonl (equal to evals.scan.score_windows' on the
-same windows), offset 0's exact match that of the greedy decode; bad flags are one line, exit 2."""
+same windows), offset 0's exact match that of the greedy decode; --near-verbatim's bounds start at those
+log p_z; bad flags are one line, exit 2."""
 from __future__ import annotations
 
 import json
@@ -161,7 +162,47 @@ def test_greedy_only_at_offset_zero_writes_no_rows(setup, tmp_path, evaluated, c
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["report.json", "report.md"]
 
 
+def test_near_verbatim_rows_start_at_the_exact_copy(setup, evaluated, tmp_path):
+    """--near-verbatim 2: per (offset, document) the bound at d = 0 is sampled.jsonl's log p_z (the search
+    keeps the verbatim path), the bound grows with d, the likeliest path is spelled out; report.md tables
+    it; report.png gains a panel."""
+    out = tmp_path / "nv"
+    assert main(_eval(setup, out, "--sampling", SCHEMES, "--offsets", "0,8", "--np-n", "1,10",
+                      "--near-verbatim", "2", "--nv-beams", "2")) == 0
+    report = json.loads((out / "report.json").read_text())
+    nv = report["near_verbatim"]
+    assert (nv["max_edits"], nv["beams"], nv["schemes"], nv["ns"]) == (2, 2, NAMES, [1, 10])
+    assert report["sampled"] == {**json.loads((evaluated / "report.json").read_text())["sampled"],
+                                 "seconds": report["sampled"]["seconds"]}
+    rows, sampled = _lines(out / "near_verbatim.jsonl"), _lines(out / "sampled.jsonl")
+    assert [(r["offset"], r["doc"]) for r in rows] == [(r["offset"], r["doc"]) for r in sampled]
+    grew = 0
+    for r, want in zip(rows, sampled):
+        for name in NAMES:
+            b = [-math.inf if x is None else x for x in r["bound"][name]]
+            lz = want["logpz"][name]
+            assert (b[0] == -math.inf) if lz is None else b[0] == pytest.approx(lz, abs=1e-4), (r, name)
+            assert b[0] <= b[1] <= b[2]
+            grew += b[2] > b[0] + 1e-3
+            best = r["likeliest"][name]
+            assert best["edits"] <= 2 and len(best["tokens"]) == 4 and isinstance(best["text"], str)
+    assert grew  # some document has near-copies with real mass
+    for o, at in nv["offsets"].items():
+        for name in NAMES:
+            got = [r for r in rows if r["offset"] == int(o)]
+            for d in range(3):
+                hits = sum(b is not None and b >= math.log(0.5) for b in (r["bound"][name][d] for r in got))
+                assert at["np"][name]["schemes"][f"d={d}"]["n=1"]["count"] == hits
+    md = (out / "report.md").read_text()
+    assert "### Near-verbatim" in md and "| 8 |" in md and "| <= 2 |" in md and "near_verbatim.jsonl" in md
+    png = (out / "report.png").read_bytes()
+    assert int.from_bytes(png[16:20], "big") == 3 * PANEL_PX
+
+
 @pytest.mark.parametrize("extra,needle", [
+    (["--near-verbatim", "4"], "--near-verbatim"), (["--near-verbatim", "-1"], "--near-verbatim"),
+    (["--near-verbatim", "1", "--sampling", ""], "--near-verbatim"), (["--nv-beams", "3"], "--nv-beams"),
+    (["--near-verbatim", "1", "--nv-beams", "0"], "--nv-beams"),
     (["--sampling", "t=0.7,top_k=0"], "--sampling"), (["--sampling", "x=1"], "--sampling"),
     (["--offsets", "0,-8"], "--offsets"), (["--offsets", "8,8"], "--offsets"), (["--np-n", "0"], "--np-n"),
     (["--np-p", "0"], "--np-p"), (["--offsets", "100", "--max-tokens", "20"], "--offsets"),
@@ -180,6 +221,9 @@ def test_sampling_flags_without_a_corpus_are_refused(setup, capsys):
     assert main(["eval", "--model", str(setup / "model"), "--perplexity", str(setup / "corpus.txt"),
                  "--offsets", "0,8"]) == 2
     assert "--offsets='0,8': only applies to extraction" in capsys.readouterr().err
+    assert main(["eval", "--model", str(setup / "model"), "--perplexity", str(setup / "corpus.txt"),
+                 "--near-verbatim", "1"]) == 2
+    assert "--near-verbatim=1: only applies to extraction" in capsys.readouterr().err
 
 
 def _rank(rank, world, argv):

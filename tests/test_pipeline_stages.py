@@ -9,6 +9,7 @@ from sklearn.metrics import roc_auc_score
 
 from memorization.config import load_run_config
 from memorization.eval.plots import PANEL_PX, np_threshold, pz_curves
+from memorization.experiments.beyond_greedy import near_table
 from memorization.experiments.passes import train_with_passes
 from memorization.models import REPO_ROOT
 from memorization.report import read_metrics
@@ -184,6 +185,49 @@ def test_report_tells_the_runs_figures_and_plots_what_ran(setup, tmp_path):
     assert _png_width(tmp_path / "bare" / "report.png") == PANEL_PX
     for name in ("mia.jsonl", "extraction.jsonl", "sampled.jsonl"):
         assert not (tmp_path / "bare" / name).exists(), name
+
+
+def test_near_verbatim_of_a_run_starts_at_its_log_pz(setup, tmp_path):
+    """eval.near_verbatim=2: near_verbatim.jsonl holds each member's bounds, whose d = 0 is sampled.jsonl's
+    log p_z; the summary, report.md and report.png carry it."""
+    cfg, data = setup
+    nv = replace(cfg, eval=replace(cfg.eval, mia=False, sampling="t=1.0", near_verbatim=2, nv_beams=2))
+    summary = run_training(nv, tmp_path / "run", data=data)
+    lines = [[json.loads(x) for x in (tmp_path / "run" / f).read_text().splitlines()]
+             for f in ("near_verbatim.jsonl", "sampled.jsonl")]
+    near, sampled = lines
+    assert [r["doc"] for r in near] == [r["doc"] for r in sampled] == [str(i) for i in data.member_doc_ids]
+    for r, want in zip(near, sampled):
+        b = r["bound"]["t=1.0"]
+        assert b[0] == pytest.approx(want["logpz"]["t=1.0"], abs=1e-4) and b[0] <= b[1] <= b[2]
+        assert isinstance(r["likeliest"]["t=1.0"]["text"], str)
+    at = summary["near_verbatim"]["offsets"]["0"]
+    assert summary["near_verbatim"]["max_edits"] == 2 and at["docs"] == len(near)
+    assert list(at["np"]["t=1.0"]["schemes"]) == ["d=0", "d=1", "d=2"]
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "### Near-verbatim" in md and "near_verbatim.jsonl" in md
+    assert _png_width(tmp_path / "run" / "report.png") == 4 * PANEL_PX  # loss, extraction, p_z, near
+    # an experiment's table of its runs: the fractions at the largest n, per d
+    table = near_table([{**summary, "name": "a"}])
+    (row,) = table.rows
+    n = nv.eval.np_ns[-1]
+    fractions = {d: at["np"]["t=1.0"]["schemes"][d][f"n={n}"]["fraction"] for d in ("d=0", "d=1", "d=2")}
+    assert row == {"run": "a", "offset": 0, "docs": len(near), "scheme": "t=1.0",
+                   "median": at["median_log10"]["t=1.0"]["d=2"], **fractions}
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["eval.near_verbatim=8"], "eval.near_verbatim"), (["eval.near_verbatim=-1"], "eval.near_verbatim"),
+    (["eval.near_verbatim=1", "eval.nv_beams=0"], "eval.nv_beams"),
+    (["eval.near_verbatim=1", "eval.sampling=''"], "eval.near_verbatim")])
+def test_bad_near_verbatim_settings_are_refused_before_anything_is_written(setup, tmp_path, overrides, field):
+    from memorize_core import ConfigError
+
+    _, data = setup
+    with pytest.raises(ConfigError, match=rf"^{field}="):
+        cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", MICRO + overrides)
+        run_training(cfg, tmp_path / "o", data=data)
+    assert not (tmp_path / "o").exists()
 
 
 def test_report_tells_dp_epsilon_audit_bound_and_goldfish_coverage(setup):

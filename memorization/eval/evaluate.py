@@ -24,6 +24,7 @@ from axonn.config import MAX_ROWS
 from axonn.inference import keep_gathered
 from axonn.plan.fits import check_fits, check_shape
 from evals import ExtractionResult, to_jsonl
+from evals.near_verbatim import DEFAULT_BEAMS
 from evals.static_decode import DECODES
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report
 from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
@@ -32,6 +33,7 @@ from memorization.eval.sections import (
     EvalOptions,
     extraction_section,
     mia_section,
+    near_verbatim_section,
     parse_ns,
     parse_offsets,
     parse_p,
@@ -84,9 +86,11 @@ def check_options(o: EvalOptions) -> None:
     parse_offsets(o.offsets)
     parse_ns(o.np_n)
     parse_p(o.np_p)
+    check_near_verbatim(o)
     if not o.corpus:
         for flag, value, default in (("--sampling", o.sampling, None), ("--offsets", o.offsets, "0"),
-                                     ("--np-n", o.np_n, None), ("--np-p", o.np_p, None)):
+                                     ("--np-n", o.np_n, None), ("--np-p", o.np_p, None),
+                                     ("--near-verbatim", o.near_verbatim, 0)):
             if value != default:
                 raise fail(flag, value, "only applies to extraction; add --corpus CORPUS")
     if not o.mia:
@@ -104,6 +108,27 @@ def check_options(o: EvalOptions) -> None:
         raise fail("--mia-k", o.mia_k, "pass a fraction in (0, 1], e.g. 0.2")
     if o.bootstrap < 0:
         raise fail("--bootstrap", o.bootstrap, "pass the number of resamples, >= 0 (0 = no intervals)")
+
+
+def check_near_verbatim(o: EvalOptions) -> None:
+    """--near-verbatim D and --nv-beams W: D changed tokens fewer than the suffix, a scheme to sample with."""
+    d, w = o.near_verbatim, o.nv_beams
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise fail("--near-verbatim", d, "pass the largest number of changed suffix tokens to count, e.g. 3 "
+                   "(0 = off)")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise fail("--nv-beams", w, "pass the paths kept per number of changed tokens, >= 1, e.g. 8")
+    if not d:
+        if w != DEFAULT_BEAMS:
+            raise fail("--nv-beams", w, "only applies with --near-verbatim D")
+        return
+    if d >= o.suffix:
+        raise fail("--near-verbatim", d, f"must be below --suffix {o.suffix}: with every token changed "
+                   "any continuation counts")
+    if not parse_sampling(o.sampling):
+        raise fail("--near-verbatim", d, "needs a sampling scheme to bound (greedy emits one continuation: "
+                   "its token accuracy is in the extraction table); drop --sampling '' or name one, e.g. "
+                   "--sampling t=1.0")
 
 
 def _inputs(o: EvalOptions) -> dict[str, str | None]:
@@ -210,6 +235,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         report["mode"] = mode
     results: list[ExtractionResult] = []
     sampled_rows: list[dict[str, Any]] | None = None
+    near_rows: list[dict[str, Any]] | None = None
     mia_rows: list[dict[str, Any]] | None = None
     log: Path | None = None
     with keep_gathered(model, o.keep_gathered), keep_gathered(ref, o.keep_gathered and ref is not None):
@@ -218,6 +244,9 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
             if wants_sampled(o):
                 # beside `extraction` (as a training run's summary has it), which stays the greedy decode's
                 report["sampled"], sampled_rows = sampled_section(o, model, extraction)
+            if o.near_verbatim:
+                report["near_verbatim"], near_rows = near_verbatim_section(o, model, tok, extraction,
+                                                                           progress=grid.rank == 0)
         if o.mia:
             report["mia"], mia_rows = mia_section(o, model, tok, ref, sets, progress=grid.rank == 0)
         if ppl:
@@ -230,13 +259,14 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
                 report["tasks_log"] = str(out / "lm-eval.log") if out is not None else str(log)
     report["seconds"] = time.perf_counter() - start
     if out is not None and grid.rank == 0:
-        png = best_effort(eval_png, report, results, sampled_rows, mia_rows)
+        png = best_effort(eval_png, report, results, sampled_rows, mia_rows, near_rows)
         files: dict[str, str | bytes] = {"report.json": json.dumps(report, indent=2) + "\n"}
         if png is not None:
             files["report.png"] = png
         if extraction is not None:
             files["extraction.jsonl"] = to_jsonl(results)
-        for name, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows)):
+        for name, rows in (("sampled.jsonl", sampled_rows), ("near_verbatim.jsonl", near_rows),
+                           ("mia.jsonl", mia_rows)):
             if rows is not None:
                 files[name] = "".join(json.dumps(r) + "\n" for r in rows)
         files["report.md"] = markdown_report(report, "report.png" if png else None, row_files=set(files))

@@ -13,8 +13,9 @@ from memorize_core import fail
 
 # sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section);
 # mia.jsonl: one line per member and non-member with each attack's score (sections.mia_section)
-EVAL_FILES = ("report.json", "report.md", "report.png", "extraction.jsonl", "sampled.jsonl", "mia.jsonl",
-              "lm-eval.log")
+# near_verbatim.jsonl: one line per (offset, document) of the near-verbatim bounds (near_verbatim_section)
+EVAL_FILES = ("report.json", "report.md", "report.png", "extraction.jsonl", "sampled.jsonl",
+              "near_verbatim.jsonl", "mia.jsonl", "lm-eval.log")
 
 
 def check_eval_out(out: str, overwrite: bool) -> Path:
@@ -62,11 +63,34 @@ def _sampled(smp: dict[str, Any], rows_file: bool) -> list[str]:
             _table(["offset", "docs", "exact match", "scheme", *[f"n={n}" for n in ns]], rows)]
 
 
+def _near(nv: dict[str, Any], rows_file: bool) -> list[str]:
+    """report.md's near-verbatim section: per offset, scheme and d, the (n, p) fractions of the bound."""
+    ns = nv["ns"]
+    rows = []
+    for offset, at in nv["offsets"].items():
+        for name, summary in (at["np"] or {}).items():
+            for col, per in summary["schemes"].items():
+                med = at["median_log10"][name][col]
+                rows.append([offset, str(at["docs"]), f"`{name}`", col.replace("d=", "<= "),
+                             "–" if med is None else f"{med:.1f}",
+                             *[f"{per[f'n={n}']['fraction']:.3f}" for n in ns]])
+    return [f"### Near-verbatim: (n, p)-extractable within d changed tokens, p = {nv['p']}",
+            "A lower bound of the probability that a sample under the scheme lies within d changed tokens "
+            f"of the {nv['suffix']}-token suffix (Hamming distance; d = 0 is the exact copy), from a beam "
+            f"search kept inside that neighbourhood ({nv['beams']} paths per number of changes, the verbatim "
+            "one always kept): the fractions are of documents whose bound alone passes the (n, p) test, so "
+            "they can only be higher in truth"
+            + ("; each document's bounds and likeliest near-copy in near_verbatim.jsonl." if rows_file
+               else "."),
+            _table(["offset", "docs", "scheme", "changed tokens", "median log10 P", *[f"n={n}" for n in ns]],
+                   rows)]
+
+
 def markdown_report(report: dict[str, Any], figure: str | None = None,
                     row_files: Collection[str] = ()) -> str:
     """report.md: the extraction summary, the MIA table with intervals, perplexity and downstream tasks;
     `figure` (report.png's name) is shown after them; `row_files` are the per-document files written
-    beside it (sampled.jsonl, mia.jsonl), named where their section is."""
+    beside it (sampled.jsonl, near_verbatim.jsonl, mia.jsonl), named where their section is."""
     # the cut is said where documents were scored with it (a tasks-only report has none; MIA says its own)
     docs = [k for k in ("extraction", "perplexity") if report.get(k)]
     cut = f"Documents cut to their first {report['max_tokens']} tokens; " if docs else ""
@@ -87,6 +111,8 @@ def markdown_report(report: dict[str, Any], figure: str | None = None,
                            f"{ex['lcp_mean']:.2f}", f"{ex['rougeL']:.3f}"]])]
         if report.get("sampled"):
             parts += _sampled(report["sampled"], "sampled.jsonl" in row_files)
+        if report.get("near_verbatim"):
+            parts += _near(report["near_verbatim"], "near_verbatim.jsonl" in row_files)
     mia = report.get("mia")
     if mia:
         c = mia["counts"]

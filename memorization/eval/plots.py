@@ -6,6 +6,8 @@
   x, against log10 x, one line per scheme (colour, greedy included) and prefix offset (line style); a
   dotted line per n marks the p_z from which n samples extract with probability p, so the (n, p)
   fractions of report.md are where the curves cross those lines;
+- near-verbatim: the same curves for the lower bound of P(a sample lies within d changed tokens of the
+  suffix), a colour per d (d = 0: the exact copy) and a line style per scheme;
 - membership inference: each attack's ROC curve on log-log axes (members the positive class), its AUC in
   the legend, where the low-FPR region that matters for privacy is visible (Carlini et al. 2022).
 """
@@ -77,6 +79,33 @@ def sampled_panel(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) 
     ax.legend(fontsize=6, loc="best")
 
 
+def near_panel(ax: Any, nv: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    """Near-verbatim: the fraction of documents whose bound of P(within d changed tokens) is at least x,
+    against log10 x, a colour per d and a line style per scheme (the first offset), with the (n, p) lines."""
+    offset = min(int(r["offset"]) for r in rows)
+    at = [r for r in rows if int(r["offset"]) == offset]
+    p, ns = float(nv["p"]), nv["ns"]
+    lines = [np_threshold(n, p) for n in ns]
+    curves = {(name, d): np.array([-np.inf if r["bound"][name][d] is None else r["bound"][name][d]
+                                   for r in at]) / np.log(10)
+              for name in nv["schemes"] for d in range(int(nv["max_edits"]) + 1)}
+    finite = np.concatenate([c[np.isfinite(c)] for c in curves.values()] + [np.array([0.0, *lines])])
+    lo = max(-300.0, float(finite.min()) * 1.05 - 1.0)
+    x = np.linspace(lo, 0.0, 400)
+    for (name, d), c in curves.items():
+        ax.plot(x, (c[None, :] >= x[:, None]).mean(1), color=f"C{d}",
+                linestyle=_STYLES[nv["schemes"].index(name) % len(_STYLES)], label=f"{name}, <= {d} changed")
+    for i, line in enumerate(lines):
+        ax.axvline(line, color="grey", linestyle=":", linewidth=0.8,
+                   label=f"n = {', '.join(map(str, ns))} (right to left)" if i == 0 else None)
+    ax.set_xlim(lo, 0.0)
+    ax.set_ylim(-0.02, 1.06)
+    ax.set_xlabel("log10 P(a sample within d changed tokens), lower bound")
+    ax.set_ylabel("fraction of documents with it at least")
+    ax.set_title(f"Near-verbatim, offset {offset}: right of a line, (n, p={p})", fontsize=10)
+    ax.legend(fontsize=6, loc="best")
+
+
 def _mia(ax: Any, mia: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
     y = np.array([r["member"] for r in rows], dtype=np.int64)
     floor = 1.0 / max(1, int((y == 0).sum()))  # the smallest non-zero FPR this many non-members can show
@@ -96,14 +125,16 @@ def _mia(ax: Any, mia: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
 
 
 def eval_png(report: dict[str, Any], results: Sequence[ExtractionResult],
-             sampled_rows: Sequence[dict[str, Any]] | None, mia_rows: Sequence[dict[str, Any]] | None
-             ) -> bytes | None:
+             sampled_rows: Sequence[dict[str, Any]] | None, mia_rows: Sequence[dict[str, Any]] | None,
+             near_rows: Sequence[dict[str, Any]] | None = None) -> bytes | None:
     """The PNG of report.png for a `memorize eval` report (None when no section has a picture)."""
     panels = []
     if report.get("extraction") and results:
         panels.append(lambda ax: extraction_panel(ax, report["extraction"], results))
     if sampled_rows:  # rows come with the section
         panels.append(lambda ax: sampled_panel(ax, report["sampled"], sampled_rows))
+    if near_rows:
+        panels.append(lambda ax: near_panel(ax, report["near_verbatim"], near_rows))
     if mia_rows:
         panels.append(lambda ax: _mia(ax, report["mia"], mia_rows))
     return panels_png(panels) if panels else None

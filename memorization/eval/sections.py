@@ -19,6 +19,7 @@ from axonn.grid import ProcessGrid
 from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
 from evals.mia import mia_metrics, score_both, score_rows
+from evals.near_verbatim import DEFAULT_BEAMS, near_verbatim
 from evals.perplexity import corpus_loss
 from evals.probabilistic import sampled_extraction, split_rows
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
@@ -63,6 +64,8 @@ class EvalOptions:
     offsets: str = "0"  # token offsets of the extraction prefix into each document, e.g. "0,16,32"
     np_n: str | None = None  # numbers of draws n of the (n, p) summaries, e.g. "1,10,100,1000"
     np_p: float | None = None  # probability p of the (n, p) summaries (None: 0.5)
+    near_verbatim: int = 0  # with --corpus: also bound P(a sample is within D changed tokens); 0: off
+    nv_beams: int = DEFAULT_BEAMS  # paths kept per number of changed tokens in that search
 
 
 def parse_sampling(text: str | None, flag: str = "--sampling") -> tuple[Scheme, ...]:
@@ -134,6 +137,26 @@ def sampled_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: ProcessG
                              ns=parse_ns(o.np_n), p=parse_p(o.np_p), batch_size=o.batch_size, doc_ids=c.ids,
                              grid=grid)
     got, rows = split_rows(got)
+    section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
+    return section, rows
+
+
+def near_verbatim_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *,
+                          grid: ProcessGrid | None = None, progress: bool = True
+                          ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Near-verbatim extraction (evals.near_verbatim): per --offsets offset and --sampling scheme, the (n, p)
+    summary of each document's lower bound of P(a sample lies within d changed tokens of the suffix) for
+    d = 0..--near-verbatim; and one row per scored (offset, document) with its bounds and the likeliest
+    path found (its changes, log-prob and text). Call on every rank."""
+    t = time.perf_counter()
+    got = near_verbatim(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix,
+                        schemes=parse_sampling(o.sampling), max_edits=o.near_verbatim, beams=o.nv_beams,
+                        offsets=parse_offsets(o.offsets), ns=parse_ns(o.np_n), p=parse_p(o.np_p),
+                        batch_size=o.batch_size, doc_ids=c.ids, grid=grid, progress=progress)
+    got, rows = split_rows(got)
+    for r in rows:
+        for path in r["likeliest"].values():
+            path["text"] = tok.decode(path["tokens"])
     section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
     return section, rows
 

@@ -1,6 +1,7 @@
 """What every experiment reports beyond greedy exact match: (n, p)-extraction rates per decoding scheme
 and exact match at each prefix offset, from each run's `sampled` summary (memorization.train.pipeline's
-sampled_results: one forward per window, evals/probabilistic.py)."""
+sampled_results: one forward per window, evals/probabilistic.py), and where eval.near_verbatim is set the
+near-verbatim bounds (evals/near_verbatim.py) from each run's `near_verbatim` summary."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -60,6 +61,32 @@ def offset_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
     return Table("Exact match by prefix offset", rows, tuple(cols))
 
 
+def near_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
+    """Near-verbatim (eval.near_verbatim): one row per (run, offset, scheme), the fraction of documents whose
+    lower bound of P(a sample within d changed tokens) passes the (n, p) test at the largest n, per d."""
+    rows, ds, n_max, p = [], [], None, None
+    for r in runs:
+        nv = r.get("near_verbatim")
+        if not nv:
+            continue
+        for off, at in nv["offsets"].items():
+            for scheme, summary in (at.get("np") or {}).items():
+                if not summary:
+                    continue
+                ds, n_max, p = list(summary["schemes"]), summary["ns"][-1], summary["p"]
+                rows.append({"run": _label(r, key), "offset": int(off), "docs": at["docs"], "scheme": scheme,
+                             **{d: summary["schemes"][d][f"n={n_max}"]["fraction"] for d in ds},
+                             "median": at["median_log10"][scheme][ds[-1]]})
+    if not rows:
+        return None
+    cols = [("run", "run", "{}"), ("offset", "prefix offset", "{}"), ("docs", "docs", "{}"),
+            ("scheme", "decoding", "{}")]
+    cols += [(d, f"<= {d[2:]} changed", "{:.0%}") for d in ds]
+    cols += [("median", f"median log10 P(<= {ds[-1][2:]} changed)", "{:.1f}")]
+    return Table(f"Near-verbatim: (n={n_max}, p={p})-extractable within d changed tokens (a lower bound)",
+                 rows, tuple(cols))
+
+
 def np_plot(runs: list[dict[str, Any]], path: Path, key: str = "name", offset: int = 0) -> Path | None:
     """Extractable fraction vs n (log scale), one panel per decoding scheme, one line per run."""
     found = [(r, r["sampled"]["offsets"].get(str(offset), {}).get("np")) for r in runs if r.get("sampled")]
@@ -84,9 +111,10 @@ def np_plot(runs: list[dict[str, Any]], path: Path, key: str = "name", offset: i
 def beyond_greedy(runs: list[dict[str, Any]], out: Path, name: str, key: str = "name"
                   ) -> tuple[list[Table], list[Path]]:
     """The tables and the plot (OUT/<name>-np.png) an experiment adds for its runs' `sampled` summaries."""
-    tables = [t for t in (np_table(runs, key), offset_table(runs, key)) if t is not None]
+    tables = [np_table(runs, key), offset_table(runs, key), near_table(runs, key)]
+    tables = [t for t in tables if t is not None]
     plot = np_plot(runs, out / f"{name}-np.png", key)
     return tables, [plot] if plot is not None else []
 
 
-__all__ = ["NP_NOTE", "beyond_greedy", "np_plot", "np_table", "offset_table"]
+__all__ = ["NP_NOTE", "beyond_greedy", "near_table", "np_plot", "np_table", "offset_table"]

@@ -116,6 +116,30 @@ def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     return split_rows(got)
 
 
+def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
+                 grid: ProcessGrid | None = None, progress: bool = False
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """Near-verbatim extraction of every training document (evals.near_verbatim), per eval.offsets and
+    eval.sampling scheme: the (n, p) summary of the bound at each d <= eval.near_verbatim and the rows of
+    near_verbatim.jsonl (the likeliest path's text decoded). None for chat data or eval.near_verbatim 0.
+    Call it on every rank of `grid`."""
+    from evals.near_verbatim import near_verbatim  # deferred: evals +3.2 s import
+    from evals.probabilistic import split_rows  # deferred: evals +3.2 s import
+
+    e = cfg.eval
+    if data.is_chat or not e.near_verbatim:
+        return None
+    got = near_verbatim(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                        schemes=run_schemes(cfg), max_edits=e.near_verbatim, beams=e.nv_beams,
+                        offsets=e.offsets, ns=e.np_ns, p=e.np_p, batch_size=e.batch_size,
+                        doc_ids=data.member_doc_ids, grid=grid, progress=progress)
+    summary, rows = split_rows(got)
+    for r in rows:
+        for path in r["likeliest"].values():
+            path["text"] = data.tokenizer.decode(path["tokens"])
+    return summary, rows
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Keep the metrics lines up to `step`: the resumed run rewrites the rest."""
     if not path.is_file():
@@ -291,6 +315,12 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         sampled = sampled_results(trainer.model, cfg, run.data, grid=run.grid)
         if sampled is not None:
             summary["sampled"], sampled_rows = sampled
+    near_rows = None
+    if cfg.eval.extraction:
+        near = near_results(trainer.model, cfg, run.data, grid=run.grid,
+                            progress=trainer.cfg.progress and run.is_main)
+        if near is not None:
+            summary["near_verbatim"], near_rows = near
     mia_rows = None
     if cfg.eval.mia:
         summary["mia"], mia_rows = membership(trainer.model, cfg, run.data, grid=run.grid)
@@ -309,14 +339,15 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
             record["audit"] = run.data.audit.record()
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
         # per document, as memorize eval writes them: log p_z per scheme and offset; each attack's score
-        row_files = {n: rows for n, rows in (("sampled.jsonl", sampled_rows), ("mia.jsonl", mia_rows))
+        row_files = {n: rows for n, rows in (("sampled.jsonl", sampled_rows),
+                                             ("near_verbatim.jsonl", near_rows), ("mia.jsonl", mia_rows))
                      if rows is not None}
         for name, rows in row_files.items():
             (run.out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         # the loss curve from metrics.jsonl: a resumed run's history holds only the steps since its resume
         curve = read_metrics(run.out_dir / "metrics.jsonl") or run.history
         write_run_report(run.out_dir, summary, curve, results, sampled_rows, cfg,  # report.md, report.png
-                         row_files=tuple(row_files))
+                         row_files=tuple(row_files), near_rows=near_rows)
         if run.wandb is not None:
             run.wandb.summary(summary)
             if (run.out_dir / "report.png").is_file():

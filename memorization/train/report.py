@@ -15,7 +15,7 @@ from typing import Any
 from data_pipelines import is_chat_spec
 from memorization.config import RunConfig
 from memorization.eval.files import markdown_report
-from memorization.eval.plots import best_effort, extraction_panel, panels_png, sampled_panel
+from memorization.eval.plots import best_effort, extraction_panel, near_panel, panels_png, sampled_panel
 from memorization.outputs import write_files
 
 REPORT_FILES = ("report.md", "report.png")
@@ -37,6 +37,8 @@ def _eval_like(summary: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
                              "decode": summary.get("extraction_decode")}
         if summary.get("sampled"):
             out["sampled"] = {**summary["sampled"], "ns": list(e.np_ns), "p": e.np_p}
+        if summary.get("near_verbatim"):
+            out["near_verbatim"] = {**summary["near_verbatim"], "ns": list(e.np_ns), "p": e.np_p}
     mia = summary.get("mia")
     if mia:
         held = d.held_out or f"{d.corpus} (held-out split)"
@@ -123,9 +125,10 @@ def _auc(ax: Any, mia: dict[str, Any]) -> None:
 
 
 def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Sequence[Any] | None,
-        sampled_rows: Sequence[dict[str, Any]] | None, cfg: RunConfig) -> bytes:
-    """report.png of the run: the loss panel, and the extraction, beyond-greedy and MIA panels where
-    they ran."""
+        sampled_rows: Sequence[dict[str, Any]] | None, cfg: RunConfig,
+        near_rows: Sequence[dict[str, Any]] | None = None) -> bytes:
+    """report.png of the run: the loss panel, and the extraction, beyond-greedy, near-verbatim and MIA
+    panels where they ran."""
     panels = [lambda ax: _loss(ax, history, summary.get("val_loss"))]
     if results:
         ex = {"suffix": cfg.eval.suffix, "beams": cfg.eval.num_beams}
@@ -133,6 +136,9 @@ def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Seq
     if sampled_rows:
         smp = {"ns": list(cfg.eval.np_ns), "p": cfg.eval.np_p}
         panels.append(lambda ax: sampled_panel(ax, smp, sampled_rows))
+    if near_rows and summary.get("near_verbatim"):
+        nv = {**summary["near_verbatim"], "ns": list(cfg.eval.np_ns), "p": cfg.eval.np_p}
+        panels.append(lambda ax: near_panel(ax, nv, near_rows))
     if summary.get("mia"):
         panels.append(lambda ax: _auc(ax, summary["mia"]))
     return panels_png(panels)
@@ -140,10 +146,11 @@ def png(summary: dict[str, Any], history: Sequence[dict[str, Any]], results: Seq
 
 def write_run_report(out: Path, summary: dict[str, Any], history: Sequence[dict[str, Any]],
                      results: Sequence[Any] | None, sampled_rows: Sequence[dict[str, Any]] | None,
-                     cfg: RunConfig, *, row_files: Sequence[str] = ()) -> None:
+                     cfg: RunConfig, *, row_files: Sequence[str] = (),
+                     near_rows: Sequence[dict[str, Any]] | None = None) -> None:
     """report.md and report.png into the run's folder (main rank only); `row_files`: the per-document
-    files the run wrote beside them."""
-    image = best_effort(png, summary, history, results, sampled_rows, cfg)
+    files the run wrote beside them; `near_rows`: near_verbatim.jsonl's rows (its panel)."""
+    image = best_effort(png, summary, history, results, sampled_rows, cfg, near_rows)
     files = {"report.md": markdown(summary, cfg, "report.png" if image else None, row_files)}
     if image is not None:
         files["report.png"] = image

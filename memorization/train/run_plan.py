@@ -73,8 +73,8 @@ from memorization.train.parallel import Dims, Launch, check_memory, head_setting
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
-RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "sampled.jsonl", "mia.jsonl", "model",
-                "report.json", "report.md", "report.png", "checkpoints")
+RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "sampled.jsonl", "near_verbatim.jsonl",
+                "mia.jsonl", "model", "report.json", "report.md", "report.png", "checkpoints")
 CHECKPOINTS = "checkpoints"
 # model-config fields a checkpoint must agree on before any work starts
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -116,6 +116,7 @@ class RunPlan:
 def run_files(cfg: RunConfig) -> tuple[str, ...]:
     """The entries a run writes under OUT (what --overwrite replaces)."""
     optional = (("extraction.jsonl", cfg.eval.extraction), ("sampled.jsonl", cfg.eval.extraction),
+                ("near_verbatim.jsonl", cfg.eval.extraction and cfg.eval.near_verbatim > 0),
                 ("mia.jsonl", cfg.eval.mia))
     skip = {name for name, on in optional if not on}
     return tuple(name for name in RESULT_FILES if name not in skip)
@@ -214,7 +215,9 @@ def check_run(cfg: RunConfig, data: Any, dims: Sequence[int], *, world: int, mod
         check_tokenizer(tokenizer, cfg.model.name, spec=cfg.data.tokenizer)  # before any weights load
     accum, micro = check_grid(cfg, dims, world=world, model_config=model_config)
     check_model(cfg, model_config, checkpoint=ckpt, model=model, dims=dims)
-    run_schemes(cfg)
+    if not run_schemes(cfg) and cfg.eval.extraction and cfg.eval.near_verbatim:
+        raise fail("eval.near_verbatim", cfg.eval.near_verbatim, "needs a sampling scheme to bound (greedy "
+                   "emits one continuation); set eval.sampling, e.g. t=1.0, or eval.near_verbatim=0")
     sigma = check_dp(effective_trainer(cfg), rows, dims, model_config) if cfg.trainer.dp.enabled else None
     mia = None
     if cfg.eval.mia and tokenizer is not None:  # at least 2 members and 2 held-out documents

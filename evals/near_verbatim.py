@@ -1,0 +1,169 @@
+"""Near-verbatim extraction: a lower bound of P(a sampling scheme emits the suffix with at most d of its
+tokens changed | prefix), from a beam search that never leaves that neighbourhood of the true suffix.
+
+A copy with a word or two changed leaks a passage nearly as well as an exact one, and it is what a model
+trained with goldfish loss (which never supervises some of a passage's tokens) would emit if it had
+learned the rest. Under a decoding scheme (temperature, top-k, top-p: evals/sampling.py) the probability
+that a sampled S-token continuation lies within Hamming distance d of the true suffix is a sum over the
+~C(S, d)(V-1)^d sequences of that neighbourhood: too many to enumerate, and usually too small to estimate
+by sampling. Following the idea of bounding near-verbatim risk with a decoding-constrained beam search
+(Cooper et al. 2026), B paths grow one token per step; each step a path takes the true token, or spends
+one of its d substitutions on one of the scheme's likeliest other tokens, and the B likeliest paths live
+on. They are distinct sequences inside the neighbourhood, so the sum of their probabilities under the
+scheme is a LOWER BOUND of the near-verbatim probability however narrow the beam. One path is kept for
+the verbatim suffix, so the bound is never below p_z (the exact-copy probability); a beam that holds the
+whole neighbourhood gives the exact probability (tests check both, and against HF sampling). The bound
+at every d' <= d comes from the same search (its paths with at most d' substitutions).
+
+The Hamming neighbourhood lies inside the edit-distance one, so the bound holds for "within d edits" too.
+Read with Hayes et al.'s (n, p) test, a lower bound p_d makes 1 - (1 - p_d)^n >= p a conservative verdict.
+Cost per scheme: S decode steps of B paths per document through the KV cache (about B greedy decodes).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from axonn.grid import ProcessGrid
+from evals._model import evaluating
+from evals.kv_cache import preallocated_cache
+from evals.probabilistic import _check, _finite
+from evals.sampling import Scheme, candidate_logprobs, np_summary
+from evals.scoring import Scorer
+from memorize_core import fail
+
+DEFAULT_BEAMS = 8
+
+
+def _check_search(schemes: Sequence[Scheme], max_edits: int, beams: int) -> None:
+    if not schemes:
+        raise fail("schemes", list(schemes), "pass at least one sampling scheme, e.g. t=1.0 (greedy has "
+                   "no near-verbatim mass: its one output is near the suffix or not)")
+    if isinstance(max_edits, bool) or not isinstance(max_edits, int) or max_edits < 1:
+        raise fail("max_edits", max_edits, "pass the largest number of changed tokens to count, >= 1")
+    if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
+        raise fail("beams", beams, "pass the paths kept per number of changed tokens, >= 1, e.g. 8")
+
+
+def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Scheme, max_edits: int,
+           beams: int) -> dict[str, torch.Tensor]:
+    """The constrained beam search over this rank's rows (inside `evaluating`; call on every Y rank).
+
+    The paths are kept per number of changed tokens: the verbatim one, and the `beams` likeliest with
+    exactly e changes for each e = 1..max_edits (one beam for all would fill with paths that spent their
+    changes early and cannot swap the one improbable token that comes later).
+
+    Returns {"bound": [R, max_edits + 1] float64 log lower bounds (column d: at most d tokens changed),
+    "tokens": [R, S] the likeliest path found, "edits": [R] its changes, "logp": [R] its log-prob}."""
+    r, s = targets.shape
+    dev = prefixes.device
+    if r == 0 or s == 0:
+        zero = torch.zeros(r, max_edits + 1, dtype=torch.float64, device=dev)
+        none = torch.zeros(r, dtype=torch.long, device=dev)
+        return {"bound": zero, "tokens": targets.clone(), "edits": none, "logp": zero[:, 0].clone()}
+    b = 1 + max_edits * beams  # paths per row: slot 0 verbatim, then `beams` per number of changes
+    cache = preallocated_cache(sc.model, prefixes.shape[1] + s)
+    logits, cache = sc.step(prefixes, cache)
+    cache.batch_repeat_interleave(b)
+    logits = logits[:, -1].float().repeat_interleave(b, dim=0)  # [R * B, V(/Y)]
+    c = min(beams + 1, sc.vocab_size(logits))  # other tokens tried per path: at most `beams` survive
+    score = torch.full((r, b), -math.inf, dtype=torch.float64, device=dev)
+    score[:, 0] = 0.0  # the verbatim path; the others start empty
+    edits = torch.zeros(r, b, dtype=torch.long, device=dev)
+    seqs = torch.empty(r, b, 0, dtype=torch.long, device=dev)
+    base = torch.arange(r, device=dev)[:, None]
+    cost = (torch.arange(c + 1, device=dev) > 0).long()  # column 0 is the true token, the rest change it
+    for t in range(s):
+        true = targets[:, t].repeat_interleave(b)
+        _, top = sc.topk(logits[:, None, :], c)  # the likeliest tokens (temperature keeps the order)
+        cand = torch.cat([true[:, None], top], dim=1)  # [R * B, C + 1]
+        lp = candidate_logprobs(logits, cand, scheme, sc.grid, sc.sharded_vocab)
+        lp[:, 1:].masked_fill_(top == true[:, None], -math.inf)  # the true token counts once, as column 0
+        total = (score.view(-1, 1) + lp).view(r, -1)
+        changed = (edits.view(-1, 1) + cost).view(r, -1)
+        vals, picks = [total[:, :1]], [torch.zeros_like(total[:, :1], dtype=torch.long)]  # verbatim
+        for e in range(1, max_edits + 1):
+            # a level short of paths fills up with -inf picks (possibly another level's: they stay -inf)
+            v, i = total.masked_fill(changed != e, -math.inf).topk(beams, dim=1)
+            vals.append(v)
+            picks.append(i)
+        idx = torch.cat(picks, dim=1)
+        score, edits = torch.cat(vals, dim=1), changed.gather(1, idx)
+        src, col = idx // (c + 1), idx % (c + 1)
+        tok = cand.view(r, b, c + 1)[base, src, col]
+        seqs = torch.cat([seqs.gather(1, src[:, :, None].expand(-1, -1, t)), tok[:, :, None]], dim=2)
+        if t + 1 == s:
+            break
+        cache.reorder_cache((base * b + src).view(-1))
+        logits, cache = sc.step(tok.view(-1, 1), cache)
+        logits = logits[:, -1].float()
+    bound = torch.stack([torch.logsumexp(score.masked_fill(edits > d, -math.inf), dim=1)
+                         for d in range(max_edits + 1)], dim=1)
+    best = score.argmax(dim=1)
+    row = base.squeeze(1)
+    return {"bound": bound, "tokens": seqs[row, best], "edits": edits[row, best], "logp": score[row, best]}
+
+
+def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *, prefix_len: int,
+                  suffix_len: int, schemes: Sequence[Scheme], max_edits: int, beams: int = DEFAULT_BEAMS,
+                  offsets: Sequence[int] = (0,), ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5,
+                  batch_size: int = 8, doc_ids: Sequence | None = None, grid: ProcessGrid | None = None,
+                  progress: bool = False) -> dict[str, Any]:
+    """Per offset and scheme, the (n, p) summary of each document's near-verbatim lower bound at every
+    d <= max_edits (column `d=0` is the verbatim p_z), and one row per scored (offset, document); call on
+    every rank of `grid`. `batch_size` documents are searched at once, each with `beams` paths.
+
+    Returns {"prefix", "suffix", "schemes", "max_edits", "beams", "offsets": {"0": {"docs", "np":
+    {scheme: np_summary with columns d=0..d=max_edits}, "median_log10": {scheme: {"d=0": the median
+    log10 bound, ...}}, "rows"}}}; a row is {"doc", "bound":
+    {scheme: [log bound at d=0..max_edits]}, "likeliest": {scheme: {"edits", "logp", "tokens"}}}
+    (JSON floats: -inf as None)."""
+    offs = _check(offsets, prefix_len, suffix_len, batch_size)
+    _check_search(schemes, max_edits, beams)
+    ids = list(range(len(documents))) if doc_ids is None else list(doc_ids)
+    if len(ids) != len(documents):
+        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per document ({len(documents)})")
+    sc = Scorer(model, grid)
+    width = prefix_len + suffix_len
+    out: dict[str, Any] = {"prefix": prefix_len, "suffix": suffix_len, "schemes": [s.name for s in schemes],
+                           "max_edits": max_edits, "beams": beams, "offsets": {}}
+    keeps = {o: [i for i, d in enumerate(documents) if len(d) >= o + width] for o in offs}
+    bar = tqdm(total=sum(map(len, keeps.values())) * len(schemes), desc="near-verbatim", unit="doc",
+               disable=not (progress and sc.is_main))
+    with evaluating(model):
+        for o, keep in keeps.items():
+            got: dict[str, list[dict[str, Any]]] = {s.name: [] for s in schemes}
+            for start in range(0, len(keep), batch_size):
+                chunk = keep[start:start + batch_size]
+                windows = torch.tensor([[int(t) for t in documents[i][o:o + width]] for i in chunk],
+                                       dtype=torch.long, device=sc.device)
+                mine = sc.rows(len(chunk))
+                for s in schemes:
+                    res = search(sc, windows[mine, :prefix_len], windows[mine, prefix_len:], s, max_edits,
+                                 beams)
+                    local = [{"bound": [_finite(x) for x in b.tolist()],
+                              "likeliest": {"edits": int(e), "tokens": tk.tolist(),
+                                            "logp": _finite(float(lp))}}
+                             for b, e, tk, lp in zip(res["bound"], res["edits"], res["tokens"], res["logp"])]
+                    got[s.name] += sc.collect(mine, local, len(chunk))
+                    bar.update(len(chunk))
+            rows = [{"doc": ids[i], "bound": {n: got[n][j]["bound"] for n in got},
+                     "likeliest": {n: got[n][j]["likeliest"] for n in got}} for j, i in enumerate(keep)]
+            summary, median = {}, {}
+            for n in got:
+                cols = {f"d={d}": np.array([-np.inf if r["bound"][d] is None else r["bound"][d]
+                                            for r in got[n]], dtype=np.float64) for d in range(max_edits + 1)}
+                summary[n] = np_summary(cols, ns, p) if keep else None
+                median[n] = {k: _finite(float(np.median(v)) / math.log(10)) if keep else None
+                             for k, v in cols.items()}
+            out["offsets"][str(o)] = {"docs": len(keep), "np": summary, "median_log10": median, "rows": rows}
+    bar.close()
+    return out
+
+
+__all__ = ["DEFAULT_BEAMS", "near_verbatim", "search"]
