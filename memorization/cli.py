@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True,
                    help="a Hugging Face model dir (e.g. OUT/model) or a pretrained name (smollm2-135m)")
     e.add_argument("--corpus", default=None,
-                   help="extraction corpus: name or file (see data_pipelines.CORPORA)")
+                   help="extraction corpus: name or file (see data_pipelines.CORPORA), or run:members / "
+                        "run:held-out: what the memorize run of --model OUT/model trained on / held out")
     e.add_argument("--mia", action="store_true",
                    help="membership inference: --members vs --non-members, or (neither given) the training "
                         "run's own documents vs its held-out split (run.json beside --model)")

@@ -88,6 +88,44 @@ def test_a_run_that_held_out_another_corpus(tmp_path, capsys):
     assert err.count("\n") == 0 and "lee-news" in err and "held_out_fraction=0.5" in err
 
 
+def test_corpus_run_members_and_held_out_are_the_runs_documents(run, capsys, tmp_path):
+    """--corpus run:members extracts exactly the run's training documents (cut to its block_len),
+    run:held-out its held-out split, in run.json's order."""
+    docs = json.loads((run / "run.json").read_text())["documents"]
+    for spec, ids in (("run:members", docs["members"]), ("run:held-out", docs["non_members"])):
+        out = tmp_path / spec.replace(":", "-")
+        report, _ = _eval(capsys, "--model", run / "model", "--corpus", spec, "--prefix", 8,
+                          "--suffix", 8, "--sampling", "", "--out", out)
+        rows = [json.loads(x) for x in (out / "extraction.jsonl").read_text().splitlines()]
+        assert [r["doc"] for r in rows] == ids, spec
+        assert all(len(r["prefix_ids"]) + len(r["target_ids"]) <= 48 for r in rows)  # the run's block_len
+        assert report["extraction"]["corpus"].startswith("wiki-leads: the run's")
+    # the same documents named by corpus and id give the same extraction
+    _eval(capsys, "--model", run / "model", "--corpus", "wiki-leads", "--prefix", 8, "--suffix", 8,
+          "--sampling", "", "--max-tokens", 48, "--out", tmp_path / "by-name")
+    def lines(name: str) -> list[dict]:
+        return [json.loads(x) for x in (tmp_path / name / "extraction.jsonl").read_text().splitlines()]
+
+    by_name = {r["doc"]: r for r in lines("by-name")}
+    members = lines("run-members")
+    assert members == [by_name[r["doc"]] for r in members]
+
+
+def test_corpus_run_without_a_run_is_one_line(tmp_path, capsys):
+    (tmp_path / "t.yaml").write_text(TINY)
+    assert main(["train", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "run"), "data.limit=12",
+                 "data.held_out=lee-news", "data.held_out_limit=4", "eval.extraction=false"]) == 0
+    (tmp_path / "run" / "model" / "x").mkdir()
+    capsys.readouterr()
+    trained = tmp_path / "run" / "model"
+    for model, spec, needle in ((trained, "run:held-out", "held out no documents of wiki-leads"),
+                                (trained / "x", "run:members", "run.json")):
+        assert main(["eval", "--model", str(model), "--corpus", spec, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"error: --corpus={spec!r}") and needle in err, err
+        assert not (tmp_path / "o").exists()
+
+
 def test_blind_baseline_unit():
     """Texts alone: two styles are told apart, one style split in two is not; the warning is one line."""
     rng = random.Random(0)

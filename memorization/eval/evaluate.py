@@ -27,7 +27,15 @@ from evals import ExtractionResult, to_jsonl
 from evals.near_verbatim import DEFAULT_BEAMS
 from evals.static_decode import DECODES
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report
-from memorization.eval.membership import EvalCorpus, eval_corpus, mia_corpora, run_documents
+from memorization.eval.membership import (
+    RUN_CORPORA,
+    EvalCorpus,
+    check_run_corpus,
+    eval_corpus,
+    mia_corpora,
+    run_corpus,
+    run_documents,
+)
 from memorization.eval.plots import best_effort, eval_png
 from memorization.eval.sections import (
     EvalOptions,
@@ -196,6 +204,8 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
         o.reference = model_folder("--reference", o.reference)
     if o.mia and not o.members:
         run_documents(o.model)  # the run's members and non-members exist: refused before any loading
+    if o.corpus in RUN_CORPORA:
+        check_run_corpus(o.corpus, o.model)
     if o.out:  # the report must not land in (or over) what the evaluation reads
         check_inputs("--out", o.out, _inputs(o), entries=EVAL_FILES)
     config = hf_config("--model", o.model)
@@ -222,7 +232,7 @@ def run_eval(o: EvalOptions) -> dict[str, Any]:
     def load(flag: str, spec: str, cut: int = max_tokens, **kw: Any) -> EvalCorpus:
         return eval_corpus(flag, spec, tok, vocab, cut, o.limit, **kw)
 
-    extraction = load("--corpus", o.corpus) if o.corpus else None
+    extraction = run_corpus(o, load, max_tokens) if o.corpus else None
     if extraction is not None and not any(len(s) >= o.prefix + o.suffix for s in extraction.seqs):
         raise fail("--corpus", o.corpus, f"no document has --prefix + --suffix = {o.prefix + o.suffix} "
                    "tokens; shorten the prefix/suffix or use longer documents")

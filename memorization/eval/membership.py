@@ -88,8 +88,12 @@ def eval_corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, lim
     return c
 
 
-def run_documents(model: str) -> dict[str, Any]:
-    """run.json's `documents` of the memorize run whose OUT/model is `model`; ConfigError if none."""
+# `--corpus run:members` / `run:held-out`: the documents of the memorize run whose OUT/model --model is
+RUN_CORPORA = {"run:members": "members", "run:held-out": "non_members"}
+
+
+def _run_record(model: str, flag: str, value: str, what: str, fix: str) -> dict[str, Any]:
+    """run.json's `documents` of the memorize run whose OUT/model is `model`, as plain documents."""
     path = Path(model).parent / "run.json"
     record = None
     if path.is_file():
@@ -98,13 +102,43 @@ def run_documents(model: str) -> dict[str, Any]:
         except (ValueError, AttributeError):
             record = None
     if not record:
-        raise fail("--mia", model, "without --members/--non-members takes them from the training run, "
-                   f"but {path} (written by memorize train since its documents are recorded) is missing or "
-                   "lists no documents; pass --members CORPUS --non-members CORPUS of one distribution "
-                   "(documents the model trained on, and unseen ones like them)")
+        raise fail(flag, value, f"{what} from the training run, but {path} (written by memorize train since "
+                   f"its documents are recorded) is missing or lists no documents; {fix}")
     if record.get("format") == "chat":
-        raise fail("--mia", model, "the run trained on conversations; memorize eval scores plain documents "
-                   "(the run's own eval.mia scores its responses)")
+        raise fail(flag, value, "the run trained on conversations; memorize eval scores plain documents "
+                   "(the run's own evaluation scores its responses)")
+    return record
+
+
+def run_corpus(o: Any, load: Any, max_tokens: int) -> EvalCorpus:
+    """--corpus: a corpus spec, or run:members / run:held-out (the run's documents, cut to its block_len
+    unless --max-tokens says otherwise). `load(flag, spec, max_tokens, **kw)` as in `mia_corpora`."""
+    which = RUN_CORPORA.get(o.corpus)
+    if which is None:
+        return load("--corpus", o.corpus, max_tokens)
+    rec = check_run_corpus(o.corpus, o.model)
+    cut = o.max_tokens or min(max_tokens, rec.get("block_len") or max_tokens)
+    side = "training documents" if which == "members" else "held-out split"
+    return load("--corpus", rec["corpus"], cut, ids=rec[which], text_field=rec.get("text_field", "text"),
+                label=f"{rec['corpus']}: the run's {side}")
+
+
+def check_run_corpus(corpus: str, model: str) -> dict[str, Any]:
+    """The run record behind --corpus run:members / run:held-out; ConfigError before anything loads."""
+    rec = _run_record(model, "--corpus", corpus, "takes the documents",
+                      "pass the corpus itself (a registry name or a file)")
+    if RUN_CORPORA[corpus] == "non_members" and not rec.get("non_members"):
+        raise fail("--corpus", corpus, f"the run held out no documents of {rec['corpus']} (data.held_out="
+                   f"{rec.get('held_out')!r}); pass that corpus itself, or retrain with "
+                   "data.held_out_fraction")
+    return rec
+
+
+def run_documents(model: str) -> dict[str, Any]:
+    """run.json's `documents` of the memorize run whose OUT/model is `model`; ConfigError if none."""
+    record = _run_record(model, "--mia", model, "without --members/--non-members takes them",
+                         "pass --members CORPUS --non-members CORPUS of one distribution (documents the "
+                         "model trained on, and unseen ones like them)")
     if not record.get("non_members"):
         raise fail("--mia", model, f"the run held out no documents of {record['corpus']} (data.held_out="
                    f"{record.get('held_out')!r} is another corpus: attacks against it measure the shift "

@@ -283,7 +283,8 @@ def _run_record(summary: dict[str, Any], loss: str, pretrained: bool) -> dict[st
             "final_train_loss": summary.get("final_train_loss"), "reused": summary.get("reused", False),
             "exact_match_rate": last.get("exact_match_rate"), "rougeL": last.get("rougeL"),
             "val_loss": last.get("val_loss"), "other_val_loss": last.get("other_val_loss"),
-            "passes": passes, "sampled": summary.get("sampled")}
+            "passes": passes, "sampled": summary.get("sampled"),
+            "near_verbatim": summary.get("near_verbatim")}
 
 
 def _first_pass(run: dict[str, Any], threshold: float) -> int | None:
