@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from axonn.grid import ProcessGrid
 from evals._model import evaluating
 from evals.kv_cache import preallocated_cache
-from evals.probabilistic import _check, _finite
+from evals.probabilistic import _finite, check_windows
 from evals.sampling import Scheme, candidate_logprobs, np_summary
 from evals.scoring import Scorer
 from memorize_core import fail
@@ -123,11 +123,8 @@ def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *,
     log10 bound, ...}}, "rows"}}}; a row is {"doc", "bound":
     {scheme: [log bound at d=0..max_edits]}, "likeliest": {scheme: {"edits", "logp", "tokens"}}}
     (JSON floats: -inf as None)."""
-    offs = _check(offsets, prefix_len, suffix_len, batch_size)
+    offs, ids = check_windows(documents, offsets, prefix_len, suffix_len, batch_size, doc_ids)
     _check_search(schemes, max_edits, beams)
-    ids = list(range(len(documents))) if doc_ids is None else list(doc_ids)
-    if len(ids) != len(documents):
-        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per document ({len(documents)})")
     sc = Scorer(model, grid)
     width = prefix_len + suffix_len
     out: dict[str, Any] = {"prefix": prefix_len, "suffix": suffix_len, "schemes": [s.name for s in schemes],

@@ -24,6 +24,17 @@ from evals.scoring import Scorer
 from memorize_core import fail
 
 
+def check_windows(documents: Sequence[Sequence[int]], offsets: Sequence[int], prefix_len: int,
+                  suffix_len: int, batch_size: int, doc_ids: Sequence | None) -> tuple[list[int], list[Any]]:
+    """(the sorted distinct offsets, one id per document) of a per-window evaluation; ConfigError naming
+    the bad argument."""
+    offs = _check(offsets, prefix_len, suffix_len, batch_size)
+    ids = list(range(len(documents))) if doc_ids is None else list(doc_ids)
+    if len(ids) != len(documents):
+        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per document ({len(documents)})")
+    return offs, ids
+
+
 def _check(offsets: Sequence[int], prefix_len: int, suffix_len: int, batch_size: int) -> list[int]:
     for name, v in (("prefix_len", prefix_len), ("suffix_len", suffix_len), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -45,10 +56,7 @@ def sampled_extraction(model: torch.nn.Module, documents: Sequence[Sequence[int]
 
     Returns {"prefix", "suffix", "schemes", "offsets": {"0": {"docs", "exact_match_rate", "np", "rows"}}}
     where rows are {"doc", "logpz": {"greedy": ..., scheme name: ...}} (JSON floats: -inf as None)."""
-    offs = _check(offsets, prefix_len, suffix_len, batch_size)
-    ids = list(range(len(documents))) if doc_ids is None else list(doc_ids)
-    if len(ids) != len(documents):
-        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per document ({len(documents)})")
+    offs, ids = check_windows(documents, offsets, prefix_len, suffix_len, batch_size, doc_ids)
     sc = Scorer(model, grid)
     width = prefix_len + suffix_len
     out: dict[str, Any] = {"prefix": prefix_len, "suffix": suffix_len, "schemes": [s.name for s in schemes],
@@ -102,5 +110,5 @@ def split_rows(got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]
     return summary, rows
 
 
-__all__ = ["np_rates", "sampled_extraction", "split_rows"]
+__all__ = ["check_windows", "np_rates", "sampled_extraction", "split_rows"]
 

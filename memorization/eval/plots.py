@@ -54,25 +54,32 @@ def np_threshold(n: int, p: float) -> float:
     return float(np.log10(-np.expm1(np.log1p(-p) / n)))
 
 
-def sampled_panel(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
-    """The p_z curves of sampled.jsonl's `rows` and the (n, p) lines of `smp` (its ns and p) on `ax`."""
-    curves = pz_curves(rows)
-    p, ns = float(smp["p"]), smp["ns"]
+def _survival(ax: Any, curves: Sequence[tuple[np.ndarray, str, str, str]], p: float, ns: Sequence[int]
+              ) -> None:
+    """Each (log10 values, colour, line style, label) as the fraction of documents at or above x, and a
+    dotted line at each n's (n, p) threshold; every finite value and line in view, 0 on the right edge."""
     lines = [np_threshold(n, p) for n in ns]
-    finite = np.concatenate([c[np.isfinite(c)] for c in curves.values()] + [np.array([0.0, *lines])])
-    lo = max(-300.0, float(finite.min()) * 1.05 - 1.0)  # every finite p_z and line in view (0 on the edge)
+    finite = np.concatenate([c[np.isfinite(c)] for c, *_ in curves] + [np.array([0.0, *lines])])
+    lo = max(-300.0, float(finite.min()) * 1.05 - 1.0)
     x = np.linspace(lo, 0.0, 400)
-    colours: dict[str, str] = {}
-    offsets = sorted({off for off, _ in curves})
-    for (off, name), c in curves.items():
-        colour = colours.setdefault(name, f"C{len(colours)}")
-        ax.plot(x, (c[None, :] >= x[:, None]).mean(1), color=colour,
-                linestyle=_STYLES[offsets.index(off) % len(_STYLES)], label=f"{name}, offset {off}")
+    for c, colour, style, label in curves:
+        ax.plot(x, (c[None, :] >= x[:, None]).mean(1), color=colour, linestyle=style, label=label)
     for i, at in enumerate(lines):
         ax.axvline(at, color="grey", linestyle=":", linewidth=0.8,
                    label=f"n = {', '.join(map(str, ns))} (right to left)" if i == 0 else None)
     ax.set_xlim(lo, 0.0)
     ax.set_ylim(-0.02, 1.06)
+
+
+def sampled_panel(ax: Any, smp: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    """The p_z curves of sampled.jsonl's `rows` and the (n, p) lines of `smp` (its ns and p) on `ax`."""
+    curves = pz_curves(rows)
+    colours: dict[str, str] = {}
+    offsets = sorted({off for off, _ in curves})
+    styled = [(c, colours.setdefault(name, f"C{len(colours)}"), _STYLES[offsets.index(off) % len(_STYLES)],
+               f"{name}, offset {off}") for (off, name), c in curves.items()]
+    p = float(smp["p"])
+    _survival(ax, styled, p, smp["ns"])
     ax.set_xlabel("log10 p_z (the suffix's probability under the scheme)")
     ax.set_ylabel("fraction of documents with p_z at least")
     ax.set_title(f"Beyond greedy: right of a line, (n, p={p})-extractable", fontsize=10)
@@ -84,22 +91,11 @@ def near_panel(ax: Any, nv: dict[str, Any], rows: Sequence[dict[str, Any]]) -> N
     against log10 x, a colour per d and a line style per scheme (the first offset), with the (n, p) lines."""
     offset = min(int(r["offset"]) for r in rows)
     at = [r for r in rows if int(r["offset"]) == offset]
-    p, ns = float(nv["p"]), nv["ns"]
-    lines = [np_threshold(n, p) for n in ns]
-    curves = {(name, d): np.array([-np.inf if r["bound"][name][d] is None else r["bound"][name][d]
-                                   for r in at]) / np.log(10)
-              for name in nv["schemes"] for d in range(int(nv["max_edits"]) + 1)}
-    finite = np.concatenate([c[np.isfinite(c)] for c in curves.values()] + [np.array([0.0, *lines])])
-    lo = max(-300.0, float(finite.min()) * 1.05 - 1.0)
-    x = np.linspace(lo, 0.0, 400)
-    for (name, d), c in curves.items():
-        ax.plot(x, (c[None, :] >= x[:, None]).mean(1), color=f"C{d}",
-                linestyle=_STYLES[nv["schemes"].index(name) % len(_STYLES)], label=f"{name}, <= {d} changed")
-    for i, line in enumerate(lines):
-        ax.axvline(line, color="grey", linestyle=":", linewidth=0.8,
-                   label=f"n = {', '.join(map(str, ns))} (right to left)" if i == 0 else None)
-    ax.set_xlim(lo, 0.0)
-    ax.set_ylim(-0.02, 1.06)
+    styled = [(np.array([-np.inf if r["bound"][name][d] is None else r["bound"][name][d] for r in at])
+               / np.log(10), f"C{d}", _STYLES[i % len(_STYLES)], f"{name}, <= {d} changed")
+              for i, name in enumerate(nv["schemes"]) for d in range(int(nv["max_edits"]) + 1)]
+    p = float(nv["p"])
+    _survival(ax, styled, p, nv["ns"])
     ax.set_xlabel("log10 P(a sample within d changed tokens), lower bound")
     ax.set_ylabel("fraction of documents with it at least")
     ax.set_title(f"Near-verbatim, offset {offset}: right of a line, (n, p={p})", fontsize=10)
