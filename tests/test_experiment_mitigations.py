@@ -29,7 +29,7 @@ base:
   data: {{corpus: wiki-leads, limit: 28, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
   model: {{name: {model}}}
   trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
-  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8, near_verbatim: 1, nv_beams: 2}}
   wandb: {{mode: disabled}}
 """
 
@@ -75,9 +75,17 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
         assert ds["n"] == 3 and ds["acc"] in (0.0, 1 / 3, 2 / 3, 1.0) and ds["acc_stderr"] >= 0
         assert a["utility"]["val_loss"] > 0 and a["cost"]["peak_rss_gb"] > 0
         assert a["cost"]["trainable_params"] > 0
+        # near-verbatim beside p_z: its d = 0 column is the exact copy's (n, p) summary
+        for part, v in a["near_verbatim"].items():
+            for scheme, summary in v["offsets"]["0"]["np"].items():
+                exact = a["sampled"][part]["np"]["schemes"][scheme]
+                assert list(summary["schemes"]) == ["d=0", "d=1"] and summary["schemes"]["d=0"] == exact
+        assert set(a["near_verbatim"]) == {"seen_once", "duplicated"}
     base = report["base_downstream"]["tasks"]["analogies_family"]
     assert base["n"] == 3
     assert "analogies_family acc ± SE" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "Near-verbatim: (n=1000, p=0.5)-extractable within d changed tokens" in md
     assert arms[0]["cost"]["step_time_vs_none"] == pytest.approx(1.0)
     none, dp, lora = arms[0], arms[3], arms[4]
     assert none["privacy"]["epsilon"] is None
@@ -143,5 +151,8 @@ def test_every_arm_at_a_tensor_split_scores_as_the_serial_run(pretrained, tmp_pa
         for m, rec in s["mia"].items():
             assert g["mia"][m]["auc"] == pytest.approx(rec["auc"], abs=1e-9), (s["name"], m)
         assert g["cost"]["trainable_params"] == s["cost"]["trainable_params"], s["name"]
+        for part, v in s["near_verbatim"].items():  # the search's tokens from vocab-split logits
+            got = g["near_verbatim"][part]["offsets"]["0"]["np"]
+            assert got == v["offsets"]["0"]["np"], (s["name"], part)
     run = json.loads((tmp_path / "split" / "runs" / "lora" / "run.json").read_text())
     assert run["summary"]["grid"] == "1,2,1,1"

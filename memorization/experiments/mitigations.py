@@ -27,9 +27,10 @@ import numpy as np
 from axonn.config import to_dict
 from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
 from evals import extract, summarize
-from evals.probabilistic import sampled_extraction
+from evals.near_verbatim import near_verbatim
+from evals.probabilistic import sampled_extraction, split_rows
 from memorization.config import RunConfig
-from memorization.experiments.beyond_greedy import NP_NOTE, np_plot
+from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
 from memorization.experiments.canary_exposure import (
     InjectionConfig,
     build_corpus,
@@ -165,9 +166,15 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                                    schemes=schemes, offsets=[0], ns=e.np_ns, p=e.np_p,
                                                    batch_size=e.batch_size))
                   for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
+        # base.eval.near_verbatim: the bound of a sample within d changed tokens, beside p_z
+        near = {name: split_rows(near_verbatim(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                                               schemes=schemes, max_edits=e.near_verbatim, beams=e.nv_beams,
+                                               ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))[0]
+                for name, docs in (("seen_once", members), ("duplicated", dup_docs))
+                if e.near_verbatim and schemes and docs}
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
                 "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens),
-                "sampled": beyond, **questions(model, downstream=True)}
+                "sampled": beyond, "near_verbatim": near, **questions(model, downstream=True)}
 
     arms, samples = [], []
     for arm in cfg.arms:
@@ -257,6 +264,7 @@ def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -
         "privacy": {"epsilon": s.get("epsilon"), "delta": s.get("delta")},
         "audit": s.get("audit"),
         "sampled": s.get("sampled") or {},
+        "near_verbatim": s.get("near_verbatim") or {},
         "cost": {"steps": steps, "train_seconds": s.get("train_seconds"),
                  "step_seconds": (s.get("train_seconds") or 0) / steps if steps else None,
                  "peak_rss_gb": (s.get("peak_rss_bytes") or 0) / 2**30 or None,
@@ -383,6 +391,14 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                    for a in arms for part, v in a["sampled"].items()]
         plot = np_plot(as_runs, out / "mitigations-np.png")
         plots += [plot] if plot else []
+    near = near_table([{"name": f"{a['name']} ({part})", "near_verbatim": v}
+                       for a in arms for part, v in a["near_verbatim"].items()])
+    if near is not None:
+        extra_tables.append(near)
+        notes.append("Near-verbatim (base.eval.near_verbatim): a lower bound of the probability that one "
+                     "sample lies within d changed suffix tokens (d = 0: the exact copy), from a beam search "
+                     "kept inside that neighbourhood (evals/near_verbatim.py); a fraction counts the "
+                     "documents whose bound alone passes the (n, p) test.")
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=arms,
                    tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols)),
