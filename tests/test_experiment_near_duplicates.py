@@ -36,13 +36,15 @@ def test_bad_grid_names_the_field(override, field):
 
 
 def test_smallest_grid_end_to_end(tmp_path):
-    report = run_experiment(CONFIG, out=tmp_path, overrides=SMALL)
+    report = run_experiment(CONFIG, out=tmp_path, overrides=SMALL + ["base.eval.near_verbatim=2",
+                                                                     "base.eval.nv_beams=2"])
     rows = report["runs"] if "runs" in report else json.loads((tmp_path / "report.json").read_text())["runs"]
     assert len(rows) == 2 * 2 * 2  # copies x rates x strategies (the one-copy cell repeated)
     assert len(list((tmp_path / "runs").iterdir())) == 3 * 2  # corpora (1, 3@0, 3@0.2) x strategies
     for r in rows:
         assert 0 <= r["exact_match_rate"] <= 1 and r["val_loss"] > 0
         assert r["np_best"] is not None and 0 <= r["np_best"] <= 1  # (n, p) beside greedy
+        assert r["np_best"] <= r["near_best"] <= 1  # within 2 changed tokens: never below the exact copy
         if r["strategy"] == "none":
             assert r["suffix_coverage"] == 1.0
         else:
@@ -51,6 +53,7 @@ def test_smallest_grid_end_to_end(tmp_path):
     assert exact[0]["suffix_coverage"] == exact[0]["single_copy_suffix"]  # exact copies add nothing
     assert (tmp_path / "goldfish-near-duplicates.png").stat().st_size > 0
     assert "copies supervise" in (tmp_path / "report.md").read_text()
+    assert "within 2 changed, best scheme" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow

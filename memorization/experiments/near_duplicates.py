@@ -17,6 +17,7 @@ from typing import Any
 
 from data_pipelines import DuplicateSpec, inject, tokenize_documents
 from evals import extract
+from evals.near_verbatim import near_verbatim
 from evals.probabilistic import np_rates, sampled_extraction
 from memorization.config import RunConfig
 from memorization.experiments.reporting import Outputs, Table, save
@@ -128,14 +129,22 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             beyond = sampled_extraction(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
                                         schemes=schemes, ns=b.eval.np_ns, p=b.eval.np_p,
                                         batch_size=b.eval.batch_size) if schemes else None
+            # base.eval.near_verbatim: a sample within that many changed tokens of the original's suffix
+            near = near_verbatim(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
+                                 schemes=schemes, max_edits=b.eval.near_verbatim, beams=b.eval.nv_beams,
+                                 ns=b.eval.np_ns, p=b.eval.np_p, batch_size=b.eval.batch_size
+                                 ) if schemes and b.eval.near_verbatim else None
             return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res],
-                    "np": np_rates(beyond) if beyond else {}}
+                    "np": np_rates(beyond) if beyond else {},
+                    "near_np": _near_rates(near, b.eval.near_verbatim) if near else {}}
 
         for strategy in cfg.strategies:
             rc = cell_config(cfg, strategy, n, r)
+            near_key = {"near_verbatim": b.eval.near_verbatim, "nv_beams": b.eval.nv_beams}
             summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb,
                               extra_key={"duplicates": vars(spec), "seed": b.seed},
-                              eval_key={"prefix": b.eval.prefix, "suffix": b.eval.suffix})
+                              eval_key={"prefix": b.eval.prefix, "suffix": b.eval.suffix,
+                                        **(near_key if b.eval.near_verbatim else {})})
             if not exp.is_main:
                 continue
             cov = audit(clusters, [strategy], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
@@ -146,6 +155,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                          "rougeL": _mean([x["rougeL"] for x in ext]), "extracted_docs": len(ext),
                          "np_best": max((v for k, v in (summary.get("np") or {}).items() if k != "greedy"),
                                         default=None),
+                         "near_best": max((summary.get("near_np") or {}).values(), default=None),
                          "suffix_coverage": cov["suffix_coverage"], "coverage": cov["coverage"],
                          "single_copy_suffix": cov["single_copy_suffix"],
                          "fully_covered": f"{cov['clusters_fully_covered']}/{len(clusters)}",
@@ -173,7 +183,15 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     ]
     plot = _plot(table, cfg, exp.out / "goldfish-near-duplicates.png")
     title = "Goldfish under near-duplicates: extraction and mask coverage vs copies and edit rate"
-    return Outputs(title=title, kind=cfg.kind, runs=table, tables=[Table("Cells", table, COLUMNS)],
+    columns = COLUMNS
+    if b.eval.near_verbatim:  # after the (n, p) column
+        at = [c[0] for c in COLUMNS].index("np_best") + 1
+        columns = (*COLUMNS[:at], ("near_best", f"within {b.eval.near_verbatim} changed, best scheme",
+                                   "{:.0%}"), *COLUMNS[at:])
+        notes.append(f"Within {b.eval.near_verbatim} changed: the share of originals whose lower bound of "
+                     f"P(a sample lies within {b.eval.near_verbatim} changed suffix tokens) passes the same "
+                     "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
+    return Outputs(title=title, kind=cfg.kind, runs=table, tables=[Table("Cells", table, columns)],
                    notes=notes, plots=[plot])
 
 
@@ -186,6 +204,14 @@ def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
             for s in cfg.strategies:
                 out.append({**by[(s, n, 0.0 if n == 1 else float(r))], "edit_rate": float(r)})
     return out
+
+
+def _near_rates(result: dict[str, Any], d: int) -> dict[str, float]:
+    """scheme -> the fraction of documents whose near-verbatim bound within d changes passes (n, p) at the
+    largest n, offset 0 (of evals.near_verbatim.near_verbatim)."""
+    summaries = result["offsets"]["0"]["np"] or {}
+    return {name: s["schemes"][f"d={d}"][f"n={max(s['ns'])}"]["fraction"]
+            for name, s in summaries.items() if s}
 
 
 def _mean(values: list) -> float | None:
