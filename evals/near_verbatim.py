@@ -22,7 +22,7 @@ Cost per scheme: S decode steps of B paths per document through the KV cache (ab
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,13 +51,14 @@ def _check_search(schemes: Sequence[Scheme], max_edits: int, beams: int) -> None
 
 
 def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Scheme, max_edits: int,
-           beams: int) -> dict[str, torch.Tensor]:
+           beams: int, tick: Callable[[int], Any] | None = None) -> dict[str, torch.Tensor]:
     """The constrained beam search over this rank's rows (inside `evaluating`; call on every Y rank).
 
     The paths are kept per number of changed tokens: the verbatim one, and the `beams` likeliest with
     exactly e changes for each e = 1..max_edits (one beam for all would fill with paths that spent their
     changes early and cannot swap the one improbable token that comes later).
 
+    `tick(R)` is called after each suffix position (a progress bar's update).
     Returns {"bound": [R, max_edits + 1] float64 log lower bounds (column d: at most d tokens changed),
     "tokens": [R, S] the likeliest path found, "edits": [R] its changes, "logp": [R] its log-prob}."""
     r, s = targets.shape
@@ -97,6 +98,8 @@ def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Sc
         src, col = idx // (c + 1), idx % (c + 1)
         tok = cand.view(r, b, c + 1)[base, src, col]
         seqs = torch.cat([seqs.gather(1, src[:, :, None].expand(-1, -1, t)), tok[:, :, None]], dim=2)
+        if tick is not None:
+            tick(r)
         if t + 1 == s:
             break
         cache.reorder_cache((base * b + src).view(-1))
@@ -130,7 +133,10 @@ def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *,
     out: dict[str, Any] = {"prefix": prefix_len, "suffix": suffix_len, "schemes": [s.name for s in schemes],
                            "max_edits": max_edits, "beams": beams, "offsets": {}}
     keeps = {o: [i for i, d in enumerate(documents) if len(d) >= o + width] for o in offs}
-    bar = tqdm(total=sum(map(len, keeps.values())) * len(schemes), desc="near-verbatim", unit="doc",
+    # one unit per suffix token of a document, decoded on all of its paths; this rank's share (rank 0)
+    bar = tqdm(total=sum(len(sc.rows(len(k[b:b + batch_size]))) for k in keeps.values()
+                         for b in range(0, len(k), batch_size)) * len(schemes) * suffix_len,
+               desc=f"near-verbatim ({1 + max_edits * beams} paths)", unit="tok",
                disable=not (progress and sc.is_main))
     with evaluating(model):
         for o, keep in keeps.items():
@@ -142,13 +148,12 @@ def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *,
                 mine = sc.rows(len(chunk))
                 for s in schemes:
                     res = search(sc, windows[mine, :prefix_len], windows[mine, prefix_len:], s, max_edits,
-                                 beams)
+                                 beams, tick=bar.update)
                     local = [{"bound": [_finite(x) for x in b.tolist()],
                               "likeliest": {"edits": int(e), "tokens": tk.tolist(),
                                             "logp": _finite(float(lp))}}
                              for b, e, tk, lp in zip(res["bound"], res["edits"], res["tokens"], res["logp"])]
                     got[s.name] += sc.collect(mine, local, len(chunk))
-                    bar.update(len(chunk))
             rows = [{"doc": ids[i], "bound": {n: got[n][j]["bound"] for n in got},
                      "likeliest": {n: got[n][j]["likeliest"] for n in got}} for j, i in enumerate(keep)]
             summary, median = {}, {}
