@@ -175,6 +175,9 @@ def test_near_verbatim_rows_start_at_the_exact_copy(setup, evaluated, tmp_path):
     assert report["sampled"] == {**json.loads((evaluated / "report.json").read_text())["sampled"],
                                  "seconds": report["sampled"]["seconds"]}
     rows, sampled = _lines(out / "near_verbatim.jsonl"), _lines(out / "sampled.jsonl")
+    tok = AutoTokenizer.from_pretrained(setup / "model")
+    c = eval_corpus("--corpus", str(setup / "corpus.txt"), tok, len(tok), report["max_tokens"], 0)
+    by_doc = dict(zip(c.ids, c.seqs))
     assert [(r["offset"], r["doc"]) for r in rows] == [(r["offset"], r["doc"]) for r in sampled]
     grew = 0
     for r, want in zip(rows, sampled):
@@ -186,7 +189,15 @@ def test_near_verbatim_rows_start_at_the_exact_copy(setup, evaluated, tmp_path):
             grew += b[2] > b[0] + 1e-3
             best = r["likeliest"][name]
             assert best["edits"] <= 2 and len(best["tokens"]) == 4 and isinstance(best["text"], str)
+        assert r["suffix"] == tok.decode(by_doc[r["doc"]][r["offset"] + 4:r["offset"] + 8])
     assert grew  # some document has near-copies with real mass
+    # report.md's examples: the likeliest near-copies (not exact), one per window, most probable first
+    examples = nv["examples"]
+    want = sorted(((p["logp"], r["doc"], r["offset"]) for r in rows for p in r["likeliest"].values()
+                   if p["edits"] and p["logp"] is not None), reverse=True)
+    assert examples and examples[0]["logp"] == want[0][0] and all(x["edits"] > 0 for x in examples)
+    assert len({(x["doc"], x["offset"]) for x in examples}) == len(examples) <= 3
+    assert [x["logp"] for x in examples] == sorted((x["logp"] for x in examples), reverse=True)
     for o, at in nv["offsets"].items():
         for name in NAMES:
             got = [r for r in rows if r["offset"] == int(o)]
@@ -195,6 +206,7 @@ def test_near_verbatim_rows_start_at_the_exact_copy(setup, evaluated, tmp_path):
                 assert at["np"][name]["schemes"][f"d={d}"]["n=1"]["count"] == hits
     md = (out / "report.md").read_text()
     assert "### Near-verbatim" in md and "| 8 |" in md and "| <= 2 |" in md and "near_verbatim.jsonl" in md
+    assert f"near: {examples[0]['text']!r}" in md and "Likeliest near-copies found" in md
     png = (out / "report.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") == 3 * PANEL_PX
 

@@ -200,9 +200,10 @@ def test_near_verbatim_of_a_run_starts_at_its_log_pz(setup, tmp_path):
     for r, want in zip(near, sampled):
         b = r["bound"]["t=1.0"]
         assert b[0] == pytest.approx(want["logpz"]["t=1.0"], abs=1e-4) and b[0] <= b[1] <= b[2]
-        assert isinstance(r["likeliest"]["t=1.0"]["text"], str)
+        assert isinstance(r["likeliest"]["t=1.0"]["text"], str) and isinstance(r["suffix"], str)
     at = summary["near_verbatim"]["offsets"]["0"]
     assert summary["near_verbatim"]["max_edits"] == 2 and at["docs"] == len(near)
+    assert all(x["edits"] > 0 for x in summary["near_verbatim"]["examples"])
     assert list(at["np"]["t=1.0"]["schemes"]) == ["d=0", "d=1", "d=2"]
     md = (tmp_path / "run" / "report.md").read_text()
     assert "### Near-verbatim" in md and "near_verbatim.jsonl" in md

@@ -2,6 +2,7 @@
 memorization.outputs.write_files)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,17 @@ def _near(nv: dict[str, Any], rows_file: bool) -> list[str]:
             + ("; each document's bounds and likeliest near-copy in near_verbatim.jsonl." if rows_file
                else "."),
             _table(["offset", "docs", "scheme", "changed tokens", "median log10 P", *[f"n={n}" for n in ns]],
-                   rows)]
+                   rows), *_near_examples(nv.get("examples") or [])]
+
+
+def _near_examples(examples: list[dict[str, Any]]) -> list[str]:
+    """The likeliest near-copies (not exact), the truth beside each."""
+    if not examples:
+        return []
+    lines = [f"- `{x['doc']}` (offset {x['offset']}, `{x['scheme']}`, {x['edits']} changed, one sample "
+             f"emits it with probability {math.exp(x['logp']):.2e}):\n  true: {x['suffix']!r}\n  "
+             f"near: {x['text']!r}" for x in examples]
+    return ["Likeliest near-copies found (not exact):", "\n".join(lines)]
 
 
 def markdown_report(report: dict[str, Any], figure: str | None = None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,11 +155,36 @@ def near_verbatim_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *
                         offsets=parse_offsets(o.offsets), ns=parse_ns(o.np_n), p=parse_p(o.np_p),
                         batch_size=o.batch_size, doc_ids=c.ids, grid=grid, progress=progress)
     got, rows = split_rows(got)
+    spell_near_rows(rows, c.ids, c.seqs, tok, o.prefix, o.suffix)
+    section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "examples": near_examples(rows),
+               "seconds": time.perf_counter() - t}
+    return section, rows
+
+
+def spell_near_rows(rows: list[dict[str, Any]], ids: Sequence[Any], seqs: Sequence[Sequence[int]], tok: Any,
+                    prefix: int, suffix: int) -> None:
+    """Add each near_verbatim.jsonl row's true suffix as text (`suffix`) and its likeliest path's (`text`)."""
+    by_id = dict(zip(ids, seqs))
     for r in rows:
+        start = int(r["offset"]) + prefix
+        r["suffix"] = tok.decode(list(by_id[r["doc"]][start:start + suffix]))
         for path in r["likeliest"].values():
             path["text"] = tok.decode(path["tokens"])
-    section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
-    return section, rows
+
+
+def near_examples(rows: Sequence[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
+    """The k likeliest near-copies that are not the exact suffix, one per window (its likeliest scheme):
+    each with its document, offset, scheme, changed tokens, log-prob, the true suffix and the near-copy."""
+    best: dict[tuple[Any, int], dict[str, Any]] = {}
+    for r in rows:
+        for name, path in r["likeliest"].items():
+            key = (r["doc"], r["offset"])
+            if not path["edits"] or path["logp"] is None:
+                continue
+            if key not in best or path["logp"] > best[key]["logp"]:
+                best[key] = {"doc": r["doc"], "offset": r["offset"], "scheme": name, "edits": path["edits"],
+                             "logp": path["logp"], "suffix": r["suffix"], "text": path["text"]}
+    return sorted(best.values(), key=lambda x: -x["logp"])[:k]
 
 
 def perplexity_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: ProcessGrid | None = None

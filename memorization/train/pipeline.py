@@ -33,6 +33,7 @@ from axonn.trainer import Trainer
 from axonn.watchdog import Watchdog, start_watchdog
 from memorization.config import RunConfig
 from memorization.eval.dp_audit import run_audit
+from memorization.eval.sections import near_examples, spell_near_rows
 from memorization.mitigations.coverage import run_coverage
 from memorization.mitigations.dp_sgd import OpacusPrivacy
 from memorization.mitigations.ghost_clipping import make_privacy
@@ -134,10 +135,8 @@ def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
                         offsets=e.offsets, ns=e.np_ns, p=e.np_p, batch_size=e.batch_size,
                         doc_ids=data.member_doc_ids, grid=grid, progress=progress)
     summary, rows = split_rows(got)
-    for r in rows:
-        for path in r["likeliest"].values():
-            path["text"] = data.tokenizer.decode(path["tokens"])
-    return summary, rows
+    spell_near_rows(rows, data.member_doc_ids, data.member_docs, data.tokenizer, e.prefix, e.suffix)
+    return {**summary, "examples": near_examples(rows)}, rows
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
