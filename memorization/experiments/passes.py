@@ -17,15 +17,8 @@ from axonn.trainer import Trainer
 from evals import summarize
 from memorization.config import RunConfig
 from memorization.experiments.corpus_scan import scan_training_set
-from memorization.train.pipeline import (
-    EXTRACTION_KEYS,
-    effective_trainer,
-    extraction_results,
-    finish,
-    sampled_results,
-    start_run,
-    train,
-)
+from memorization.train.evaluation import extraction_results, sampled_results
+from memorization.train.pipeline import EXTRACTION_KEYS, effective_trainer, finish, start_run, train
 from memorization.train.prepare import PreparedData
 
 

@@ -50,7 +50,8 @@ from memorization.experiments.spec import (
 )
 from memorization.models import is_pretrained, zoo_names
 from memorization.outputs import check_name
-from memorization.train.pipeline import extraction_results, finish, start_run, train
+from memorization.train.evaluation import extraction_results
+from memorization.train.pipeline import finish, start_run, train
 from memorize_core import fail
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from axonn.config import to_dict
@@ -33,7 +32,6 @@ from axonn.trainer import Trainer
 from axonn.watchdog import Watchdog, start_watchdog
 from memorization.config import RunConfig
 from memorization.eval.dp_audit import run_audit
-from memorization.eval.sections import near_examples, spell_near_rows
 from memorization.mitigations.coverage import run_coverage
 from memorization.mitigations.dp_sgd import OpacusPrivacy
 from memorization.mitigations.ghost_clipping import make_privacy
@@ -54,8 +52,9 @@ from memorization.models import (
 from memorization.outputs import remove_entries
 from memorization.report import read_metrics
 from memorization.tracking import WandbSink
+from memorization.train.evaluation import extraction_results, membership, near_results, sampled_results
 from memorization.train.parallel import is_main_process, resolve_grid
-from memorization.train.prepare import PreparedData, documents_record, mia_sets, prepare_data
+from memorization.train.prepare import PreparedData, documents_record, prepare_data
 from memorization.train.report import write_run_report
 from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_out_dir: importers read them here
     CHECKPOINTS,
@@ -64,7 +63,6 @@ from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_ou
     check_out_inputs,
     effective_trainer,
     plan_run,
-    run_schemes,
 )
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
@@ -76,67 +74,6 @@ def prepare_out_dir(out: str | Path, overwrite: bool) -> Path:
     remove_entries(path, check_out_dir(out, overwrite))  # only the run's own entries; links, not targets
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-                       progress: bool = False, grid: ProcessGrid | None = None,
-                       decode_log: Any = None) -> list[Any]:
-    """Greedy extraction of every training item: prefix -> suffix of documents,
-    prompt -> response of chats. Call it on every rank of `grid` (default: the model's own grid:
-    the one it is sharded over, else serial; pass the run's 1,1,1,D grid to split a replica's work).
-    Documents are decoded by eval.decode's decoder, reported in `decode_log` (an evals DecodeLog)."""
-    from evals import extract, extract_pairs  # deferred: evals +3.2 s import (scikit-learn, rouge-score)
-
-    e = cfg.eval
-    if data.is_chat:
-        return extract_pairs(model, data.prompts, data.responses, tokenizer=data.tokenizer,
-                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, progress=progress,
-                             grid=grid)
-    return extract(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                   tokenizer=data.tokenizer, batch_size=e.batch_size, num_beams=e.num_beams,
-                   doc_ids=data.member_doc_ids, progress=progress, grid=grid, decode=e.decode,
-                   decode_log=decode_log)
-
-
-def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-                    grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """Extraction beyond greedy of every training document (evals.probabilistic): per eval.offsets, the
-    greedy exact-match rate and the (n, p)-extractable fractions of each eval.sampling scheme, from one
-    forward per window; and each window's log p_z per scheme (the rows of sampled.jsonl). None for chat
-    data or when there is nothing beyond the greedy decode at offset 0 to measure. Call it on every rank
-    of `grid`."""
-    from evals.probabilistic import sampled_extraction, split_rows  # deferred: evals +3.2 s import
-
-    e = cfg.eval
-    schemes = run_schemes(cfg)
-    if data.is_chat or (not schemes and list(e.offsets) == [0]):
-        return None
-    got = sampled_extraction(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                             schemes=schemes, offsets=e.offsets, ns=e.np_ns, p=e.np_p,
-                             batch_size=e.batch_size, doc_ids=data.member_doc_ids, grid=grid)
-    return split_rows(got)
-
-
-def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-                 grid: ProcessGrid | None = None, progress: bool = False
-                 ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """Near-verbatim extraction of every training document (evals.near_verbatim), per eval.offsets and
-    eval.sampling scheme: the (n, p) summary of the bound at each d <= eval.near_verbatim and the rows of
-    near_verbatim.jsonl (the likeliest path's text decoded). None for chat data or eval.near_verbatim 0.
-    Call it on every rank of `grid`."""
-    from evals.near_verbatim import near_verbatim  # deferred: evals +3.2 s import
-    from evals.probabilistic import split_rows  # deferred: evals +3.2 s import
-
-    e = cfg.eval
-    if data.is_chat or not e.near_verbatim:
-        return None
-    got = near_verbatim(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                        schemes=run_schemes(cfg), max_edits=e.near_verbatim, beams=e.nv_beams,
-                        offsets=e.offsets, ns=e.np_ns, p=e.np_p, batch_size=e.batch_size,
-                        doc_ids=data.member_doc_ids, grid=grid, progress=progress)
-    summary, rows = split_rows(got)
-    spell_near_rows(rows, data.member_doc_ids, data.member_docs, data.tokenizer, e.prefix, e.suffix)
-    return {**summary, "examples": near_examples(rows)}, rows
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -405,32 +342,6 @@ def summarise(run: Run) -> dict[str, Any]:
     if run.privacy is not None:
         summary.update(run.privacy.summary(trainer.state.step))  # epsilon, delta, sigma, ...
     return summary
-
-
-def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
-               grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Membership inference of the trained model (every rank, on `grid`): the first eval.mia_docs
-    training documents vs as many held-out ones, each cut to data.block_len; AUC, TPR@1%FPR and
-    bootstrap CIs per method (loss, zlib, min-k, min-k++), and one row per document with its id, whether
-    it is a member and each method's score (mia.jsonl)."""
-    from evals.blind import blind_baseline, shift_warning  # deferred: evals +3.2 s import
-    from evals.mia import mia_metrics, score_both, score_rows  # deferred: as above (scikit-learn, rouge)
-
-    e = cfg.eval
-    members, nonmembers = mia_sets(cfg, data)
-    scores = score_both(model, members, nonmembers, tokenizer=data.tokenizer, k=e.mia_k,
-                        batch_size=e.batch_size, grid=grid, progress=cfg.trainer.progress)
-    methods = mia_metrics(*scores, bootstrap=e.bootstrap, seed=cfg.seed)
-    # the texts alone, beside the attacks: far from 0.5 when data.held_out is another distribution
-    decode = data.tokenizer.decode
-    blind = blind_baseline([decode(s) for s in members], [decode(s) for s in nonmembers],
-                           bootstrap=e.bootstrap, seed=cfg.seed)
-    held = cfg.data.held_out or f"{cfg.data.corpus} (held-out split)"
-    ids = [str(i) for i in data.member_doc_ids[:len(members)]]
-    held_ids = [str(i) for i in (data.held_out_doc_ids or [])[:len(nonmembers)]]
-    rows = score_rows(ids, held_ids, *scores)
-    return ({"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
-             "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}, rows)
 
 
 def _record_extraction(run: Run, results: list[Any]) -> dict[str, Any]:
