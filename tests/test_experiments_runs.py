@@ -128,3 +128,22 @@ def test_canary_exposure_with_manifest(tmp_path):
         ev = run["canary_eval"]
         assert ev["exact"] and ev["scored"] == 100 and len(ev["canaries"]) == 4 and len(ev["duplicates"]) == 2
         assert all(0.0 <= c["exposure"] <= ev["max_exposure"] + 1e-9 for c in ev["canaries"])
+
+
+def test_near_verbatim_keys_a_run_only_where_the_run_bounds_it():
+    """Off (the default), or on where the run extracts nothing (an experiment that bounds near-copies
+    itself keys them in its eval_key), the setting leaves a run's key as before it existed: finished runs
+    are reused; on in a run that extracts, it is part of what the run computes."""
+    from dataclasses import replace
+
+    from memorization.config import load_run_config
+    from memorization.experiments.runner import run_key
+    from memorization.models import REPO_ROOT
+
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", [])
+    base = run_key(cfg)
+    assert "near_verbatim" not in base["eval"] and "nv_beams" not in base["eval"]
+    quiet = replace(cfg, eval=replace(cfg.eval, extraction=False, near_verbatim=2, nv_beams=3))
+    assert run_key(quiet) == run_key(replace(cfg, eval=replace(cfg.eval, extraction=False)))
+    on = run_key(replace(cfg, eval=replace(cfg.eval, near_verbatim=2)))
+    assert on["eval"]["near_verbatim"] == 2 and on != base

@@ -192,6 +192,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         extra = {**key, "dedup": to_dict(cfg.dedup) if arm.dedup else None}
         summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
                           eval_key={"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
+                                    **({"near_verbatim": b.eval.near_verbatim, "nv_beams": b.eval.nv_beams}
+                                       if b.eval.near_verbatim else {}),
                                     "candidates": cfg.canaries.candidates,
                                     "other": [cfg.other_held_out, cfg.other_held_out_limit],
                                     "downstream": [cfg.downstream, cfg.downstream_limit,

@@ -57,6 +57,10 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
         d["model"].pop("lora", None)
     if not cfg.trainer.dp.enabled:
         d["trainer"].pop("dp", None)
+    if not (cfg.eval.extraction and cfg.eval.near_verbatim):
+        # the run bounds no near-copies itself (an experiment that does keys them in its eval_key)
+        d["eval"].pop("near_verbatim", None)
+        d["eval"].pop("nv_beams", None)
     return d
 
 
