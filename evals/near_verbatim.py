@@ -7,17 +7,19 @@ learned the rest. Under a decoding scheme (temperature, top-k, top-p: evals/samp
 that a sampled S-token continuation lies within Hamming distance d of the true suffix is a sum over the
 ~C(S, d)(V-1)^d sequences of that neighbourhood: too many to enumerate, and usually too small to estimate
 by sampling. Following the idea of bounding near-verbatim risk with a decoding-constrained beam search
-(Cooper et al. 2026), B paths grow one token per step; each step a path takes the true token, or spends
-one of its d substitutions on one of the scheme's likeliest other tokens, and the B likeliest paths live
-on. They are distinct sequences inside the neighbourhood, so the sum of their probabilities under the
-scheme is a LOWER BOUND of the near-verbatim probability however narrow the beam. One path is kept for
-the verbatim suffix, so the bound is never below p_z (the exact-copy probability); a beam that holds the
-whole neighbourhood gives the exact probability (tests check both, and against HF sampling). The bound
-at every d' <= d comes from the same search (its paths with at most d' substitutions).
+(Cooper et al. 2026), paths grow one token per step; each step a path takes the true token, or spends
+one of its d substitutions on one of the scheme's likeliest other tokens. The verbatim path is always
+kept, and for each number of substitutions e = 1..d the `beams` likeliest paths with exactly e of them
+(1 + d * beams paths per document). They are distinct sequences inside the neighbourhood, so the sum of
+their probabilities under the scheme is a LOWER BOUND of the near-verbatim probability however narrow
+the beam; it is never below p_z (the exact-copy probability), and a beam that holds the whole
+neighbourhood gives the exact probability (tests check both, and against HF sampling). The bound at
+every d' <= d comes from the same search (its paths with at most d' substitutions).
 
 The Hamming neighbourhood lies inside the edit-distance one, so the bound holds for "within d edits" too.
 Read with Hayes et al.'s (n, p) test, a lower bound p_d makes 1 - (1 - p_d)^n >= p a conservative verdict.
-Cost per scheme: S decode steps of B paths per document through the KV cache (about B greedy decodes).
+Cost per scheme: S decode steps of 1 + d * beams paths per document through the KV cache (batched: on
+SmolLM2 with 33 paths, 3-6x the greedy decode of the same documents per scheme).
 """
 from __future__ import annotations
 

@@ -102,8 +102,9 @@ def np_rates(result: dict[str, Any], offset: int = 0, n: int | None = None) -> d
 
 
 def split_rows(got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """sampled_extraction's result as (the summary without rows, one row per scored (offset, document):
-    {"offset", "doc", "logpz"}), the rows as sampled.jsonl holds them."""
+    """A per-window result (sampled_extraction's, evals.near_verbatim's) as (the summary without rows, one
+    row per scored (offset, document) with its offset first), the rows as sampled.jsonl and
+    near_verbatim.jsonl hold them."""
     summary = {**got, "offsets": {o: {k: v for k, v in at.items() if k != "rows"}
                                   for o, at in got["offsets"].items()}}
     rows = [{"offset": int(o), **r} for o, at in got["offsets"].items() for r in at["rows"]]

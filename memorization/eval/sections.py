@@ -150,20 +150,28 @@ def near_verbatim_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *
     d = 0..--near-verbatim; and one row per scored (offset, document) with its bounds and the likeliest
     path found (its changes, log-prob and text). Call on every rank."""
     t = time.perf_counter()
-    got = near_verbatim(model, c.seqs, prefix_len=o.prefix, suffix_len=o.suffix,
-                        schemes=parse_sampling(o.sampling), max_edits=o.near_verbatim, beams=o.nv_beams,
-                        offsets=parse_offsets(o.offsets), ns=parse_ns(o.np_n), p=parse_p(o.np_p),
-                        batch_size=o.batch_size, doc_ids=c.ids, grid=grid, progress=progress)
-    got, rows = split_rows(got)
-    spell_near_rows(rows, c.ids, c.seqs, tok, o.prefix, o.suffix)
-    section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "examples": near_examples(rows),
-               "seconds": time.perf_counter() - t}
+    got, rows = near_report(model, c.seqs, c.ids, tok, prefix_len=o.prefix, suffix_len=o.suffix,
+                            schemes=parse_sampling(o.sampling), max_edits=o.near_verbatim, beams=o.nv_beams,
+                            offsets=parse_offsets(o.offsets), ns=parse_ns(o.np_n), p=parse_p(o.np_p),
+                            batch_size=o.batch_size, grid=grid, progress=progress)
+    section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
     return section, rows
 
 
-def spell_near_rows(rows: list[dict[str, Any]], ids: Sequence[Any], seqs: Sequence[Sequence[int]], tok: Any,
-                    prefix: int, suffix: int) -> None:
-    """Add each near_verbatim.jsonl row's true suffix as text (`suffix`) and its likeliest path's (`text`)."""
+def near_report(model: Any, seqs: Sequence[Sequence[int]], ids: Sequence[Any], tok: Any, *, prefix_len: int,
+                suffix_len: int, **kw: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """evals.near_verbatim.near_verbatim of `seqs` (`kw`: its other keywords) as (the summary with the
+    likeliest near-copies as `examples`, the rows of near_verbatim.jsonl with the true suffix and each
+    likeliest path spelled out); what memorize eval and a training run report. Call on every rank."""
+    got, rows = split_rows(near_verbatim(model, seqs, prefix_len=prefix_len, suffix_len=suffix_len,
+                                         doc_ids=ids, **kw))
+    _spell(rows, ids, seqs, tok, prefix_len, suffix_len)
+    return {**got, "examples": _examples(rows)}, rows
+
+
+def _spell(rows: list[dict[str, Any]], ids: Sequence[Any], seqs: Sequence[Sequence[int]], tok: Any,
+           prefix: int, suffix: int) -> None:
+    """Add each row's true suffix as text (`suffix`) and its likeliest paths' (`text`)."""
     by_id = dict(zip(ids, seqs))
     for r in rows:
         start = int(r["offset"]) + prefix
@@ -172,7 +180,7 @@ def spell_near_rows(rows: list[dict[str, Any]], ids: Sequence[Any], seqs: Sequen
             path["text"] = tok.decode(path["tokens"])
 
 
-def near_examples(rows: Sequence[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
+def _examples(rows: Sequence[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
     """The k likeliest near-copies that are not the exact suffix, one per window (its likeliest scheme):
     each with its document, offset, scheme, changed tokens, log-prob, the true suffix and the near-copy."""
     best: dict[tuple[Any, int], dict[str, Any]] = {}

@@ -10,7 +10,7 @@ import torch
 
 from axonn.grid import ProcessGrid
 from memorization.config import RunConfig
-from memorization.eval.sections import near_examples, spell_near_rows
+from memorization.eval.sections import near_report
 from memorization.train.prepare import PreparedData, mia_sets
 from memorization.train.run_plan import run_schemes
 
@@ -61,19 +61,13 @@ def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     eval.sampling scheme: the (n, p) summary of the bound at each d <= eval.near_verbatim and the rows of
     near_verbatim.jsonl (the likeliest path's text decoded). None for chat data or eval.near_verbatim 0.
     Call it on every rank of `grid`."""
-    from evals.near_verbatim import near_verbatim  # deferred: evals +3.2 s import
-    from evals.probabilistic import split_rows  # deferred: evals +3.2 s import
-
     e = cfg.eval
     if data.is_chat or not e.near_verbatim:
         return None
-    got = near_verbatim(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                        schemes=run_schemes(cfg), max_edits=e.near_verbatim, beams=e.nv_beams,
-                        offsets=e.offsets, ns=e.np_ns, p=e.np_p, batch_size=e.batch_size,
-                        doc_ids=data.member_doc_ids, grid=grid, progress=progress)
-    summary, rows = split_rows(got)
-    spell_near_rows(rows, data.member_doc_ids, data.member_docs, data.tokenizer, e.prefix, e.suffix)
-    return {**summary, "examples": near_examples(rows)}, rows
+    return near_report(model, data.member_docs, data.member_doc_ids, data.tokenizer, prefix_len=e.prefix,
+                       suffix_len=e.suffix, schemes=run_schemes(cfg), max_edits=e.near_verbatim,
+                       beams=e.nv_beams, offsets=e.offsets, ns=e.np_ns, p=e.np_p, batch_size=e.batch_size,
+                       grid=grid, progress=progress)
 
 
 def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
