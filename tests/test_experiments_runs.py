@@ -147,3 +147,19 @@ def test_near_verbatim_keys_a_run_only_where_the_run_bounds_it():
     assert run_key(quiet) == run_key(replace(cfg, eval=replace(cfg.eval, extraction=False)))
     on = run_key(replace(cfg, eval=replace(cfg.eval, near_verbatim=2)))
     assert on["eval"]["near_verbatim"] == 2 and on != base
+
+
+def test_run_key_of_the_default_config_is_stable():
+    """A finished experiment run is reused only while its key is unchanged: a new RunConfig field
+    that enters every key makes every experiment retrain from scratch after an upgrade (eval.decode
+    once did: it picks a decoder, not the tokens). tests/data/run_key_tiny_wiki.json is the key
+    tiny-wiki.yaml had before eval.decode existed. If this fails, pop the new field in
+    memorization.experiments.runner.run_key where it does not change what the run computes (or while
+    it is off); regenerate the file only for a field that changes every run's results."""
+    from memorization.config import load_run_config
+    from memorization.experiments.runner import _jsonable, run_key
+    from memorization.models import REPO_ROOT
+
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", [])
+    frozen = json.loads((Path(__file__).parent / "data" / "run_key_tiny_wiki.json").read_text())
+    assert _jsonable(run_key(cfg)) == frozen

@@ -50,6 +50,9 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
     d.pop("name", None)
     d["trainer"].pop("progress", None)
     d["eval"].pop("batch_size", None)
+    # which greedy decoder runs (static or KV cache) changes speed, not tokens: the static decode
+    # checks every row by a teacher-forced forward (evals/static_decode.py)
+    d["eval"].pop("decode", None)
     if not cfg.goldfish.enabled:
         d["goldfish"] = {"enabled": False}  # goldfish settings do not touch a standard-loss run
     # switches that are off do not change what a run computes (and keep keys from older runs valid)
