@@ -1,22 +1,31 @@
-"""Near-verbatim extraction: a lower bound of P(a sampling scheme emits the suffix with at most d of its
-tokens changed | prefix), from a beam search that never leaves that neighbourhood of the true suffix.
+"""Near-verbatim extraction: a lower bound of P(a sampling scheme emits the suffix with at most d changes |
+prefix), from a beam search that never leaves that neighbourhood of the true suffix.
 
 A copy with a word or two changed leaks a passage nearly as well as an exact one, and it is what a model
 trained with goldfish loss (which never supervises some of a passage's tokens) would emit if it had
 learned the rest. Under a decoding scheme (temperature, top-k, top-p: evals/sampling.py) the probability
-that a sampled S-token continuation lies within Hamming distance d of the true suffix is a sum over the
+that a sampled S-token continuation lies within distance d of the true suffix is a sum over the
 ~C(S, d)(V-1)^d sequences of that neighbourhood: too many to enumerate, and usually too small to estimate
 by sampling. Following the idea of bounding near-verbatim risk with a decoding-constrained beam search
-(Cooper et al. 2026), paths grow one token per step; each step a path takes the true token, or spends
-one of its d substitutions on one of the scheme's likeliest other tokens. The verbatim path is always
-kept, and for each number of substitutions e = 1..d the `beams` likeliest paths with exactly e of them
-(1 + d * beams paths per document). They are distinct sequences inside the neighbourhood, so the sum of
-their probabilities under the scheme is a LOWER BOUND of the near-verbatim probability however narrow
-the beam; it is never below p_z (the exact-copy probability), and a beam that holds the whole
-neighbourhood gives the exact probability (tests check both, and against HF sampling). The bound at
-every d' <= d comes from the same search (its paths with at most d' substitutions).
+(Cooper et al. 2026), paths grow one token per step and are kept per number of changes: the verbatim
+path always, and for each e = 1..d the `beams` likeliest paths with exactly e (1 + d * beams paths per
+document). They are distinct sequences inside the neighbourhood, so the sum of their probabilities under
+the scheme is a LOWER BOUND of the near-verbatim probability however narrow the beam; it is never below
+p_z (the exact-copy probability), and a beam that holds the whole neighbourhood gives the exact
+probability (tests check both, and against HF sampling). The bound at every d' <= d comes from the same
+search (its paths with at most d' changes).
 
-The Hamming neighbourhood lies inside the edit-distance one, so the bound holds for "within d edits" too.
+Two distances (`distance`):
+- "hamming": tokens substituted in place. Each step a path takes the true token, or spends a change on
+  one of the scheme's likeliest other tokens.
+- "levenshtein": tokens substituted, inserted or deleted, between the S sampled tokens and the S-token
+  suffix. A copy that drops (or adds) a word and then goes on verbatim is 2 edits away, but up to S
+  substitutions away: a Hamming bound misses it. Each path carries its edit-distance row to every prefix
+  of the suffix; its number of changes is the least distance any completion can reach (never decreasing,
+  its exact edit distance at the end), and its candidates are the suffix tokens within d positions (the
+  ones that keep it aligned) and the scheme's likeliest others, each token once. The Hamming
+  neighbourhood lies inside this one, so with a beam that holds both the edit bound is the larger.
+
 Read with Hayes et al.'s (n, p) test, a lower bound p_d makes 1 - (1 - p_d)^n >= p a conservative verdict.
 Cost per scheme: S decode steps of 1 + d * beams paths per document through the KV cache (batched: on
 SmolLM2 with 33 paths, 3-6x the greedy decode of the same documents per scheme).
@@ -37,12 +46,12 @@ from evals.kv_cache import preallocated_cache
 from evals.probabilistic import _finite, check_windows
 from evals.sampling import Scheme, candidate_logprobs, np_summary
 from evals.scoring import Scorer
-from memorize_core import fail
+from memorize_core import NEAR_DISTANCES, fail
 
 DEFAULT_BEAMS = 8
 
 
-def _check_search(schemes: Sequence[Scheme], max_edits: int, beams: int) -> None:
+def _check_search(schemes: Sequence[Scheme], max_edits: int, beams: int, distance: str = "hamming") -> None:
     if not schemes:
         raise fail("schemes", list(schemes), "pass at least one sampling scheme, e.g. t=1.0 (greedy has "
                    "no near-verbatim mass: its one output is near the suffix or not)")
@@ -50,25 +59,50 @@ def _check_search(schemes: Sequence[Scheme], max_edits: int, beams: int) -> None
         raise fail("max_edits", max_edits, "pass the largest number of changed tokens to count, >= 1")
     if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
         raise fail("beams", beams, "pass the paths kept per number of changed tokens, >= 1, e.g. 8")
+    if distance not in NEAR_DISTANCES:
+        raise fail("distance", distance, "choose hamming (tokens substituted in place) or levenshtein "
+                   "(tokens substituted, inserted or deleted)")
+
+
+def _edit_rows(rows: torch.Tensor, cand: torch.Tensor, truth: torch.Tensor, length: int) -> torch.Tensor:
+    """Levenshtein DP rows after appending each candidate: rows [N, S+1] hold D[j] = distance(the path's
+    `length` tokens, truth[:j]); returns [N, K, S+1] for the K candidates [N, K] (truth [N, S]).
+    D'[0] = length + 1; D'[j] = min(D[j-1] + (x != truth[j-1]), D[j] + 1, D'[j-1] + 1), the last term
+    (a run of deletions) as a running minimum: D'[j] = j + min_{k <= j}(E[k] - k)."""
+    n, k = cand.shape
+    sub = (truth[:, None, :] != cand[:, :, None]).long()  # [N, K, S]
+    step = torch.minimum(rows[:, None, :-1] + sub, rows[:, None, 1:] + 1)
+    first = torch.full((n, k, 1), length + 1, dtype=rows.dtype, device=rows.device)
+    e = torch.cat([first, step], dim=2)
+    col = torch.arange(e.shape[2], device=rows.device)
+    return torch.cummin(e - col, dim=2).values + col
 
 
 def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Scheme, max_edits: int,
-           beams: int, tick: Callable[[int], Any] | None = None) -> dict[str, torch.Tensor]:
+           beams: int, tick: Callable[[int], Any] | None = None,
+           distance: str = "hamming") -> dict[str, torch.Tensor]:
     """The constrained beam search over this rank's rows (inside `evaluating`; call on every Y rank).
 
-    The paths are kept per number of changed tokens: the verbatim one, and the `beams` likeliest with
-    exactly e changes for each e = 1..max_edits (one beam for all would fill with paths that spent their
-    changes early and cannot swap the one improbable token that comes later).
+    The paths are kept per number of changes: the verbatim one, and the `beams` likeliest with exactly e
+    changes for each e = 1..max_edits (one beam for all would fill with paths that spent their changes
+    early and cannot swap the one improbable token that comes later). Under `distance="levenshtein"` a
+    path's number of changes is the least edit distance any completion of it can reach (its edit-distance
+    row to every prefix of the suffix plus the length difference still to make up; at the last token,
+    its edit distance to the suffix), which never decreases as the path grows; its candidates are the
+    suffix tokens within max_edits positions of it (the ones that can keep it aligned) and the scheme's
+    likeliest others, each token once.
 
     `tick(R)` is called after each suffix position (a progress bar's update).
-    Returns {"bound": [R, max_edits + 1] float64 log lower bounds (column d: at most d tokens changed),
+    Returns {"bound": [R, max_edits + 1] float64 log lower bounds (column d: at most d changes),
     "tokens": [R, S] the likeliest path found, "edits": [R] its changes, "logp": [R] its log-prob}."""
+    _check_search([scheme], max_edits, beams, distance)
     r, s = targets.shape
     dev = prefixes.device
     if r == 0 or s == 0:
         zero = torch.zeros(r, max_edits + 1, dtype=torch.float64, device=dev)
         none = torch.zeros(r, dtype=torch.long, device=dev)
         return {"bound": zero, "tokens": targets.clone(), "edits": none, "logp": zero[:, 0].clone()}
+    lev = distance == "levenshtein"
     b = 1 + max_edits * beams  # paths per row: slot 0 verbatim, then `beams` per number of changes
     cache = preallocated_cache(sc.model, prefixes.shape[1] + s)
     logits, cache = sc.step(prefixes, cache)
@@ -81,14 +115,36 @@ def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Sc
     seqs = torch.empty(r, b, 0, dtype=torch.long, device=dev)
     base = torch.arange(r, device=dev)[:, None]
     cost = (torch.arange(c + 1, device=dev) > 0).long()  # column 0 is the true token, the rest change it
+    if lev:
+        truth = targets.repeat_interleave(b, dim=0)  # [R * B, S]
+        rows = torch.arange(s + 1, device=dev).expand(r * b, -1).contiguous()  # D[j] = j: nothing emitted
+        # suffix offsets a path's next token may align to; 0 (the true next token) first, so that the
+        # verbatim path keeps it when the suffix repeats a token nearby (later copies are masked)
+        band = torch.tensor([0] + [x for a in range(1, max_edits + 1) for x in (-a, a)], device=dev)
     for t in range(s):
-        true = targets[:, t].repeat_interleave(b)
         _, top = sc.topk(logits[:, None, :], c)  # the likeliest tokens (temperature keeps the order)
-        cand = torch.cat([true[:, None], top], dim=1)  # [R * B, C + 1]
-        lp = candidate_logprobs(logits, cand, scheme, sc.grid, sc.sharded_vocab)
-        lp[:, 1:].masked_fill_(top == true[:, None], -math.inf)  # the true token counts once, as column 0
+        if lev:
+            at = t + band  # the suffix tokens a path of t tokens can still align to its next token
+            inside = (at >= 0) & (at < s)
+            cand = torch.cat([truth[:, at.clamp(0, s - 1)], top], dim=1)  # [R * B, 2 * max_edits + 1 + C]
+            lp = candidate_logprobs(logits, cand, scheme, sc.grid, sc.sharded_vocab)
+            # each token once per path (distinct paths), and no band slot outside the suffix
+            ident = cand.clone()
+            ident[:, :len(band)].masked_fill_(~inside, -1)
+            ident[:, :len(band)] -= (~inside).long() * torch.arange(len(band), device=dev)  # unique < 0
+            seen = (ident[:, :, None] == ident[:, None, :]).tril(-1).any(dim=2)
+            lp.masked_fill_(seen | (ident < 0), -math.inf)
+            new_rows = _edit_rows(rows, cand, truth, t)  # [R * B, K, S + 1]
+            gap = (torch.arange(s + 1, device=dev) - (t + 1)).abs()
+            changed = (new_rows + gap).amin(dim=2).view(r, -1)
+        else:
+            true = targets[:, t].repeat_interleave(b)
+            cand = torch.cat([true[:, None], top], dim=1)  # [R * B, C + 1]
+            lp = candidate_logprobs(logits, cand, scheme, sc.grid, sc.sharded_vocab)
+            lp[:, 1:].masked_fill_(top == true[:, None], -math.inf)  # the true token counts once, as column 0
+            changed = (edits.view(-1, 1) + cost).view(r, -1)
+        k = cand.shape[1]
         total = (score.view(-1, 1) + lp).view(r, -1)
-        changed = (edits.view(-1, 1) + cost).view(r, -1)
         vals, picks = [total[:, :1]], [torch.zeros_like(total[:, :1], dtype=torch.long)]  # verbatim
         for e in range(1, max_edits + 1):
             # a level short of paths fills up with -inf picks (possibly another level's: they stay -inf)
@@ -97,9 +153,11 @@ def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Sc
             picks.append(i)
         idx = torch.cat(picks, dim=1)
         score, edits = torch.cat(vals, dim=1), changed.gather(1, idx)
-        src, col = idx // (c + 1), idx % (c + 1)
-        tok = cand.view(r, b, c + 1)[base, src, col]
+        src, col = idx // k, idx % k
+        tok = cand.view(r, b, k)[base, src, col]
         seqs = torch.cat([seqs.gather(1, src[:, :, None].expand(-1, -1, t)), tok[:, :, None]], dim=2)
+        if lev:
+            rows = new_rows.view(r, b * k, s + 1)[base, idx].view(r * b, s + 1)
         if tick is not None:
             tick(r)
         if t + 1 == s:
@@ -118,22 +176,25 @@ def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *,
                   suffix_len: int, schemes: Sequence[Scheme], max_edits: int, beams: int = DEFAULT_BEAMS,
                   offsets: Sequence[int] = (0,), ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5,
                   batch_size: int = 8, doc_ids: Sequence | None = None, grid: ProcessGrid | None = None,
-                  progress: bool = False) -> dict[str, Any]:
+                  progress: bool = False, distance: str = "hamming") -> dict[str, Any]:
     """Per offset and scheme, the (n, p) summary of each document's near-verbatim lower bound at every
     d <= max_edits (column `d=0` is the verbatim p_z), and one row per scored (offset, document); call on
     every rank of `grid`. `batch_size` documents are searched at once, each with `beams` paths.
+    `distance`: "hamming" (d tokens substituted in place) or "levenshtein" (d substitutions, insertions
+    or deletions between the S sampled tokens and the S-token suffix: a copy that drops or adds a word
+    and then goes on verbatim is 2 edits away, and up to S substitutions away by Hamming).
 
-    Returns {"prefix", "suffix", "schemes", "max_edits", "beams", "offsets": {"0": {"docs", "np":
+    Returns {"prefix", "suffix", "schemes", "max_edits", "beams", "distance", "offsets": {"0": {"docs", "np":
     {scheme: np_summary with columns d=0..d=max_edits}, "median_log10": {scheme: {"d=0": the median
     log10 bound, ...}}, "rows"}}}; a row is {"doc", "bound":
     {scheme: [log bound at d=0..max_edits]}, "likeliest": {scheme: {"edits", "logp", "tokens"}}}
     (JSON floats: -inf as None)."""
     offs, ids = check_windows(documents, offsets, prefix_len, suffix_len, batch_size, doc_ids)
-    _check_search(schemes, max_edits, beams)
+    _check_search(schemes, max_edits, beams, distance)
     sc = Scorer(model, grid)
     width = prefix_len + suffix_len
     out: dict[str, Any] = {"prefix": prefix_len, "suffix": suffix_len, "schemes": [s.name for s in schemes],
-                           "max_edits": max_edits, "beams": beams, "offsets": {}}
+                           "max_edits": max_edits, "beams": beams, "distance": distance, "offsets": {}}
     keeps = {o: [i for i, d in enumerate(documents) if len(d) >= o + width] for o in offs}
     # one unit per suffix token of a document, decoded on all of its paths; this rank's share (rank 0)
     bar = tqdm(total=sum(len(sc.rows(len(k[b:b + batch_size]))) for k in keeps.values()
@@ -150,7 +211,7 @@ def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *,
                 mine = sc.rows(len(chunk))
                 for s in schemes:
                     res = search(sc, windows[mine, :prefix_len], windows[mine, prefix_len:], s, max_edits,
-                                 beams, tick=bar.update)
+                                 beams, tick=bar.update, distance=distance)
                     local = [{"bound": [_finite(x) for x in b.tolist()],
                               "likeliest": {"edits": int(e), "tokens": tk.tolist(),
                                             "logp": _finite(float(lp))}}

@@ -16,7 +16,7 @@ from dataclasses import fields, replace
 
 from axonn.config import MAX_STEPS  # pure Python, no torch
 from axonn.launch import LAUNCHERS  # pure Python: the launchers' variables, no torch
-from memorize_core import ConfigError, fail
+from memorize_core import NEAR_DISTANCES, ConfigError, fail
 
 
 class _Parser(argparse.ArgumentParser):
@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "lies within D changed tokens of the suffix (a constrained beam search; 0: off)")
     e.add_argument("--nv-beams", type=int, default=8, metavar="W",
                    help="with --near-verbatim: paths kept per number of changed tokens (default 8)")
+    e.add_argument("--nv-distance", choices=NEAR_DISTANCES, default="hamming",
+                   help="with --near-verbatim: count changes as tokens substituted in place (hamming, the "
+                        "default) or substituted, inserted and deleted (levenshtein: a copy that drops or "
+                        "adds a word and goes on verbatim is 2 edits away)")
     _add_scan(sub)
     c = sub.add_parser("coverage", help="goldfish mask coverage of duplicate clusters (no training, seconds)")
     c.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")

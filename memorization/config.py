@@ -11,7 +11,7 @@ from data_pipelines import is_chat_spec
 from memorization.mitigations.goldfish import GoldfishConfig
 from memorization.mitigations.peft_lora import LoraSettings
 from memorization.outputs import check_name
-from memorize_core import ConfigError, fail
+from memorize_core import NEAR_DISTANCES, ConfigError, fail
 
 PACKING = ("per-document", "packed")
 FORMATS = ("auto", "text", "chat")
@@ -168,10 +168,12 @@ class EvalConfig:
     np_ns: list = field(default_factory=lambda: [1, 10, 100, 1000])
     np_p: float = 0.5
     # near-verbatim extraction (evals/near_verbatim.py): a lower bound of each scheme's probability of
-    # a sample within d changed suffix tokens, d = 0..near_verbatim (0 = off), from a beam search keeping
-    # nv_beams paths per number of changes
+    # a sample within d changes of the suffix, d = 0..near_verbatim (0 = off), from a beam search keeping
+    # nv_beams paths per number of changes; changes counted by nv_distance: hamming (tokens substituted
+    # in place) or levenshtein (substituted, inserted or deleted: a copy shifted by a dropped word is near)
     near_verbatim: int = 0
     nv_beams: int = 8
+    nv_distance: str = "hamming"
     # the one-run privacy audit (memorization/eval/dp_audit.py): m random canaries, each trained on with
     # probability 1/2, and an epsilon lower bound at 95% from how well their losses tell which
     audit: bool = False
@@ -215,9 +217,24 @@ class EvalConfig:
         if isinstance(self.nv_beams, bool) or not isinstance(self.nv_beams, int) or self.nv_beams < 1:
             raise fail(f"{prefix}.nv_beams", self.nv_beams, "paths kept per number of changed tokens, >= 1, "
                        "e.g. 8")
+        if self.nv_distance not in NEAR_DISTANCES:
+            raise fail(f"{prefix}.nv_distance", self.nv_distance, "choose hamming (tokens substituted in "
+                       "place) or levenshtein (substituted, inserted or deleted)")
         if self.audit and not 4 <= self.audit_canaries <= 100_000:
             raise fail(f"{prefix}.audit_canaries", self.audit_canaries, "must be within [4, 100000] (the "
                        "audit guesses on the highest and lowest scores of m canaries), e.g. 64")
+
+    def near_args(self) -> dict[str, Any]:
+        """evals.near_verbatim.near_verbatim's search settings from these fields."""
+        return {"max_edits": self.near_verbatim, "beams": self.nv_beams, "distance": self.nv_distance}
+
+    def near_key(self) -> dict[str, Any]:
+        """The near-verbatim settings an experiment's eval_key holds: none while off, and the distance
+        only where it is not the default (evaluations cached before it existed stay valid)."""
+        if not self.near_verbatim:
+            return {}
+        return {"near_verbatim": self.near_verbatim, "nv_beams": self.nv_beams,
+                **({"nv_distance": self.nv_distance} if self.nv_distance != "hamming" else {})}
 
 
 @dataclass

@@ -13,6 +13,17 @@ if TYPE_CHECKING:  # annotations only: this module must import without torch
 IGNORE_INDEX = -100
 """Label of a token the loss skips: padding, chat prompts, goldfish-dropped positions."""
 
+NEAR_DISTANCES = ("hamming", "levenshtein")
+"""How near-verbatim extraction counts the changes between a sample and the true suffix: tokens
+substituted in place, or substituted, inserted and deleted (evals.near_verbatim; eval.nv_distance)."""
+
+
+def change_words(distance: str | None) -> tuple[str, str]:
+    """How reports name a near-verbatim distance's changes: (a column's word, the phrase), as in
+    "<= 2 changed" and "within d changed tokens"; None (a result from before the distance was
+    recorded) is Hamming's."""
+    return ("edits", "token edits") if distance == "levenshtein" else ("changed", "changed tokens")
+
 
 class ConfigError(ValueError):
     """Bad user input: the message names the field, the value and the fix."""
@@ -37,4 +48,4 @@ class Batch(TypedDict, total=False):
     positions: Tensor
 
 
-__all__ = ["IGNORE_INDEX", "Batch", "ConfigError", "fail"]
+__all__ = ["IGNORE_INDEX", "NEAR_DISTANCES", "Batch", "ConfigError", "change_words", "fail"]

@@ -181,3 +181,13 @@ def memorized_model(n: int = 6, t: int = 20, steps: int = 150) -> tuple[torch.nn
         opt.step()
     model.eval()
     return model, docs.tolist()
+
+
+def levenshtein(a: list[int], b: list[int]) -> int:
+    """Edit distance by its definition (unit substitutions, insertions, deletions), one row at a time."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]

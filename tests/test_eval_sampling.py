@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import levenshtein
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from data_pipelines import load_tokenizer
@@ -211,7 +212,32 @@ def test_near_verbatim_rows_start_at_the_exact_copy(setup, evaluated, tmp_path):
     assert int.from_bytes(png[16:20], "big") == 3 * PANEL_PX
 
 
+def test_near_verbatim_by_edit_distance(setup, tmp_path):
+    """--nv-distance levenshtein: the same exact-copy column (p_z), each likeliest path's changes are its
+    edit distance to the suffix, and report.md names edits, not changed tokens."""
+    out = tmp_path / "lev"
+    assert main(_eval(setup, out, "--sampling", "t=1.0", "--np-n", "1,10", "--near-verbatim", "2",
+                      "--nv-beams", "2", "--nv-distance", "levenshtein")) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["near_verbatim"]["distance"] == "levenshtein"
+    tok = AutoTokenizer.from_pretrained(setup / "model")
+    c = eval_corpus("--corpus", str(setup / "corpus.txt"), tok, len(tok), report["max_tokens"], 0)
+    by_doc = dict(zip(c.ids, c.seqs))
+    sampled = {r["doc"]: r for r in _lines(out / "sampled.jsonl")}
+    for r in _lines(out / "near_verbatim.jsonl"):
+        b = [-math.inf if x is None else x for x in r["bound"]["t=1.0"]]
+        lz = sampled[r["doc"]]["logpz"]["t=1.0"]
+        assert (b[0] == -math.inf) if lz is None else b[0] == pytest.approx(lz, abs=1e-4)
+        assert b[0] <= b[1] <= b[2]
+        best = r["likeliest"]["t=1.0"]
+        truth = list(by_doc[r["doc"]][4:8])
+        assert best["edits"] == levenshtein(best["tokens"], truth) <= 2
+    md = (out / "report.md").read_text()
+    assert "within d token edits" in md and "edit distance" in md and "changed tokens" not in md
+
+
 @pytest.mark.parametrize("extra,needle", [
+    (["--nv-distance", "levenshtein"], "--nv-distance"),
     (["--near-verbatim", "4"], "--near-verbatim"), (["--near-verbatim", "-1"], "--near-verbatim"),
     (["--near-verbatim", "1", "--sampling", ""], "--near-verbatim"), (["--nv-beams", "3"], "--nv-beams"),
     (["--near-verbatim", "1", "--nv-beams", "0"], "--nv-beams"),

@@ -10,11 +10,11 @@ import re
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import levenshtein, tiny_model
 from scipy.stats import binom
 
 from evals._model import evaluating
-from evals.near_verbatim import near_verbatim, search
+from evals.near_verbatim import _edit_rows, near_verbatim, search
 from evals.sampling import log_pz, parse_schemes, scheme_logprobs
 from evals.scoring import Scorer
 from memorize_core import ConfigError
@@ -36,12 +36,15 @@ def windows(vocab: int, n: int = 4, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n, P + S), generator=torch.Generator().manual_seed(seed))
 
 
-def exact(model, window: torch.Tensor, scheme, max_edits: int) -> list[float]:
-    """log P(a sample is within d changed tokens of the suffix), d = 0..max_edits, by enumerating every
-    suffix of the vocabulary and scoring it teacher-forced."""
+def exact(model, window: torch.Tensor, scheme, max_edits: int, distance: str = "hamming") -> list[float]:
+    """log P(a sample is within d changes of the suffix), d = 0..max_edits, by enumerating every suffix
+    of the vocabulary and scoring it teacher-forced."""
     vocab, target = model.config.vocab_size, window[P:]
     every = torch.tensor(list(itertools.product(range(vocab), repeat=S)))
-    changed = (every != target).sum(1)
+    if distance == "hamming":
+        changed = (every != target).sum(1)
+    else:
+        changed = torch.tensor([levenshtein(e, target.tolist()) for e in every.tolist()])
     every, changed = every[changed <= max_edits], changed[changed <= max_edits]
     full = torch.cat([window[:P].expand(len(every), -1), every], 1)
     with torch.no_grad():
@@ -50,9 +53,10 @@ def exact(model, window: torch.Tensor, scheme, max_edits: int) -> list[float]:
     return [torch.logsumexp(lp[changed <= d], 0).item() for d in range(max_edits + 1)]
 
 
-def bounds(model, w: torch.Tensor, scheme, max_edits: int, beams: int) -> torch.Tensor:
+def bounds(model, w: torch.Tensor, scheme, max_edits: int, beams: int,
+           distance: str = "hamming") -> torch.Tensor:
     with evaluating(model), torch.no_grad():
-        return search(Scorer(model), w[:, :P], w[:, P:], scheme, max_edits, beams)["bound"]
+        return search(Scorer(model), w[:, :P], w[:, P:], scheme, max_edits, beams, distance=distance)["bound"]
 
 
 def test_a_beam_that_holds_the_neighbourhood_gives_its_exact_probability():
@@ -67,6 +71,53 @@ def test_a_beam_that_holds_the_neighbourhood_gives_its_exact_probability():
                     assert got[i, d].item() == -math.inf, (s.name, i, d)
                 else:
                     assert got[i, d].item() == pytest.approx(want[d], abs=1e-5), (s.name, i, d)
+
+
+def test_levenshtein_beam_that_holds_the_neighbourhood_gives_its_exact_probability():
+    """V = 6, S = 3, d = 2 edits (substitutions, insertions, deletions between the 3 sampled tokens and
+    the suffix): every one of the 216 suffixes in the beam; the bound equals the enumerated probability
+    and is at least the Hamming one (a shifted copy is near by edits, far by substitutions)."""
+    model = peaked(6, 8.0)
+    w = windows(6)
+    w[0, P:] = torch.tensor([2, 2, 5])  # a repeated token: the verbatim path must keep its own copy
+    for s in SCHEMES:
+        got = bounds(model, w, s, 2, 216, distance="levenshtein")
+        ham = bounds(model, w, s, 2, 216)
+        for i in range(len(w)):
+            want = exact(model, w[i], s, 2, distance="levenshtein")
+            for d in range(3):
+                if math.isinf(want[d]):
+                    assert got[i, d].item() == -math.inf, (s.name, i, d)
+                else:
+                    assert got[i, d].item() == pytest.approx(want[d], abs=1e-5), (s.name, i, d)
+                    assert got[i, d] >= ham[i, d] - 1e-9
+        assert (got[:, 2] > ham[:, 2] + 1e-3).any(), s.name  # the edit neighbourhood holds more
+
+
+@pytest.mark.parametrize("truth", [[0, 1, 2, 3, 4], [1, 1, 0, 1, 1]])
+def test_edit_rows_grow_the_edit_distance_of_every_path(truth):
+    """The search's running DP rows, grown one token at a time, end at the edit distance by definition
+    for every 5-token sequence over 4 symbols (1,024 paths, shifted copies among them)."""
+    every = torch.tensor(list(itertools.product(range(4), repeat=5)))
+    target = torch.tensor(truth).expand(len(every), -1)
+    rows = torch.arange(6).expand(len(every), -1)
+    for i in range(5):
+        rows = _edit_rows(rows, every[:, i:i + 1], target, i)[:, 0]
+    assert rows[:, -1].tolist() == [levenshtein(g, truth) for g in every.tolist()]
+
+
+def test_levenshtein_narrow_beam_is_a_lower_bound_and_names_its_path_distance():
+    model, w = peaked(8, 8.0), windows(8, n=6, seed=1)
+    for s in SCHEMES[:2]:
+        for beams in (1, 3):
+            with evaluating(model), torch.no_grad():
+                res = search(Scorer(model), w[:, :P], w[:, P:], s, 2, beams, distance="levenshtein")
+            for i in range(len(w)):
+                want = exact(model, w[i], s, 2, distance="levenshtein")
+                for d in range(3):
+                    assert res["bound"][i, d].item() <= want[d] + 1e-6, (s.name, beams, i, d)
+                path = res["tokens"][i].tolist()
+                assert res["edits"][i].item() == levenshtein(path, w[i, P:].tolist()) <= 2
 
 
 def test_a_narrow_beam_is_a_lower_bound_never_below_pz():
@@ -136,7 +187,7 @@ def test_summary_rows_and_likeliest_path():
 
 @pytest.mark.parametrize("kw, field", [
     ({"max_edits": 0}, "max_edits"), ({"beams": 0}, "beams"), ({"schemes": ()}, "schemes"),
-    ({"offsets": (-1,)}, "offsets[0]"), ({"doc_ids": [1, 2]}, "doc_ids")])
+    ({"offsets": (-1,)}, "offsets[0]"), ({"doc_ids": [1, 2]}, "doc_ids"), ({"distance": "edit"}, "distance")])
 def test_bad_arguments_name_their_field(kw, field):
     args = dict(prefix_len=P, suffix_len=S, schemes=SCHEMES[:1], max_edits=1, beams=2)
     args.update(kw)
@@ -149,8 +200,8 @@ def _split_rank(rank, world, docs):
 
     grid = axonn.init(1, 2, 1, 2)
     model = axonn.parallelize(peaked(8, 8.0), grid, mode="paired")
-    return near_verbatim(model, docs, prefix_len=P, suffix_len=S, schemes=SCHEMES, max_edits=2, beams=3,
-                         batch_size=3)
+    return [near_verbatim(model, docs, prefix_len=P, suffix_len=S, schemes=SCHEMES, max_edits=2, beams=3,
+                          batch_size=3, distance=d) for d in ("hamming", "levenshtein")]
 
 
 @pytest.mark.distributed
@@ -160,12 +211,13 @@ def test_split_vocab_and_batch_equal_serial():
     from axonn.spawn import run_distributed
 
     docs = [w.tolist() for w in windows(8, n=5, seed=2)]
-    serial = near_verbatim(peaked(8, 8.0), docs, prefix_len=P, suffix_len=S, schemes=SCHEMES, max_edits=2,
-                           beams=3, batch_size=3)
-    for got in run_distributed(_split_rank, 4, docs, timeout=300):
-        for a, b in zip(got["offsets"]["0"]["rows"], serial["offsets"]["0"]["rows"], strict=True):
-            for name in b["bound"]:
-                assert [x is None for x in a["bound"][name]] == [x is None for x in b["bound"][name]]
-                assert a["bound"][name] == pytest.approx(b["bound"][name], abs=1e-5), name
-                assert a["likeliest"][name]["tokens"] == b["likeliest"][name]["tokens"], name
-        assert got["offsets"]["0"]["np"] == serial["offsets"]["0"]["np"]
+    serial = [near_verbatim(peaked(8, 8.0), docs, prefix_len=P, suffix_len=S, schemes=SCHEMES, max_edits=2,
+                            beams=3, batch_size=3, distance=d) for d in ("hamming", "levenshtein")]
+    for ranks in run_distributed(_split_rank, 4, docs, timeout=300):
+        for got, want in zip(ranks, serial, strict=True):
+            for a, b in zip(got["offsets"]["0"]["rows"], want["offsets"]["0"]["rows"], strict=True):
+                for name in b["bound"]:
+                    assert [x is None for x in a["bound"][name]] == [x is None for x in b["bound"][name]]
+                    assert a["bound"][name] == pytest.approx(b["bound"][name], abs=1e-5), name
+                    assert a["likeliest"][name]["tokens"] == b["likeliest"][name]["tokens"], name
+            assert got["offsets"]["0"]["np"] == want["offsets"]["0"]["np"]

@@ -220,6 +220,7 @@ def test_near_verbatim_of_a_run_starts_at_its_log_pz(setup, tmp_path):
 @pytest.mark.parametrize("overrides, field", [
     (["eval.near_verbatim=8"], "eval.near_verbatim"), (["eval.near_verbatim=-1"], "eval.near_verbatim"),
     (["eval.near_verbatim=1", "eval.nv_beams=0"], "eval.nv_beams"),
+    (["eval.near_verbatim=1", "eval.nv_distance=edit"], "eval.nv_distance"),
     (["eval.near_verbatim=1", "eval.sampling=''"], "eval.near_verbatim")])
 def test_bad_near_verbatim_settings_are_refused_before_anything_is_written(setup, tmp_path, overrides, field):
     from memorize_core import ConfigError

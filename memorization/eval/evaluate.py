@@ -54,7 +54,7 @@ from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs, write_files
 from memorization.train.parallel import eval_mode, inference_grid, plan_inference
-from memorize_core import fail
+from memorize_core import NEAR_DISTANCES, fail
 
 # lm-eval's messages name its own CLI (`--metadata`, `--include_path`): say whose they are
 LM_EVAL_LOG_HEAD = ("# lm-evaluation-harness's own output during `memorize eval --tasks`; the flags it "
@@ -121,6 +121,8 @@ def check_options(o: EvalOptions) -> None:
 def check_near_verbatim(o: EvalOptions) -> None:
     """--near-verbatim D and --nv-beams W: D changed tokens fewer than the suffix, a scheme to sample with."""
     d, w = o.near_verbatim, o.nv_beams
+    if o.nv_distance not in NEAR_DISTANCES:
+        raise fail("--nv-distance", o.nv_distance, "choose hamming or levenshtein")
     if isinstance(d, bool) or not isinstance(d, int) or d < 0:
         raise fail("--near-verbatim", d, "pass the largest number of changed suffix tokens to count, e.g. 3 "
                    "(0 = off)")
@@ -129,6 +131,8 @@ def check_near_verbatim(o: EvalOptions) -> None:
     if not d:
         if w != DEFAULT_BEAMS:
             raise fail("--nv-beams", w, "only applies with --near-verbatim D")
+        if o.nv_distance != "hamming":
+            raise fail("--nv-distance", o.nv_distance, "only applies with --near-verbatim D")
         return
     if d >= o.suffix:
         raise fail("--near-verbatim", d, f"must be below --suffix {o.suffix}: with every token changed "

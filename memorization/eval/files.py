@@ -10,7 +10,7 @@ from typing import Any
 from memorization.eval.utility import task_table
 from memorization.outputs import check_writable
 from memorization.train.run_plan import RESULT_FILES
-from memorize_core import fail
+from memorize_core import change_words, fail
 
 # sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section);
 # mia.jsonl: one line per member and non-member with each attack's score (sections.mia_section)
@@ -68,6 +68,9 @@ def _near(nv: dict[str, Any], rows_file: bool) -> list[str]:
     """report.md's near-verbatim section: per offset, scheme and d, the (n, p) fractions of the bound."""
     ns = nv["ns"]
     rows = []
+    word, phrase = change_words(nv.get("distance"))
+    how = ("edit distance: tokens substituted, inserted or deleted" if nv.get("distance") == "levenshtein"
+           else "Hamming distance: tokens substituted in place")
     for offset, at in nv["offsets"].items():
         for name, summary in (at["np"] or {}).items():
             for col, per in summary["schemes"].items():
@@ -75,23 +78,24 @@ def _near(nv: dict[str, Any], rows_file: bool) -> list[str]:
                 rows.append([offset, str(at["docs"]), f"`{name}`", col.replace("d=", "<= "),
                              "–" if med is None else f"{med:.1f}",
                              *[f"{per[f'n={n}']['fraction']:.3f}" for n in ns]])
-    return [f"### Near-verbatim: (n, p)-extractable within d changed tokens, p = {nv['p']}",
-            "A lower bound of the probability that a sample under the scheme lies within d changed tokens "
-            f"of the {nv['suffix']}-token suffix (Hamming distance; d = 0 is the exact copy), from a beam "
+    return [f"### Near-verbatim: (n, p)-extractable within d {phrase}, p = {nv['p']}",
+            f"A lower bound of the probability that a sample under the scheme lies within d {phrase} "
+            f"of the {nv['suffix']}-token suffix ({how}; d = 0 is the exact copy), from a beam "
             f"search kept inside that neighbourhood ({nv['beams']} paths per number of changes, the verbatim "
             "one always kept): the fractions are of documents whose bound alone passes the (n, p) test, so "
             "they can only be higher in truth"
             + ("; each document's bounds and likeliest near-copy in near_verbatim.jsonl." if rows_file
                else "."),
-            _table(["offset", "docs", "scheme", "changed tokens", "median log10 P", *[f"n={n}" for n in ns]],
-                   rows), *_near_examples(nv.get("examples") or [])]
+            _table(["offset", "docs", "scheme", phrase, "median log10 P", *[f"n={n}" for n in ns]],
+                   rows), *_near_examples(nv.get("examples") or [], word)]
 
 
-def _near_examples(examples: list[dict[str, Any]]) -> list[str]:
+def _near_examples(examples: list[dict[str, Any]], word: str) -> list[str]:
     """The likeliest near-copies (not exact), the truth beside each."""
     if not examples:
         return []
-    lines = [f"- `{x['doc']}` (offset {x['offset']}, `{x['scheme']}`, {x['edits']} changed, one sample "
+    lines = [f"- `{x['doc']}` (offset {x['offset']}, `{x['scheme']}`, {x['edits']} "
+             f"{word[:-1] if word == 'edits' and x['edits'] == 1 else word}, one sample "
              f"emits it with probability {math.exp(x['logp']):.2e}):\n  true: {x['suffix']!r}\n  "
              f"near: {x['text']!r}" for x in examples]
     return ["Likeliest near-copies found (not exact):", "\n".join(lines)]

@@ -22,6 +22,7 @@ import numpy as np
 from sklearn.metrics import roc_curve
 
 from evals import ExtractionResult
+from memorize_core import change_words
 
 _STYLES = ("-", "--", ":", "-.")
 PANEL_PX = 460  # the width of one panel in report.png
@@ -91,12 +92,13 @@ def near_panel(ax: Any, nv: dict[str, Any], rows: Sequence[dict[str, Any]]) -> N
     against log10 x, a colour per d and a line style per scheme (the first offset), with the (n, p) lines."""
     offset = min(int(r["offset"]) for r in rows)
     at = [r for r in rows if int(r["offset"]) == offset]
+    word, phrase = change_words(nv.get("distance"))
     styled = [(np.array([-np.inf if r["bound"][name][d] is None else r["bound"][name][d] for r in at])
-               / np.log(10), f"C{d}", _STYLES[i % len(_STYLES)], f"{name}, <= {d} changed")
+               / np.log(10), f"C{d}", _STYLES[i % len(_STYLES)], f"{name}, <= {d} {word}")
               for i, name in enumerate(nv["schemes"]) for d in range(int(nv["max_edits"]) + 1)]
     p = float(nv["p"])
     _survival(ax, styled, p, nv["ns"])
-    ax.set_xlabel("log10 P(a sample within d changed tokens), lower bound")
+    ax.set_xlabel(f"log10 P(a sample within d {phrase}), lower bound")
     ax.set_ylabel("fraction of documents with it at least")
     ax.set_title(f"Near-verbatim, offset {offset}: right of a line, (n, p={p})", fontsize=10)
     ax.legend(fontsize=5, loc="center left")  # the curves run along the top and the bottom

@@ -67,6 +67,7 @@ class EvalOptions:
     np_p: float | None = None  # probability p of the (n, p) summaries (None: 0.5)
     near_verbatim: int = 0  # with --corpus: also bound P(a sample is within D changed tokens); 0: off
     nv_beams: int = DEFAULT_BEAMS  # paths kept per number of changed tokens in that search
+    nv_distance: str = "hamming"  # its changes: hamming (substitutions) or levenshtein (+ insert, delete)
 
 
 def parse_sampling(text: str | None, flag: str = "--sampling") -> tuple[Scheme, ...]:
@@ -152,6 +153,7 @@ def near_verbatim_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *
     t = time.perf_counter()
     got, rows = near_report(model, c.seqs, c.ids, tok, prefix_len=o.prefix, suffix_len=o.suffix,
                             schemes=parse_sampling(o.sampling), max_edits=o.near_verbatim, beams=o.nv_beams,
+                            distance=o.nv_distance,
                             offsets=parse_offsets(o.offsets), ns=parse_ns(o.np_n), p=parse_p(o.np_p),
                             batch_size=o.batch_size, grid=grid, progress=progress)
     section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from memorization.experiments.reporting import Table, figure, save
+from memorize_core import change_words
 
 NP_NOTE = ("Beyond greedy (after {passes} passes): p_z = the probability that a decoding scheme emits the "
            "suffix exactly, from one teacher-forced forward per window; (n, p)-extractable = 1 - (1 - p_z)^n "
@@ -64,11 +65,12 @@ def offset_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
 def near_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
     """Near-verbatim (eval.near_verbatim): one row per (run, offset, scheme), the fraction of documents whose
     lower bound of P(a sample within d changed tokens) passes the (n, p) test at the largest n, per d."""
-    rows, ds, n_max, p = [], [], None, None
+    rows, ds, n_max, p, distance = [], [], None, None, None
     for r in runs:
         nv = r.get("near_verbatim")
         if not nv:
             continue
+        distance = nv.get("distance")
         for off, at in nv["offsets"].items():
             for scheme, summary in (at.get("np") or {}).items():
                 if not summary:
@@ -81,9 +83,10 @@ def near_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
         return None
     cols = [("run", "run", "{}"), ("offset", "prefix offset", "{}"), ("docs", "docs", "{}"),
             ("scheme", "decoding", "{}")]
-    cols += [(d, f"<= {d[2:]} changed", "{:.0%}") for d in ds]
-    cols += [("median", f"median log10 P(<= {ds[-1][2:]} changed)", "{:.1f}")]
-    return Table(f"Near-verbatim: (n={n_max}, p={p})-extractable within d changed tokens (a lower bound)",
+    word, phrase = change_words(distance)
+    cols += [(d, f"<= {d[2:]} {word}", "{:.0%}") for d in ds]
+    cols += [("median", f"median log10 P(<= {ds[-1][2:]} {word})", "{:.1f}")]
+    return Table(f"Near-verbatim: (n={n_max}, p={p})-extractable within d {phrase} (a lower bound)",
                  rows, tuple(cols))
 
 

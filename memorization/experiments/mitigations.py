@@ -56,7 +56,7 @@ from memorization.outputs import check_name
 from memorization.train.pipeline import run_training
 from memorization.train.prepare import PreparedData
 from memorization.train.run_plan import run_schemes
-from memorize_core import fail
+from memorize_core import change_words, fail
 
 
 def _default_arms() -> list[Arm]:
@@ -168,8 +168,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                   for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
         # base.eval.near_verbatim: the bound of a sample within d changed tokens, beside p_z
         near = {name: split_rows(near_verbatim(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                                               schemes=schemes, max_edits=e.near_verbatim, beams=e.nv_beams,
-                                               ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))[0]
+                                               schemes=schemes, **e.near_args(), ns=e.np_ns, p=e.np_p,
+                                               batch_size=e.batch_size))[0]
                 for name, docs in (("seen_once", members), ("duplicated", dup_docs))
                 if e.near_verbatim and schemes and docs}
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
@@ -192,8 +192,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         extra = {**key, "dedup": to_dict(cfg.dedup) if arm.dedup else None}
         summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
                           eval_key={"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
-                                    **({"near_verbatim": b.eval.near_verbatim, "nv_beams": b.eval.nv_beams}
-                                       if b.eval.near_verbatim else {}),
+                                    **b.eval.near_key(),
                                     "candidates": cfg.canaries.candidates,
                                     "other": [cfg.other_held_out, cfg.other_held_out_limit],
                                     "downstream": [cfg.downstream, cfg.downstream_limit,
@@ -398,8 +397,9 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     if near is not None:
         extra_tables.append(near)
         notes.append("Near-verbatim (base.eval.near_verbatim): a lower bound of the probability that one "
-                     "sample lies within d changed suffix tokens (d = 0: the exact copy), from a beam search "
-                     "kept inside that neighbourhood (evals/near_verbatim.py); a fraction counts the "
+                     f"sample lies within d {change_words(cfg.base.eval.nv_distance)[1]} of the suffix "
+                     "(d = 0: the exact copy), from a beam search kept inside that neighbourhood "
+                     "(evals/near_verbatim.py); a fraction counts the "
                      "documents whose bound alone passes the (n, p) test.")
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=arms,

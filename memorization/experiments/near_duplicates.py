@@ -28,7 +28,7 @@ from memorization.mitigations.goldfish import STRATEGIES
 from memorization.models import run_tokenizer
 from memorization.train.prepare import prepare_documents
 from memorization.train.run_plan import run_schemes
-from memorize_core import fail
+from memorize_core import change_words, fail
 
 CHOICES = ("none",) + STRATEGIES  # none: standard loss
 COLUMNS = (
@@ -131,20 +131,18 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                         batch_size=b.eval.batch_size) if schemes else None
             # base.eval.near_verbatim: a sample within that many changed tokens of the original's suffix
             near = near_verbatim(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
-                                 schemes=schemes, max_edits=b.eval.near_verbatim, beams=b.eval.nv_beams,
-                                 ns=b.eval.np_ns, p=b.eval.np_p, batch_size=b.eval.batch_size
-                                 ) if schemes and b.eval.near_verbatim else None
+                                 schemes=schemes, **b.eval.near_args(), ns=b.eval.np_ns, p=b.eval.np_p,
+                                 batch_size=b.eval.batch_size) if schemes and b.eval.near_verbatim else None
             return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res],
                     "np": np_rates(beyond) if beyond else {},
                     "near_np": _near_rates(near, b.eval.near_verbatim) if near else {}}
 
         for strategy in cfg.strategies:
             rc = cell_config(cfg, strategy, n, r)
-            near_key = {"near_verbatim": b.eval.near_verbatim, "nv_beams": b.eval.nv_beams}
             summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb,
                               extra_key={"duplicates": vars(spec), "seed": b.seed},
                               eval_key={"prefix": b.eval.prefix, "suffix": b.eval.suffix,
-                                        **(near_key if b.eval.near_verbatim else {})})
+                                        **b.eval.near_key()})
             if not exp.is_main:
                 continue
             cov = audit(clusters, [strategy], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
@@ -186,10 +184,11 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     columns = COLUMNS
     if b.eval.near_verbatim:  # after the (n, p) column
         at = [c[0] for c in COLUMNS].index("np_best") + 1
-        columns = (*COLUMNS[:at], ("near_best", f"within {b.eval.near_verbatim} changed, best scheme",
+        word, phrase = change_words(b.eval.nv_distance)
+        columns = (*COLUMNS[:at], ("near_best", f"within {b.eval.near_verbatim} {word}, best scheme",
                                    "{:.0%}"), *COLUMNS[at:])
-        notes.append(f"Within {b.eval.near_verbatim} changed: the share of originals whose lower bound of "
-                     f"P(a sample lies within {b.eval.near_verbatim} changed suffix tokens) passes the same "
+        notes.append(f"Within {b.eval.near_verbatim} {word}: the share of originals whose lower bound of "
+                     f"P(a sample lies within {b.eval.near_verbatim} {phrase} of the suffix) passes the same "
                      "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
     return Outputs(title=title, kind=cfg.kind, runs=table, tables=[Table("Cells", table, columns)],
                    notes=notes, plots=[plot])

@@ -64,6 +64,8 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
         # the run bounds no near-copies itself (an experiment that does keys them in its eval_key)
         d["eval"].pop("near_verbatim", None)
         d["eval"].pop("nv_beams", None)
+    if not (cfg.eval.extraction and cfg.eval.near_verbatim) or cfg.eval.nv_distance == "hamming":
+        d["eval"].pop("nv_distance", None)  # the default counts as it did before the field existed
     return d
 
 

@@ -65,9 +65,8 @@ def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     if data.is_chat or not e.near_verbatim:
         return None
     return near_report(model, data.member_docs, data.member_doc_ids, data.tokenizer, prefix_len=e.prefix,
-                       suffix_len=e.suffix, schemes=run_schemes(cfg), max_edits=e.near_verbatim,
-                       beams=e.nv_beams, offsets=e.offsets, ns=e.np_ns, p=e.np_p, batch_size=e.batch_size,
-                       grid=grid, progress=progress)
+                       suffix_len=e.suffix, schemes=run_schemes(cfg), **e.near_args(), offsets=e.offsets,
+                       ns=e.np_ns, p=e.np_p, batch_size=e.batch_size, grid=grid, progress=progress)
 
 
 def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
