@@ -78,6 +78,25 @@ def _edit_rows(rows: torch.Tensor, cand: torch.Tensor, truth: torch.Tensor, leng
     return torch.cummin(e - col, dim=2).values + col
 
 
+def _edit_step(top: torch.Tensor, truth: torch.Tensor, rows: torch.Tensor, t: int, band: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Levenshtein step for paths of t tokens: the candidates [N, K] (the suffix tokens at t + band,
+    then the scheme's likeliest `top`), which to drop (a token already offered, so paths stay distinct,
+    or a band slot outside the suffix), each candidate's edit rows [N, K, S+1] and its level [N, K]: the
+    least edit distance a completion can reach (row + the length difference left, |j - (t + 1)|)."""
+    s = truth.shape[1]
+    at = t + band
+    inside = (at >= 0) & (at < s)
+    cand = torch.cat([truth[:, at.clamp(0, s - 1)], top], dim=1)
+    ident = cand.clone()  # outside slots get unique negative ids: dropped, and never shadow a real token
+    ident[:, :len(band)] = torch.where(inside, ident[:, :len(band)],
+                                       -1 - torch.arange(len(band), device=cand.device))
+    drop = (ident[:, :, None] == ident[:, None, :]).tril(-1).any(dim=2) | (ident < 0)
+    new_rows = _edit_rows(rows, cand, truth, t)
+    gap = (torch.arange(s + 1, device=cand.device) - (t + 1)).abs()
+    return cand, drop, new_rows, (new_rows + gap).amin(dim=2)
+
+
 def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Scheme, max_edits: int,
            beams: int, tick: Callable[[int], Any] | None = None,
            distance: str = "hamming") -> dict[str, torch.Tensor]:
@@ -124,19 +143,10 @@ def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Sc
     for t in range(s):
         _, top = sc.topk(logits[:, None, :], c)  # the likeliest tokens (temperature keeps the order)
         if lev:
-            at = t + band  # the suffix tokens a path of t tokens can still align to its next token
-            inside = (at >= 0) & (at < s)
-            cand = torch.cat([truth[:, at.clamp(0, s - 1)], top], dim=1)  # [R * B, 2 * max_edits + 1 + C]
+            cand, drop, new_rows, level = _edit_step(top, truth, rows, t, band)
             lp = candidate_logprobs(logits, cand, scheme, sc.grid, sc.sharded_vocab)
-            # each token once per path (distinct paths), and no band slot outside the suffix
-            ident = cand.clone()
-            ident[:, :len(band)].masked_fill_(~inside, -1)
-            ident[:, :len(band)] -= (~inside).long() * torch.arange(len(band), device=dev)  # unique < 0
-            seen = (ident[:, :, None] == ident[:, None, :]).tril(-1).any(dim=2)
-            lp.masked_fill_(seen | (ident < 0), -math.inf)
-            new_rows = _edit_rows(rows, cand, truth, t)  # [R * B, K, S + 1]
-            gap = (torch.arange(s + 1, device=dev) - (t + 1)).abs()
-            changed = (new_rows + gap).amin(dim=2).view(r, -1)
+            lp.masked_fill_(drop, -math.inf)
+            changed = level.view(r, -1)
         else:
             true = targets[:, t].repeat_interleave(b)
             cand = torch.cat([true[:, None], top], dim=1)  # [R * B, C + 1]
