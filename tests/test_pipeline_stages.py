@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from helpers import levenshtein
 from sklearn.metrics import roc_auc_score
 
 from memorization.config import load_run_config
@@ -215,6 +216,25 @@ def test_near_verbatim_of_a_run_starts_at_its_log_pz(setup, tmp_path):
     fractions = {d: at["np"]["t=1.0"]["schemes"][d][f"n={n}"]["fraction"] for d in ("d=0", "d=1", "d=2")}
     assert row == {"run": "a", "offset": 0, "docs": len(near), "scheme": "t=1.0",
                    "median": at["median_log10"]["t=1.0"]["d=2"], **fractions}
+    assert "within d changed tokens" in table.title
+
+
+def test_near_verbatim_of_a_run_by_edit_distance(setup, tmp_path):
+    """eval.nv_distance=levenshtein: the run's rows' likeliest paths carry their edit distance to the
+    suffix, and the run's report and an experiment's table say edits."""
+    cfg, data = setup
+    lev = replace(cfg, eval=replace(cfg.eval, mia=False, sampling="t=1.0", near_verbatim=2, nv_beams=2,
+                                    nv_distance="levenshtein"))
+    summary = run_training(lev, tmp_path / "run", data=data)
+    assert summary["near_verbatim"]["distance"] == "levenshtein"
+    near = [json.loads(x) for x in (tmp_path / "run" / "near_verbatim.jsonl").read_text().splitlines()]
+    by_id = dict(zip((str(i) for i in data.member_doc_ids), data.member_docs))
+    for r in near:
+        best = r["likeliest"]["t=1.0"]
+        truth = list(by_id[r["doc"]][cfg.eval.prefix:cfg.eval.prefix + cfg.eval.suffix])
+        assert best["edits"] == levenshtein(best["tokens"], truth) <= 2
+    assert "within d token edits" in (tmp_path / "run" / "report.md").read_text()
+    assert "<= 2 edits" in [c[1] for c in near_table([{**summary, "name": "a"}]).columns]
 
 
 @pytest.mark.parametrize("overrides, field", [
