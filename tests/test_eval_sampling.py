@@ -20,6 +20,7 @@ from evals.scan import score_windows
 from memorization.cli import main
 from memorization.eval.membership import corpus_from_texts, eval_corpus
 from memorization.eval.plots import PANEL_PX, np_threshold, pz_curves
+from memorization.eval.sections import marked_diff
 
 CYCLE = ["river", "stone", "light", "north", "garden", "paper"]
 OTHER = ["window", "market", "silver", "morning", "engine", "letter", "harbor", "winter", "copper", "signal"]
@@ -208,8 +209,23 @@ def test_near_verbatim_rows_start_at_the_exact_copy(setup, evaluated, tmp_path):
     md = (out / "report.md").read_text()
     assert "### Near-verbatim" in md and "| 8 |" in md and "| <= 2 |" in md and "near_verbatim.jsonl" in md
     assert f"near: {examples[0]['text']!r}" in md and "Likeliest near-copies found" in md
+    diff = examples[0]["diff"]
+    assert f"diff: {diff!r}" in md and ("{+" in diff or "[-" in diff)
     png = (out / "report.png").read_bytes()
     assert int.from_bytes(png[16:20], "big") == 3 * PANEL_PX
+
+
+def test_marked_diff_shows_what_a_near_copy_changes():
+    """A deleted and an inserted token marked as git's word diff does, the rest as it reads."""
+    class Words:
+        words = {1: " the", 2: " big", 3: " cat", 4: " sat", 5: " down", 9: " up", 7: " dog"}
+
+        def decode(self, ids):
+            return "".join(self.words[i] for i in ids)
+
+    assert marked_diff(Words(), [1, 2, 3, 4, 5], [1, 3, 4, 9, 5]) == " the[- big-] cat sat{+ up+} down"
+    assert marked_diff(Words(), [1, 2, 3], [1, 7, 3]) == " the[- big-]{+ dog+} cat"
+    assert marked_diff(Words(), [1, 2, 3], [1, 2, 3]) == " the big cat"
 
 
 def test_near_verbatim_by_edit_distance(setup, tmp_path):

@@ -97,7 +97,7 @@ def _near_examples(examples: list[dict[str, Any]], word: str) -> list[str]:
     lines = [f"- `{x['doc']}` (offset {x['offset']}, `{x['scheme']}`, {x['edits']} "
              f"{word[:-1] if word == 'edits' and x['edits'] == 1 else word}, one sample "
              f"emits it with probability {math.exp(x['logp']):.2e}):\n  true: {x['suffix']!r}\n  "
-             f"near: {x['text']!r}" for x in examples]
+             f"near: {x['text']!r}" + (f"\n  diff: {x['diff']!r}" if x.get("diff") else "") for x in examples]
     return ["Likeliest near-copies found (not exact):", "\n".join(lines)]
 
 

@@ -10,6 +10,7 @@ bootstrap, seed, ...). `sampled_section` (extraction beyond greedy: log p_z per 
 """
 from __future__ import annotations
 
+import difflib
 import math
 import time
 from collections.abc import Sequence
@@ -173,13 +174,32 @@ def near_report(model: Any, seqs: Sequence[Sequence[int]], ids: Sequence[Any], t
 
 def _spell(rows: list[dict[str, Any]], ids: Sequence[Any], seqs: Sequence[Sequence[int]], tok: Any,
            prefix: int, suffix: int) -> None:
-    """Add each row's true suffix as text (`suffix`) and its likeliest paths' (`text`)."""
+    """Add each row's true suffix as text (`suffix`), its likeliest paths' (`text`) and what they change
+    (`diff`)."""
     by_id = dict(zip(ids, seqs))
     for r in rows:
         start = int(r["offset"]) + prefix
-        r["suffix"] = tok.decode(list(by_id[r["doc"]][start:start + suffix]))
+        truth = [int(t) for t in by_id[r["doc"]][start:start + suffix]]
+        r["suffix"] = tok.decode(truth)
         for path in r["likeliest"].values():
             path["text"] = tok.decode(path["tokens"])
+            path["diff"] = marked_diff(tok, truth, path["tokens"])
+
+
+def marked_diff(tok: Any, truth: Sequence[int], ids: Sequence[int]) -> str:
+    """`ids` as text with what differs from `truth` marked, [-removed-] and {+added+} (token spans
+    aligned by difflib, each side decoded on its own), as `git diff --word-diff` shows a change."""
+    out = []
+    matcher = difflib.SequenceMatcher(None, list(truth), list(ids), autojunk=False)
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            out.append(tok.decode(list(ids[j1:j2])))
+            continue
+        if i2 > i1:
+            out.append(f"[-{tok.decode(list(truth[i1:i2]))}-]")
+        if j2 > j1:
+            out.append(f"{{+{tok.decode(list(ids[j1:j2]))}+}}")
+    return "".join(out)
 
 
 def _examples(rows: Sequence[dict[str, Any]], k: int = 3) -> list[dict[str, Any]]:
@@ -193,7 +213,8 @@ def _examples(rows: Sequence[dict[str, Any]], k: int = 3) -> list[dict[str, Any]
                 continue
             if key not in best or path["logp"] > best[key]["logp"]:
                 best[key] = {"doc": r["doc"], "offset": r["offset"], "scheme": name, "edits": path["edits"],
-                             "logp": path["logp"], "suffix": r["suffix"], "text": path["text"]}
+                             "logp": path["logp"], "suffix": r["suffix"], "text": path["text"],
+                             "diff": path["diff"]}
     return sorted(best.values(), key=lambda x: -x["logp"])[:k]
 
 
