@@ -44,6 +44,7 @@ class Train:
     adapters: Adapters | None = None
     loss_chunk: int | str = 0
     extra_bytes: Callable[[Grid], float] | None = None  # what else the grid must hold (in-place scoring)
+    example_norms: bool = False  # per-example clipping by ghost norms: the norm pass, buffers (model.predict)
     name: str = "train"
 
 
@@ -92,7 +93,7 @@ def train_cost(shape: ModelShape, g: Grid, hw: Hardware, obj: Train, *, mode: st
     mb = obj.micro_batch(g) if obj.micro_batch else None
     p = predict(shape, g, obj.seq, obj.batch, hw, gpus_per_node=gpus_per_node, micro_batch=mb,
                 checkpoint=obj.checkpoint, headroom=headroom, mode=mode, precision=obj.precision,
-                adapters=obj.adapters, loss_chunk=obj.loss_chunk)
+                adapters=obj.adapters, loss_chunk=obj.loss_chunk, example_norms=obj.example_norms)
     need = p.memory_gb * GiB
     if obj.extra_bytes is not None:
         need = max(need, obj.extra_bytes(g))  # scoring in place happens after the step, not beside it

@@ -1,9 +1,11 @@
 """Compute-time model: a shape-aware GEMM curve, fused attention, memory-bound elementwise work."""
 from __future__ import annotations
 
+from typing import Any
+
 from axonn.plan.hardware import Hardware
 from axonn.plan.shapes import ModelShape
-from axonn.plan.volumes import Grid, pair_of
+from axonn.plan.volumes import Grid, block_linears, pair_of
 
 
 def shape_factor(m: int, n: int, k: int, half: float) -> float:
@@ -80,6 +82,32 @@ def elementwise_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
     loss_f, loss_b = (8.0 * logit, 0.0) if loss_chunk else (10.0 * logit, 10.0 * logit)
     bwd = 2 * fwd + (fwd if checkpoint else 0.0)
     return fwd + loss_f, bwd + loss_b
+
+
+def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, hw: Hardware,
+                      mode: str = "paired", adapters: Any = None) -> float:
+    """Seconds of the per-example gradient-norm work of ghost-norm clipping for one micro-batch
+    (axonn/layers/per_example.py), beside the backward it rides on: per example and trained Linear
+    [out, in] (this rank's slice, T = seq tokens), the two Gram matrices A A^T and G G^T (2 T^2 in +
+    2 T^2 out flops) or, where T^2 > in * out, the per-example weight gradient G^T A itself; the LM head
+    likewise, and the embedding's dE dE^T against the token-equality matrix. With `adapters` (a
+    memory.Adapters, which imports this module) only the rank-r adapters are trained: A [r, in] and
+    B [out, r] of each targeted Linear, nothing else."""
+    def norm(out: int, inp: int) -> float:
+        if seq * seq > out * inp:
+            return gemm_time(out, inp, seq, hw)
+        return gemm_time(seq, seq, inp, hw) + gemm_time(seq, seq, out, hw) + 3.0 * 4 * seq * seq / hw.hbm_bw
+
+    blocks = [(lin.name, lin.out // grid.dim(lin.out_axis), lin.inp // grid.dim(lin.in_axis))
+              for lin in block_linears(shape, grid, mode)]
+    if adapters is not None:
+        r = adapters.rank
+        return micro_batch * shape.layers * sum(norm(r, inp) + norm(out, r) for name, out, inp in blocks
+                                                if not adapters.targets or name in adapters.targets)
+    per_example = shape.layers * sum(norm(out, inp) for _, out, inp in blocks)
+    per_example += norm(shape.vocab // grid.y, shape.hidden // grid.x)  # the LM head (a tied table too)
+    per_example += gemm_time(seq, seq, shape.hidden // grid.x, hw) + 3.0 * 4 * seq * seq / hw.hbm_bw
+    return micro_batch * per_example
 
 
 def optimizer_time(local_params: float, hw: Hardware) -> float:

@@ -223,8 +223,10 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
 def memory_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
                  prefetch: bool = True, mode: str | None = None,
                  precision: str | Precision = "bf16", loss_chunk: int | str = 0,
-                 adapters: Adapters | None = None) -> float:
+                 adapters: Adapters | None = None, example_norms: bool = False) -> float:
     """Total predicted peak bytes per GPU (`loss_chunk`: the trainer's setting, see head_chunk;
-    `adapters`: a LoRA run's frozen base and trained adapters)."""
+    `adapters`: a LoRA run's frozen base and trained adapters; `example_norms`: the ghost-norm
+    buffers of per-example clipping)."""
     return sum(memory_breakdown(shape, grid, seq, micro_batch, checkpoint, prefetch,
-                                mode, precision=precision, loss_chunk=loss_chunk, adapters=adapters).values())
+                                mode, precision=precision, loss_chunk=loss_chunk, adapters=adapters,
+                                example_norms=example_norms).values())

@@ -8,6 +8,7 @@ from axonn.plan.collectives import collective_time, group_strides
 from axonn.plan.compute import (
     attention_time,
     elementwise_time,
+    example_norm_time,
     gemm_time,
     optimizer_time,
 )
@@ -96,8 +97,8 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             gpus_per_node: int | None = None, micro_batch: int | None = None,
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
             mode: str | None = None, precision: str = "bf16",
-            local: float | None = None, loss_chunk: int | str = 0, adapters: Adapters | None = None
-            ) -> Prediction:
+            local: float | None = None, loss_chunk: int | str = 0, adapters: Adapters | None = None,
+            example_norms: bool = False) -> Prediction:
     """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
 
     `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
@@ -107,7 +108,13 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     count of the model it sharded), `precision` the activation bytes (memory.PRECISIONS),
     `loss_chunk` the trainer's LM-head setting (trainer.loss_chunk: auto, off/0 full logits, or tokens
     per chunk; resolved for this grid as the trainer does, memory.head_chunk) and
-    `adapters` a LoRA run (a frozen base: only the adapters have gradients and optimizer state)."""
+    `adapters` a LoRA run (a frozen base: only the adapters have gradients and optimizer state).
+    `example_norms`: per-example gradient clipping by ghost norms (axonn/layers/per_example.py), which
+    runs a first backward per micro-batch to measure each example's gradient norm before the clipped one: its
+    activation-gradient GEMMs (no weight GEMMs), the attention and element-wise backward, the norm
+    GEMMs (compute.example_norm_time) and its collectives (the backward's but the weight reduce-scatter,
+    none hidden behind a weight GEMM; the norms' all-reduces over X and Y), the noise such a step adds
+    to every trained coordinate, and the norm buffers in memory."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     gpus = grid.size
@@ -117,7 +124,7 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     loss_chunk = head_chunk(loss_chunk, -(-shape.vocab // grid.y), mb * (seq - 1))
     gemms, comms, step = step_ops(shape, grid, seq, mb, checkpoint, mode)
 
-    fwd_c = bwd_c = 0.0
+    fwd_c = bwd_c = dgrad_c = 0.0
     wgrad: dict[str, float] = {}
     for g in gemms:
         t = gemm_time(g.m, g.n, g.k, hw)
@@ -127,6 +134,8 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             bwd_c += t * g.count
         if g.role == "wgrad":
             wgrad[g.name] = t
+        elif g.phase == "bwd":
+            dgrad_c += t * g.count  # what a backward without weight gradients runs (and recomputes)
     a_f, a_b = attention_time(shape, grid, seq, mb, hw, checkpoint, mode)
     e_f, e_b = elementwise_time(shape, grid, seq, mb, hw, checkpoint, mode, loss_chunk)
     fwd_c += a_f + e_f
@@ -149,21 +158,34 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
 
     micro_comms = timed(comms, n_micro)
     step_comm = sum(t for _, t in timed(step, 1))
+    norms_c = norms_exposed = 0.0
+    if example_norms:  # the norm pass: a backward of its own, timed like a forward (no weight GEMM hides)
+        norms_c = dgrad_c + a_b + e_b + example_norm_time(shape, grid, seq, mb, hw, mode, adapters)
+        passed = [dataclasses.replace(c, phase="fwd") for c in comms
+                  if c.phase == "bwd" and c.kind != "reduce_scatter"]
+        passed += [Comm("example_norms", "fwd", "all_reduce", axis, mb, 1, "blocking", elem_bytes=8)
+                   for axis in ("x", "y")]
+        norm_comms = timed(passed, n_micro)
+        norms_exposed = (_exposed(norm_comms, {}, norms_c, 0.0, 0.0, 1) if overlap and hw.hides_comm
+                         else sum(t * c.count for c, t in norm_comms))
     comm_total = sum(by_group.values())
     if overlap and hw.hides_comm:
         buckets = shape.layers + 1
         per_micro = _exposed(micro_comms, wgrad, fwd_c, bwd_c, 0.0, buckets)
         last = _exposed(micro_comms, wgrad, fwd_c, bwd_c, step_comm, buckets)
-        exposed = (n_micro - 1) * per_micro + last
+        exposed = (n_micro - 1) * per_micro + last + n_micro * norms_exposed
     else:
         exposed = comm_total
 
     n_local = local_params(shape, grid, mode) if local is None else local
     n_trained = n_local if adapters is None else adapter_params(shape, grid, adapters, mode)
-    compute = n_micro * (fwd_c + bwd_c) + optimizer_time(n_trained, hw)
+    compute = n_micro * (fwd_c + bwd_c + norms_c) + optimizer_time(n_trained, hw)
+    if example_norms:  # N(0, sigma^2 C^2) per trained coordinate: drawn (fp32) and added once per step
+        compute += 16.0 * n_trained / hw.hbm_bw
     time_s = compute + exposed
     mem = memory_breakdown(shape, grid, seq, mb, checkpoint, prefetch=overlap, mode=mode,
-                           local=n_local, precision=precision, loss_chunk=loss_chunk, adapters=adapters)
+                           local=n_local, precision=precision, loss_chunk=loss_chunk, adapters=adapters,
+                           example_norms=example_norms)
     mem_bytes = sum(mem.values())
     flops = model_flops(shape, seq, global_batch) / time_s
     return Prediction(

@@ -52,12 +52,13 @@ def check_inputs(gpus: int, gpus_per_node: int, seq: int, global_batch: int,
 def _largest_fitting(shape: ModelShape, grid: Grid, seq: int, rows: int, checkpoint: bool,
                      budget: float, prefetch: bool, forced: int | None,
                      mode: str, precision: str = "bf16", loss_chunk: int | str = 0,
-                     adapters: Adapters | None = None) -> tuple[int, float]:
+                     adapters: Adapters | None = None, example_norms: bool = False) -> tuple[int, float]:
     """(micro-batch rows, bytes): the largest micro-batch that fits, else the smallest tried."""
     options = [forced] if forced else sorted(divisors(rows), reverse=True)
     need = 0.0
     for mb in options:
-        need = memory_bytes(shape, grid, seq, mb, checkpoint, prefetch, mode, precision, loss_chunk, adapters)
+        need = memory_bytes(shape, grid, seq, mb, checkpoint, prefetch, mode, precision, loss_chunk, adapters,
+                            example_norms)
         if need <= budget:
             return mb, need
     return options[-1], need
@@ -68,7 +69,7 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
          headroom: float = 0.1, micro_batch: int | None = None,
          include_unfit: bool = False, strict: bool = False,
          mode: str | None = None, precision: str = "bf16", loss_chunk: int | str = 0,
-         adapters: Adapters | None = None) -> list[Prediction]:
+         adapters: Adapters | None = None, example_norms: bool = False) -> list[Prediction]:
     """Predictions for every valid grid, best first; only those that fit unless include_unfit.
 
     checkpoint None tries with and without activation checkpointing and keeps the faster that
@@ -76,7 +77,8 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
     `strict` keeps only grids with no Z padding and an even batch split (volumes.grid_problems);
     `precision` is the trainer's (bf16 autocast on GPUs, fp32 on CPU: memory.PRECISIONS), `loss_chunk`
     its LM-head setting (model.predict; 0: full logits), `adapters` a LoRA run's (memory.Adapters: a
-    frozen base, only the adapters trained).
+    frozen base, only the adapters trained), `example_norms` per-example clipping by ghost norms
+    (model.predict).
     Ranked: grids that fit first, among them those the engine runs as is (z*data divides the batch),
     each group by step time. Raises ConfigError when nothing is valid or nothing fits.
     """
@@ -104,14 +106,15 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
         best: Prediction | None = None
         for ckpt in modes:
             mb, need = _largest_fitting(shape, grid, seq, rows, ckpt, budget, overlap, micro_batch,
-                                        mode, precision, loss_chunk, adapters)
+                                        mode, precision, loss_chunk, adapters, example_norms)
             if least is None or need < least[0]:
                 least = (need, grid)
             if need > budget and not include_unfit:
                 continue
             p = predict(shape, grid, seq, global_batch, hw, gpus_per_node=gpn, micro_batch=mb,
                         checkpoint=ckpt, overlap=overlap, headroom=headroom, mode=mode,
-                        precision=precision, loss_chunk=loss_chunk, adapters=adapters)
+                        precision=precision, loss_chunk=loss_chunk, adapters=adapters,
+                        example_norms=example_norms)
             if best is None or (p.fits, -p.time_s) > (best.fits, -best.time_s):
                 best = p
         if best is not None:

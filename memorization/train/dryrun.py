@@ -38,7 +38,7 @@ from memorization.experiments import load_experiment
 from memorization.mitigations.peft_lora import apply_sharded_lora
 from memorization.models import meta_model
 from memorization.train.dryrun_report import format_report
-from memorization.train.parallel import Launch, memory_fix, run_adapters
+from memorization.train.parallel import Launch, ghost_norms, memory_fix, run_adapters
 from memorization.train.prepare import prepare_data
 from memorization.train.run_plan import plan_run, planned_model_config
 from memorize_core import ConfigError, fail
@@ -156,7 +156,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora,
                                                                        run_plan.lora_targets)))
 
-    ghost = t.dp.enabled and t.dp.clipping == "ghost"  # DP-SGD's per-example norm buffers
+    ghost = ghost_norms(cfg)  # DP-SGD's norm pass and per-example norm buffers
     # the LM head as the launched trainer runs it (the plan's loss_chunk; a model whose
     # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
     head = run_plan.trainer.loss_chunk
@@ -173,10 +173,10 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                    f"{memory_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                precision=precision, local=local, adapters=adapters, loss_chunk=chunk)
+                precision=precision, local=local, adapters=adapters, loss_chunk=chunk, example_norms=ghost)
     try:
         top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
-                   precision=precision, loss_chunk=chunk)[0]
+                   precision=precision, loss_chunk=chunk, example_norms=ghost)[0]
         best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
                 "activation_checkpointing": top.checkpoint_activations}
     except ConfigError:

@@ -154,6 +154,12 @@ def head_setting(cfg: RunConfig) -> int | str:
     return "off" if cfg.trainer.dp.enabled else cfg.trainer.loss_chunk
 
 
+def ghost_norms(cfg: RunConfig) -> bool:
+    """Whether the run measures per-example gradient norms by ghost clipping (DP-SGD's default): its
+    step runs a norm pass and holds norm buffers (axonn.plan.model.predict's `example_norms`)."""
+    return cfg.trainer.dp.enabled and cfg.trainer.dp.clipping == "ghost"
+
+
 def _train_objective(cfg: RunConfig, model_config: Any, shape: Any, precision: str) -> Train:
     """The chooser's training objective of this config as written (its in-place scoring included)."""
     t, mode = cfg.trainer, cfg.parallel_mode
@@ -161,7 +167,7 @@ def _train_objective(cfg: RunConfig, model_config: Any, shape: Any, precision: s
     return Train(seq=cfg.data.block_len, batch=t.batch_size,
                  micro_batch=lambda g: t.accumulation(g.z * g.data)[1],
                  checkpoint=t.activation_checkpointing, precision=precision, adapters=adapters,
-                 loss_chunk=head_setting(cfg),
+                 loss_chunk=head_setting(cfg), example_norms=ghost_norms(cfg),
                  extra_bytes=lambda g: eval_bytes(cfg, shape, g, mode, precision, adapters=adapters))
 
 

@@ -1,0 +1,114 @@
+"""The planner prices DP-SGD with ghost clipping (`example_norms`): per micro-batch a norm pass (a backward
+without weight GEMMs, plus the per-example norm GEMMs) before the clipped backward, its collectives,
+the step's Gaussian noise and the norm buffers; off, it predicts exactly as before. The run's
+chooser and memory check ask for it where the run clips by ghost norms."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from axonn.plan.calibrate import get_hardware
+from axonn.plan.choose import train_cost
+from axonn.plan.collectives import collective_time, group_strides
+from axonn.plan.compute import attention_time, elementwise_time, example_norm_time, gemm_time
+from axonn.plan.memory import Adapters, example_norm_bytes
+from axonn.plan.model import predict
+from axonn.plan.shapes import load_shape
+from axonn.plan.volumes import Grid, step_ops
+from memorization.config import load_run_config
+from memorization.models import REPO_ROOT
+from memorization.train.parallel import _train_objective, ghost_norms
+
+
+def _norm_gemms_by_hand(shape, seq: int, rows: int, hw) -> float:
+    """At 1,1,1,1: per example, Gram matrices [T, T] of each Linear's input and output gradient (or the
+    per-example weight gradient where T^2 > in * out), the head's, and the embedding's dE dE^T."""
+    t2 = seq * seq
+    elementwise = 12.0 * t2 / hw.hbm_bw  # the [T, T] products summed: 3 fp32 passes
+
+    def one(out: int, inp: int) -> float:
+        if t2 > out * inp:
+            return gemm_time(out, inp, seq, hw)
+        return gemm_time(seq, seq, inp, hw) + gemm_time(seq, seq, out, hw) + elementwise
+
+    layer = sum(one(o, i) for _, o, i, _ in shape.block_linears())
+    head = one(shape.vocab, shape.hidden)
+    embedding = gemm_time(seq, seq, shape.hidden, hw) + elementwise
+    return rows * (shape.layers * layer + head + embedding)
+
+
+def test_norm_pass_terms_for_llama_1b_at_one_gpu():
+    shape, hw, grid = load_shape("llama-1b"), get_hardware("h100"), Grid(1, 1, 1, 1)
+    seq, rows = 2048, 4
+    kw = dict(gpus_per_node=1, mode="paired", loss_chunk="off")
+    plain = predict(shape, grid, seq, rows, hw, **kw)
+    dp = predict(shape, grid, seq, rows, hw, example_norms=True, **kw)
+    assert predict(shape, grid, seq, rows, hw, example_norms=False, **kw) == plain
+    gemms, _, _ = step_ops(shape, grid, seq, rows, False, "paired")
+    dgrad = sum(gemm_time(g.m, g.n, g.k, hw) * g.count for g in gemms if g.role == "dgrad")
+    attn_bwd = attention_time(shape, grid, seq, rows, hw, False, "paired")[1]
+    elem_bwd = elementwise_time(shape, grid, seq, rows, hw, False, "paired", 0)[1]
+    noise = 16.0 * shape.params / hw.hbm_bw
+    want = dgrad + attn_bwd + elem_bwd + _norm_gemms_by_hand(shape, seq, rows, hw) + noise
+    assert abs((dp.time_s - plain.time_s) - want) <= 1e-9 * want
+    assert dp.comm_s == plain.comm_s == 0.0
+    # about three quarters of a plain step more here: the Gram matrices of 2048 x 2048 layers at
+    # T = 2048 cost twice their weight GEMMs
+    assert 1.6 < dp.time_s / plain.time_s < 1.9
+    extra = (dp.memory_gb - plain.memory_gb) * 2**30
+    assert abs(extra - example_norm_bytes(shape, grid, seq, rows, "paired")) <= 1.0
+
+
+def test_norm_pass_collectives_repeat_the_backwards_but_the_weight_reduction():
+    """On a Z x Y split: the norm pass gathers the Linears' weights over Z once more (the backward's
+    gathers; the embedding's backward does not run in it), reduces no weight gradient (the Z
+    reduce-scatter is the plain step's), and adds the norms' all-reduce over Y (X is 1: nothing)."""
+    shape, hw, grid = load_shape("llama-1b"), get_hardware("h100"), Grid(1, 2, 2, 1)
+    kw = dict(gpus_per_node=4, mode="paired", loss_chunk="off")
+    plain = predict(shape, grid, 2048, 4, hw, **kw)
+    dp = predict(shape, grid, 2048, 4, hw, example_norms=True, **kw)
+    p, d = plain.comm_by_group, dp.comm_by_group
+    assert d["reduce_scatter:z"] == p["reduce_scatter:z"]
+    _, comms, _ = step_ops(shape, grid, 2048, 4, False, "paired")
+    stride = group_strides(1, 2, 2, 1)["z"][1]
+    gathers = sum(collective_time("all_gather", c.elems * 2, 2, stride, 4, hw, 4) * c.count for c in comms
+                  if c.kind == "all_gather" and c.group == "z" and c.phase == "bwd")
+    assert gathers > 0 and abs(d["all_gather:z"] - p["all_gather:z"] - gathers) <= 1e-9 * gathers
+    assert d["all_reduce:y"] > p["all_reduce:y"] and "all_reduce:x" not in d
+    assert dp.exposed_comm_s > plain.exposed_comm_s
+
+
+def test_the_run_asks_for_the_norm_pass_where_it_clips_by_ghost_norms():
+    """A ghost-clipping DP run's training objective prices the norm pass and its buffers (the auto
+    grid and the memory check use it); Opacus' per-sample clipping and a plain run do not."""
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", [])
+    dp = replace(cfg, trainer=replace(cfg.trainer, dp=replace(cfg.trainer.dp, enabled=True)))
+    per_sample = replace(dp, trainer=replace(dp.trainer, dp=replace(dp.trainer.dp, clipping="per_sample")))
+    assert (ghost_norms(cfg), ghost_norms(dp), ghost_norms(per_sample)) == (False, True, False)
+    shape, hw = load_shape("llama-1b"), get_hardware("h100")
+    costs = {}
+    for name, c in (("plain", cfg), ("ghost", dp)):
+        obj = replace(_train_objective(c, None, shape, "bf16"), extra_bytes=None, micro_batch=None)
+        assert obj.example_norms == (name == "ghost")
+        costs[name] = train_cost(shape, Grid(1, 1, 1, 1), hw, replace(obj, seq=2048, batch=4), mode="paired",
+                                 gpus_per_node=1, headroom=0.1)
+    assert costs["ghost"][0] > 1.5 * costs["plain"][0] and costs["ghost"][1] > costs["plain"][1]
+
+
+def test_with_adapters_only_their_norms_are_formed():
+    """DP-SGD on LoRA adapters: the norm pass still runs the backward through the frozen base, but forms
+    norms of the rank-r adapters only (per-example G^T A of [r, in] and [out, r], bound by reading the
+    activations: a fifth of the full model's Gram matrices here)."""
+    shape, hw, grid = load_shape("llama-1b"), get_hardware("h100"), Grid(1, 1, 1, 1)
+    lora = Adapters(rank=16)
+    full = example_norm_time(shape, grid, 2048, 4, hw, "paired")
+    adapters = example_norm_time(shape, grid, 2048, 4, hw, "paired", lora)
+    assert 0 < adapters < 0.25 * full
+    by_hand = 4 * shape.layers * sum(gemm_time(16, i, 2048, hw) + gemm_time(o, 16, 2048, hw)
+                                     for _, o, i, _ in shape.block_linears())  # T^2 > r * in: direct
+    assert abs(adapters - by_hand) <= 1e-12
+    kw = dict(gpus_per_node=1, mode="paired", loss_chunk="off", adapters=lora)
+    plain = predict(shape, grid, 2048, 4, hw, **kw)
+    dp = predict(shape, grid, 2048, 4, hw, example_norms=True, **kw)
+    gemms, _, _ = step_ops(shape, grid, 2048, 4, False, "paired")
+    dgrad = sum(gemm_time(g.m, g.n, g.k, hw) * g.count for g in gemms if g.role == "dgrad")
+    assert dgrad + adapters < dp.time_s - plain.time_s < dgrad + adapters + 0.5 * plain.time_s
