@@ -20,19 +20,25 @@ from memorization.train.parallel import _train_objective, ghost_norms
 
 
 def _norm_gemms_by_hand(shape, seq: int, rows: int, hw) -> float:
-    """At 1,1,1,1: per example, Gram matrices [T, T] of each Linear's input and output gradient (or the
-    per-example weight gradient where T^2 > in * out), the head's, and the embedding's dE dE^T."""
-    t2 = seq * seq
-    elementwise = 12.0 * t2 / hw.hbm_bw  # the [T, T] products summed: 3 fp32 passes
+    """Llama-1B at 1,1,1,1 and T = 2,048 (H = 2,048, kv 512, F = 8,192), per example: Gram matrices
+    [T, T] where T^2 <= in * out (q, o, gate, up, down; up reuses gate's input Gram, as the hooks'
+    cache does), the per-example weight gradient where T^2 > in * out (k, v: 512 x 2,048), the head's
+    Grams and the embedding's dE dE^T."""
+    h, kv, f, t = shape.hidden, shape.kv_dim, shape.ffn, seq
+    assert (h, kv, f, t) == (2048, 512, 8192, 2048)
+    products = 12.0 * t * t / hw.hbm_bw  # each pair of [T, T] Grams multiplied and summed, fp32
 
-    def one(out: int, inp: int) -> float:
-        if t2 > out * inp:
-            return gemm_time(out, inp, seq, hw)
-        return gemm_time(seq, seq, inp, hw) + gemm_time(seq, seq, out, hw) + elementwise
+    def gram(width: int) -> float:
+        return gemm_time(t, t, width, hw)
 
-    layer = sum(one(o, i) for _, o, i, _ in shape.block_linears())
-    head = one(shape.vocab, shape.hidden)
-    embedding = gemm_time(seq, seq, shape.hidden, hw) + elementwise
+    layer = (gram(h) + gram(h) + products  # q: its input (the normed stream) and output
+             + 2 * gemm_time(kv, h, t, hw)  # k, v: G^T A
+             + gram(h) + gram(h) + products  # o
+             + gram(h) + gram(f) + products  # gate
+             + gram(f) + products  # up: gate's input Gram again
+             + gram(f) + gram(h) + products)  # down
+    head = gram(h) + gram(shape.vocab) + products
+    embedding = gram(h) + products
     return rows * (shape.layers * layer + head + embedding)
 
 

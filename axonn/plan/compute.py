@@ -88,25 +88,35 @@ def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                       mode: str = "paired", adapters: Any = None) -> float:
     """Seconds of the per-example gradient-norm work of ghost-norm clipping for one micro-batch
     (axonn/layers/per_example.py), beside the backward it rides on: per example and trained Linear
-    [out, in] (this rank's slice, T = seq tokens), the two Gram matrices A A^T and G G^T (2 T^2 in +
-    2 T^2 out flops) or, where T^2 > in * out, the per-example weight gradient G^T A itself; the LM head
-    likewise, and the embedding's dE dE^T against the token-equality matrix. With `adapters` (a
-    memory.Adapters, which imports this module) only the rank-r adapters are trained: A [r, in] and
-    B [out, r] of each targeted Linear, nothing else."""
-    def norm(out: int, inp: int) -> float:
+    [out, in] (this rank's slice, T = seq tokens), the Gram matrices G G^T (2 T^2 out flops) and A A^T
+    (2 T^2 in, formed once for the Linears that read one input: q, k, v and gate, up) or, where
+    T^2 > in * out, the per-example weight gradient G^T A itself; the LM head likewise, and the
+    embedding's dE dE^T against the token-equality matrix. With `adapters` (a memory.Adapters, which
+    imports this module) only the rank-r adapters are trained: A [r, in] and B [out, r] of each
+    targeted Linear, nothing else."""
+    products = 3.0 * 4 * seq * seq / hw.hbm_bw  # the [T, T] Grams multiplied and summed, fp32
+
+    def norm(out: int, inp: int, input_gram: bool = True) -> float:
         if seq * seq > out * inp:
             return gemm_time(out, inp, seq, hw)
-        return gemm_time(seq, seq, inp, hw) + gemm_time(seq, seq, out, hw) + 3.0 * 4 * seq * seq / hw.hbm_bw
+        return (gemm_time(seq, seq, inp, hw) if input_gram else 0.0) + gemm_time(seq, seq, out, hw) + products
 
+    transposed = [tr for _, _, _, tr in shape.block_linears()]
     blocks = [(lin.name, lin.out // grid.dim(lin.out_axis), lin.inp // grid.dim(lin.in_axis))
               for lin in block_linears(shape, grid, mode)]
     if adapters is not None:
         r = adapters.rank
         return micro_batch * shape.layers * sum(norm(r, inp) + norm(out, r) for name, out, inp in blocks
                                                 if not adapters.targets or name in adapters.targets)
-    per_example = shape.layers * sum(norm(out, inp) for _, out, inp in blocks)
+    per_block, last = 0.0, None  # the previous Linear: input width, transposed, formed its A A^T
+    for (_, out, inp), tr in zip(blocks, transposed):
+        gram = seq * seq <= out * inp
+        cached = gram and last is not None and not tr and last == (inp, False, True)
+        per_block += norm(out, inp, input_gram=not cached)
+        last = (inp, tr, gram)
+    per_example = shape.layers * per_block
     per_example += norm(shape.vocab // grid.y, shape.hidden // grid.x)  # the LM head (a tied table too)
-    per_example += gemm_time(seq, seq, shape.hidden // grid.x, hw) + 3.0 * 4 * seq * seq / hw.hbm_bw
+    per_example += gemm_time(seq, seq, shape.hidden // grid.x, hw) + products
     return micro_batch * per_example
 
 
