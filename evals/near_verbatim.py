@@ -133,13 +133,14 @@ def search(sc: Scorer, prefixes: torch.Tensor, targets: torch.Tensor, scheme: Sc
     edits = torch.zeros(r, b, dtype=torch.long, device=dev)
     seqs = torch.empty(r, b, 0, dtype=torch.long, device=dev)
     base = torch.arange(r, device=dev)[:, None]
-    cost = (torch.arange(c + 1, device=dev) > 0).long()  # column 0 is the true token, the rest change it
     if lev:
         truth = targets.repeat_interleave(b, dim=0)  # [R * B, S]
         rows = torch.arange(s + 1, device=dev).expand(r * b, -1).contiguous()  # D[j] = j: nothing emitted
         # suffix offsets a path's next token may align to; 0 (the true next token) first, so that the
         # verbatim path keeps it when the suffix repeats a token nearby (later copies are masked)
         band = torch.tensor([0] + [x for a in range(1, max_edits + 1) for x in (-a, a)], device=dev)
+    else:
+        cost = (torch.arange(c + 1, device=dev) > 0).long()  # column 0 is the true token, the rest change it
     for t in range(s):
         _, top = sc.topk(logits[:, None, :], c)  # the likeliest tokens (temperature keeps the order)
         if lev:

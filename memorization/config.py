@@ -146,6 +146,13 @@ class ModelConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)  # train peft LoRA adapters on a frozen base
 
 
+def change_words(distance: str | None) -> tuple[str, str]:
+    """How reports name a near-verbatim distance's changes (eval.nv_distance): (a column's word, the
+    phrase), as in "<= 2 changed" and "within d changed tokens"; None (a result from before the distance
+    was recorded) is Hamming's."""
+    return ("edits", "token edits") if distance == "levenshtein" else ("changed", "changed tokens")
+
+
 @dataclass
 class EvalConfig:
     """What the run measures on its trained model, on its grid: extraction of every training
@@ -225,12 +232,14 @@ class EvalConfig:
                        "audit guesses on the highest and lowest scores of m canaries), e.g. 64")
 
     def near_args(self) -> dict[str, Any]:
-        """evals.near_verbatim.near_verbatim's search settings from these fields."""
-        return {"max_edits": self.near_verbatim, "beams": self.nv_beams, "distance": self.nv_distance}
+        """evals.near_verbatim.near_verbatim's window, search and (n, p) settings from these fields."""
+        return {"prefix_len": self.prefix, "suffix_len": self.suffix, "max_edits": self.near_verbatim,
+                "beams": self.nv_beams, "distance": self.nv_distance, "ns": self.np_ns, "p": self.np_p,
+                "batch_size": self.batch_size}
 
     def near_key(self) -> dict[str, Any]:
-        """The near-verbatim settings an experiment's eval_key holds: none while off, and the distance
-        only where it is not the default (evaluations cached before it existed stay valid)."""
+        """The near-verbatim settings a run's key or an experiment's eval_key holds: none while off, and
+        the distance only where it is not the default (results from before it existed stay valid)."""
         if not self.near_verbatim:
             return {}
         return {"near_verbatim": self.near_verbatim, "nv_beams": self.nv_beams,

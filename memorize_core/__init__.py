@@ -18,13 +18,6 @@ NEAR_DISTANCES = ("hamming", "levenshtein")
 substituted in place, or substituted, inserted and deleted (evals.near_verbatim; eval.nv_distance)."""
 
 
-def change_words(distance: str | None) -> tuple[str, str]:
-    """How reports name a near-verbatim distance's changes: (a column's word, the phrase), as in
-    "<= 2 changed" and "within d changed tokens"; None (a result from before the distance was
-    recorded) is Hamming's."""
-    return ("edits", "token edits") if distance == "levenshtein" else ("changed", "changed tokens")
-
-
 class ConfigError(ValueError):
     """Bad user input: the message names the field, the value and the fix."""
 
@@ -48,4 +41,4 @@ class Batch(TypedDict, total=False):
     positions: Tensor
 
 
-__all__ = ["IGNORE_INDEX", "NEAR_DISTANCES", "Batch", "ConfigError", "change_words", "fail"]
+__all__ = ["IGNORE_INDEX", "NEAR_DISTANCES", "Batch", "ConfigError", "fail"]

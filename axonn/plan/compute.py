@@ -111,7 +111,7 @@ def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
     per_block, last = 0.0, None  # the previous Linear: input width, transposed, formed its A A^T
     for (_, out, inp), tr in zip(blocks, transposed):
         gram = seq * seq <= out * inp
-        cached = gram and last is not None and not tr and last == (inp, False, True)
+        cached = gram and not tr and last == (inp, False, True)
         per_block += norm(out, inp, input_gram=not cached)
         last = (inp, tr, gram)
     per_example = shape.layers * per_block

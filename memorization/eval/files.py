@@ -7,10 +7,11 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from memorization.config import change_words
 from memorization.eval.utility import task_table
 from memorization.outputs import check_writable
 from memorization.train.run_plan import RESULT_FILES
-from memorize_core import change_words, fail
+from memorize_core import fail
 
 # sampled.jsonl: one line per (offset, document) of the extraction beyond greedy (sections.sampled_section);
 # mia.jsonl: one line per member and non-member with each attack's score (sections.mia_section)

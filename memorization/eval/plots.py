@@ -22,7 +22,7 @@ import numpy as np
 from sklearn.metrics import roc_curve
 
 from evals import ExtractionResult
-from memorize_core import change_words
+from memorization.config import change_words
 
 _STYLES = ("-", "--", ":", "-.")
 PANEL_PX = 460  # the width of one panel in report.png

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memorization.config import change_words
 from memorization.experiments.reporting import Table, figure, save
-from memorize_core import change_words
 
 NP_NOTE = ("Beyond greedy (after {passes} passes): p_z = the probability that a decoding scheme emits the "
            "suffix exactly, from one teacher-forced forward per window; (n, p)-extractable = 1 - (1 - p_z)^n "
@@ -64,7 +64,8 @@ def offset_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
 
 def near_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
     """Near-verbatim (eval.near_verbatim): one row per (run, offset, scheme), the fraction of documents whose
-    lower bound of P(a sample within d changed tokens) passes the (n, p) test at the largest n, per d."""
+    lower bound of P(a sample within d changes, by the run's eval.nv_distance) passes the (n, p) test at the
+    largest n, per d."""
     rows, ds, n_max, p, distance = [], [], None, None, None
     for r in runs:
         nv = r.get("near_verbatim")

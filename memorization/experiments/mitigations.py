@@ -29,7 +29,7 @@ from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_docu
 from evals import extract, summarize
 from evals.near_verbatim import near_verbatim
 from evals.probabilistic import sampled_extraction, split_rows
-from memorization.config import RunConfig
+from memorization.config import RunConfig, change_words
 from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
 from memorization.experiments.canary_exposure import (
     InjectionConfig,
@@ -56,7 +56,7 @@ from memorization.outputs import check_name
 from memorization.train.pipeline import run_training
 from memorization.train.prepare import PreparedData
 from memorization.train.run_plan import run_schemes
-from memorize_core import change_words, fail
+from memorize_core import fail
 
 
 def _default_arms() -> list[Arm]:
@@ -166,10 +166,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                                    schemes=schemes, offsets=[0], ns=e.np_ns, p=e.np_p,
                                                    batch_size=e.batch_size))
                   for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
-        # base.eval.near_verbatim: the bound of a sample within d changed tokens, beside p_z
-        near = {name: split_rows(near_verbatim(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                                               schemes=schemes, **e.near_args(), ns=e.np_ns, p=e.np_p,
-                                               batch_size=e.batch_size))[0]
+        # base.eval.near_verbatim: the bound of a sample within d changes (eval.nv_distance), beside p_z
+        near = {name: split_rows(near_verbatim(model, docs, schemes=schemes, **e.near_args()))[0]
                 for name, docs in (("seen_once", members), ("duplicated", dup_docs))
                 if e.near_verbatim and schemes and docs}
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},

@@ -19,7 +19,7 @@ from data_pipelines import DuplicateSpec, inject, tokenize_documents
 from evals import extract
 from evals.near_verbatim import near_verbatim
 from evals.probabilistic import np_rates, sampled_extraction
-from memorization.config import RunConfig
+from memorization.config import RunConfig, change_words
 from memorization.experiments.reporting import Outputs, Table, save
 from memorization.experiments.runner import Experiment, load_documents, say
 from memorization.experiments.spec import ExperimentConfig, choice_list, int_list
@@ -28,7 +28,7 @@ from memorization.mitigations.goldfish import STRATEGIES
 from memorization.models import run_tokenizer
 from memorization.train.prepare import prepare_documents
 from memorization.train.run_plan import run_schemes
-from memorize_core import change_words, fail
+from memorize_core import fail
 
 CHOICES = ("none",) + STRATEGIES  # none: standard loss
 COLUMNS = (
@@ -129,10 +129,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             beyond = sampled_extraction(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
                                         schemes=schemes, ns=b.eval.np_ns, p=b.eval.np_p,
                                         batch_size=b.eval.batch_size) if schemes else None
-            # base.eval.near_verbatim: a sample within that many changed tokens of the original's suffix
-            near = near_verbatim(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
-                                 schemes=schemes, **b.eval.near_args(), ns=b.eval.np_ns, p=b.eval.np_p,
-                                 batch_size=b.eval.batch_size) if schemes and b.eval.near_verbatim else None
+            # base.eval.near_verbatim: a sample within that many changes of the original's suffix
+            near = (near_verbatim(model, originals, schemes=schemes, **b.eval.near_args())
+                    if schemes and b.eval.near_verbatim else None)
             return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res],
                     "np": np_rates(beyond) if beyond else {},
                     "near_np": _near_rates(near, b.eval.near_verbatim) if near else {}}

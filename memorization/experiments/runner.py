@@ -60,12 +60,12 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
         d["model"].pop("lora", None)
     if not cfg.trainer.dp.enabled:
         d["trainer"].pop("dp", None)
-    if not (cfg.eval.extraction and cfg.eval.near_verbatim):
-        # the run bounds no near-copies itself (an experiment that does keys them in its eval_key)
-        d["eval"].pop("near_verbatim", None)
-        d["eval"].pop("nv_beams", None)
-    if not (cfg.eval.extraction and cfg.eval.near_verbatim) or cfg.eval.nv_distance == "hamming":
-        d["eval"].pop("nv_distance", None)  # the default counts as it did before the field existed
+    # near-verbatim settings only where the run bounds near-copies itself (an experiment that does keys
+    # them in its eval_key), as EvalConfig.near_key keys them
+    for name in ("near_verbatim", "nv_beams", "nv_distance"):
+        d["eval"].pop(name, None)
+    if cfg.eval.extraction:
+        d["eval"].update(cfg.eval.near_key())
     return d
 
 

@@ -64,9 +64,8 @@ def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     e = cfg.eval
     if data.is_chat or not e.near_verbatim:
         return None
-    return near_report(model, data.member_docs, data.member_doc_ids, data.tokenizer, prefix_len=e.prefix,
-                       suffix_len=e.suffix, schemes=run_schemes(cfg), **e.near_args(), offsets=e.offsets,
-                       ns=e.np_ns, p=e.np_p, batch_size=e.batch_size, grid=grid, progress=progress)
+    return near_report(model, data.member_docs, data.member_doc_ids, data.tokenizer, schemes=run_schemes(cfg),
+                       **e.near_args(), offsets=e.offsets, grid=grid, progress=progress)
 
 
 def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
