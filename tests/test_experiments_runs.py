@@ -163,3 +163,41 @@ def test_run_key_of_the_default_config_is_stable():
     cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", [])
     frozen = json.loads((Path(__file__).parent / "data" / "run_key_tiny_wiki.json").read_text())
     assert _jsonable(run_key(cfg)) == frozen
+
+
+def test_a_run_trained_before_an_inert_field_existed_is_reused(tmp_path):
+    """Sub-runs trained before eval.sampling / offsets / np_* / audit existed (their inputs.json lacks
+    them) are reused where those fields cannot matter (no extraction, no audit), as are runs whose key
+    has them; a run that extracts, or audits, with a key lacking them retrains."""
+    from dataclasses import replace
+
+    from memorization.config import load_run_config
+    from memorization.experiments.runner import Experiment, _jsonable, run_key
+    from memorization.models import REPO_ROOT
+
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", [])
+    exp = Experiment(out=tmp_path)
+
+    def stored(c, drop):
+        key = _jsonable({"run": run_key(c), "extra": {"seed": 0}})
+        for name in drop:
+            key["run"]["eval"].pop(name)
+        d = exp.run_dir(c.name)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "run.json").write_text("{}")
+        (d / "inputs.json").write_text(json.dumps(key))
+        return {"run": run_key(c), "extra": {"seed": 0}}
+
+    old = ("sampling", "offsets", "np_ns", "np_p", "audit", "audit_canaries")
+    quiet = replace(cfg, name="quiet", eval=replace(cfg.eval, extraction=False))
+    assert exp.finished("quiet", stored(quiet, old))
+    assert exp.finished("quiet", stored(quiet, ()))
+    # the same stored key does not stand for a run that now extracts, audits, or trains otherwise
+    key = stored(quiet, old)
+    for changed in (replace(quiet, eval=replace(quiet.eval, extraction=True)),
+                    replace(quiet, eval=replace(quiet.eval, audit=True)),
+                    replace(quiet, trainer=replace(quiet.trainer, lr=quiet.trainer.lr * 2))):
+        assert not exp.finished("quiet", {**key, "run": run_key(changed)})
+    extracting = replace(cfg, name="extracting")
+    assert not exp.finished("extracting", stored(extracting, ("sampling",)))
+    assert exp.finished("extracting", stored(extracting, ("audit", "audit_canaries")))

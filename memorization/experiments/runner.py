@@ -5,8 +5,9 @@ Layout of an experiment folder OUT:
                         inputs.json (what the run was trained from) and evals.json (extra metrics)
     OUT/report.json OUT/report.md OUT/*.png    written by the experiment at the end
 
-A sub-run is reused when its run.json exists and its inputs.json matches the requested run, so
-running an experiment again resumes it; a changed setting retrains only the runs it touches.
+A sub-run is reused when its run.json exists and its inputs.json matches the requested run (fields
+the run cannot depend on aside: comparable_key), so running an experiment again resumes it; a changed
+setting retrains only the runs it touches.
 """
 from __future__ import annotations
 
@@ -67,6 +68,24 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
     if cfg.eval.extraction:
         d["eval"].update(cfg.eval.near_key())
     return d
+
+
+# eval fields that change nothing while the switch that reads them is off: extraction's beyond-greedy
+# settings without eval.extraction, the canaries' count without eval.audit
+_INERT = {"extraction": ("sampling", "offsets", "np_ns", "np_p"), "audit": ("audit", "audit_canaries")}
+
+
+def comparable_key(key: dict[str, Any]) -> dict[str, Any]:
+    """A stored or requested sub-run key without the fields it cannot depend on (_INERT), so a run
+    trained before such a field existed (its key lacks it) stays reusable, as does one whose key has it."""
+    out = json.loads(json.dumps(key))
+    ev = (out.get("run") or {}).get("eval")
+    if isinstance(ev, dict):
+        for switch, names in _INERT.items():
+            if not ev.get(switch, False):
+                for name in names:
+                    ev.pop(name, None)
+    return out
 
 
 @dataclass
@@ -132,8 +151,9 @@ class Experiment:
         done = False
         if (d / "run.json").is_file() and (d / "inputs.json").is_file():
             try:
-                done = json.loads((d / "inputs.json").read_text()) == _jsonable(key)
-            except json.JSONDecodeError:
+                done = comparable_key(json.loads((d / "inputs.json").read_text())) == \
+                    comparable_key(_jsonable(key))
+            except (json.JSONDecodeError, AttributeError):
                 done = False
         return bool(self.agree(done))
 
