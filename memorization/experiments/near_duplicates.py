@@ -217,23 +217,32 @@ def _mean(values: list) -> float | None:
 
 
 def _plot(rows: list[dict[str, Any]], cfg: Config, path):
-    """EM (top) and suffix coverage (bottom) vs copies, one panel per edit rate, one line per strategy."""
+    """EM (top), suffix coverage and, with base.eval.near_verbatim, the share of originals (n, p)-extractable
+    within that many changes (bottom) vs copies, one panel per edit rate, one line per strategy."""
     import matplotlib  # deferred: matplotlib +0.7 s
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # deferred: matplotlib +0.7 s
 
     n = len(cfg.edit_rates)
-    fig, axes = plt.subplots(2, n, figsize=(3.6 * n, 6.4), squeeze=False, sharey="row")
+    panels = [("exact_match_rate", "exact match of the originals"),
+              ("suffix_coverage", "suffix coverage (union of copies)")]
+    d = cfg.base.eval.near_verbatim
+    if d:
+        word = change_words(cfg.base.eval.nv_distance)[0]
+        panels.append(("near_best", f"(n={max(cfg.base.eval.np_ns)}, p={cfg.base.eval.np_p}) within {d} "
+                                    f"{word}"))
+    fig, axes = plt.subplots(len(panels), n, figsize=(3.6 * n, 3.2 * len(panels)), squeeze=False,
+                             sharey="row")
     for j, r in enumerate(cfg.edit_rates):
         for s in cfg.strategies:
             mine = sorted((x for x in rows if x["strategy"] == s and x["edit_rate"] == r),
                           key=lambda x: x["copies"])
             xs = [x["copies"] for x in mine]
             style = dict(marker="o", label=s, linestyle=":" if s == "none" else "-")
-            axes[0][j].plot(xs, [x["exact_match_rate"] for x in mine], **style)
-            axes[1][j].plot(xs, [x["suffix_coverage"] for x in mine], **style)
-        for i, label in enumerate(("exact match of the originals", "suffix coverage (union of copies)")):
+            for i, (key, _) in enumerate(panels):
+                axes[i][j].plot(xs, [x[key] for x in mine], **style)
+        for i, (_, label) in enumerate(panels):
             ax = axes[i][j]
             ax.set_xscale("log", base=2)
             ax.set(ylim=(-0.03, 1.03), xlabel="copies", title=f"edit rate {r:.0%}")
