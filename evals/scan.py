@@ -16,7 +16,11 @@ window, over the S suffix tokens:
 
 With `schemes` (evals/sampling.py), the same suffix logits also give Hayes et al. 2024's probabilistic
 extraction: `logpz/<scheme>`, log P(the sampling scheme emits exactly the suffix) in float64 (-inf where
-top-k / top-p removes a suffix token), and `logpz_greedy` (0 on exact matches, -inf elsewhere).
+top-k / top-p removes a suffix token), and `logpz_greedy` (0 on exact matches, -inf elsewhere). With
+`near` = d as well, `near_score`: the largest over the schemes of the summed log-probs of the suffix's
+S - d likeliest tokens (teacher-forced; its d least likely left free), what a near-verbatim search
+(evals/near_verbatim.py) of the windows is ranked by: an estimate, not a bound (past a change the model
+conditions on other tokens).
 
 With `generate`, the rows that are not exact matches are decoded greedily by the target-verified
 decoder (evals/decoding.py: prefix prefilled once, one forward over the agreeing suffix, decoding on
@@ -50,9 +54,9 @@ _LOCAL = 4  # lead, token_accuracy, suffix_loss, min_k: the columns a shard send
 
 
 def _local(sc: Scorer, windows: torch.Tensor, prefix: int, k: float, generate: bool,
-           schemes: Sequence[Scheme] = ()) -> torch.Tensor:
-    """This rank's rows: [rows, 4 (+ S continuation tokens with `generate`) (+ log p_z per scheme)] in
-    float64."""
+           schemes: Sequence[Scheme] = (), near: int = 0) -> torch.Tensor:
+    """This rank's rows: [rows, 4 (+ S continuation tokens with `generate`) (+ log p_z per scheme)
+    (+ near_score with `near`)] in float64."""
     s = windows.shape[1] - prefix
     targets = windows[:, prefix:]
     logits = sc.suffix_logits(windows[:, :-1], s)  # position P-1+j predicts suffix token j
@@ -71,6 +75,9 @@ def _local(sc: Scorer, windows: torch.Tensor, prefix: int, k: float, generate: b
     if schemes:
         per = scheme_logprobs(logits, targets, schemes, sc.grid, sc.sharded_vocab, lse=lse)
         pz = torch.stack([log_pz(per[sch]) for sch in schemes], dim=1)
+        if near:  # the S - near likeliest suffix tokens per scheme, the likeliest scheme
+            kept = [per[sch].topk(s - near, dim=1).values.sum(dim=1) for sch in schemes]
+            pz = torch.cat([pz, torch.stack(kept, dim=1).amax(dim=1, keepdim=True)], dim=1)
     if generate:
         cont = targets.clone()
         miss = (lead < s).nonzero().squeeze(1)
@@ -83,12 +90,13 @@ def _local(sc: Scorer, windows: torch.Tensor, prefix: int, k: float, generate: b
 def score_windows(model: torch.nn.Module, windows: torch.Tensor, prefix: int, *, k: float = 0.2,
                   generate: bool = False, text: Callable[[list[int]], str] | None = None,
                   grid: ProcessGrid | None = None, scorer: Scorer | None = None,
-                  schemes: Sequence[Scheme] = ()) -> dict[str, np.ndarray]:
+                  schemes: Sequence[Scheme] = (), near: int = 0) -> dict[str, np.ndarray]:
     """Scores of every window [B, P + S] (see the module docstring), one array per metric, on every rank.
 
     `text` turns suffix ids into the text zlib and RougeL see (default: the space-joined ids); with
     `generate` the result also holds `memorization_score`, `rougeL` and `continuation` [B, S]; with
-    `schemes` also `logpz_greedy` and one `logpz/<scheme.name>` per scheme (float64 log p_z)."""
+    `schemes` also `logpz_greedy` and one `logpz/<scheme.name>` per scheme (float64 log p_z); with
+    `schemes` and `near` = d (1 <= d < S) also `near_score` (the near-verbatim ranking, float64)."""
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.long:
         raise fail("windows", getattr(windows, "shape", type(windows).__name__),
                    "pass a LongTensor [batch, prefix + suffix]")
@@ -101,13 +109,16 @@ def score_windows(model: torch.nn.Module, windows: torch.Tensor, prefix: int, *,
     names = [sch.name if isinstance(sch, Scheme) else None for sch in schemes]
     if None in names or len(set(names)) < len(names):
         raise fail("sampling", schemes, "pass distinct evals.sampling.Scheme values (parse_schemes)")
+    n, s = windows.shape[0], windows.shape[1] - prefix
+    if near and (not schemes or isinstance(near, bool) or not 1 <= near < s):
+        raise fail("near", near, f"pass the near-verbatim changes d, 1 <= d < {s} (the suffix), with at "
+                   "least one sampling scheme")
     sc = scorer or Scorer(model, grid)
     windows = windows.to(sc.device)
-    n, s = windows.shape[0], windows.shape[1] - prefix
     rows = sc.rows(n)
-    width = _LOCAL + (s if generate else 0) + len(schemes)
+    width = _LOCAL + (s if generate else 0) + len(schemes) + (1 if near else 0)
     with evaluating(model):
-        mine = _local(sc, windows[rows], prefix, k, generate, schemes) if rows else \
+        mine = _local(sc, windows[rows], prefix, k, generate, schemes, near) if rows else \
             torch.empty(0, width, dtype=torch.float64, device=sc.device)
         table = sc.collect_rows(rows, mine, n).cpu().numpy()
     text = text or ids_text
@@ -125,8 +136,11 @@ def score_windows(model: torch.nn.Module, windows: torch.Tensor, prefix: int, *,
                                   for e, c, t in zip(out["exact_match"], cont, targets)])
     if schemes:
         out["logpz_greedy"] = np.where(out["exact_match"], 0.0, -np.inf)
+        first = _LOCAL + (s if generate else 0)
         for j, sch in enumerate(schemes):
-            out[f"logpz/{sch.name}"] = table[:, width - len(schemes) + j].copy()
+            out[f"logpz/{sch.name}"] = table[:, first + j].copy()
+        if near:
+            out["near_score"] = table[:, first + len(schemes)].copy()
     return out
 
 

@@ -144,15 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offsets", default="0", metavar="O[,O...]",
                    help="with --corpus: token offsets of the prefix into each document, e.g. 0,16,32 "
                         "(default 0; greedy exact match and (n, p) at each)")
-    e.add_argument("--near-verbatim", type=int, default=0, metavar="D",
-                   help="with --corpus: also bound, per --sampling scheme, the probability that a sample "
-                        "lies within D changed tokens of the suffix (a constrained beam search; 0: off)")
-    e.add_argument("--nv-beams", type=int, default=8, metavar="W",
-                   help="with --near-verbatim: paths kept per number of changed tokens (default 8)")
-    e.add_argument("--nv-distance", choices=NEAR_DISTANCES, default="hamming",
-                   help="with --near-verbatim: count changes as tokens substituted in place (hamming, the "
-                        "default) or substituted, inserted and deleted (levenshtein: a copy that drops or "
-                        "adds a word and goes on verbatim is 2 edits away)")
+    _add_near(e, "with --corpus: ")
     _add_scan(sub)
     c = sub.add_parser("coverage", help="goldfish mask coverage of duplicate clusters (no training, seconds)")
     c.add_argument("--corpus", required=True, help="corpus name or file (see data_pipelines.CORPORA)")
@@ -219,6 +211,10 @@ def _add_scan(sub) -> None:
     s.add_argument("--wandb", default="disabled", choices=["offline", "online", "disabled"],
                    help="log the report to W&B (offline: OUT/wandb, `wandb sync` later; default disabled)")
     _add_sampling(s)
+    _add_near(s)
+    s.add_argument("--nv-rows", type=int, default=1000, metavar="K",
+                   help="with --near-verbatim: search the K windows the scan's forward ranks likeliest to be "
+                        "near-verbatim (default 1000; the others count as not extractable: a lower bound)")
     _add_common(s)
     _add_dry_run(s)
 
@@ -232,6 +228,19 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="numbers of samples n of the (n, p)-extractable fractions (default 1,10,100,1000)")
     p.add_argument("--np-p", type=float, default=None, metavar="P",
                    help="probability p of an (n, p) extraction, in (0, 1) (default 0.5)")
+
+
+def _add_near(p: argparse.ArgumentParser, where: str = "") -> None:
+    """--near-verbatim, --nv-beams, --nv-distance: near-verbatim extraction's lower bound (eval and scan)."""
+    p.add_argument("--near-verbatim", type=int, default=0, metavar="D",
+                   help=f"{where}also bound, per --sampling scheme, the probability that a sample lies "
+                        "within D changed tokens of the suffix (a constrained beam search; 0: off)")
+    p.add_argument("--nv-beams", type=int, default=8, metavar="W",
+                   help="with --near-verbatim: paths kept per number of changed tokens (default 8)")
+    p.add_argument("--nv-distance", choices=NEAR_DISTANCES, default="hamming",
+                   help="with --near-verbatim: count changes as tokens substituted in place (hamming, the "
+                        "default) or substituted, inserted and deleted (levenshtein: a copy that drops or "
+                        "adds a word and goes on verbatim is 2 edits away)")
 
 
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:

@@ -24,7 +24,6 @@ from axonn.config import MAX_ROWS
 from axonn.inference import keep_gathered
 from axonn.plan.fits import check_fits, check_shape
 from evals import ExtractionResult, to_jsonl
-from evals.near_verbatim import DEFAULT_BEAMS
 from evals.static_decode import DECODES
 from memorization.eval.files import EVAL_FILES, check_eval_out, markdown_report
 from memorization.eval.membership import (
@@ -39,6 +38,7 @@ from memorization.eval.membership import (
 from memorization.eval.plots import best_effort, eval_png
 from memorization.eval.sections import (
     EvalOptions,
+    check_near_verbatim,
     extraction_section,
     mia_section,
     near_verbatim_section,
@@ -54,7 +54,7 @@ from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
 from memorization.models import context_length, hf_config, load_model, model_folder
 from memorization.outputs import check_inputs, write_files
 from memorization.train.parallel import eval_mode, inference_grid, plan_inference
-from memorize_core import NEAR_DISTANCES, fail
+from memorize_core import fail
 
 # lm-eval's messages name its own CLI (`--metadata`, `--include_path`): say whose they are
 LM_EVAL_LOG_HEAD = ("# lm-evaluation-harness's own output during `memorize eval --tasks`; the flags it "
@@ -116,31 +116,6 @@ def check_options(o: EvalOptions) -> None:
         raise fail("--mia-k", o.mia_k, "pass a fraction in (0, 1], e.g. 0.2")
     if o.bootstrap < 0:
         raise fail("--bootstrap", o.bootstrap, "pass the number of resamples, >= 0 (0 = no intervals)")
-
-
-def check_near_verbatim(o: EvalOptions) -> None:
-    """--near-verbatim D and --nv-beams W: D changed tokens fewer than the suffix, a scheme to sample with."""
-    d, w = o.near_verbatim, o.nv_beams
-    if o.nv_distance not in NEAR_DISTANCES:
-        raise fail("--nv-distance", o.nv_distance, "choose hamming or levenshtein")
-    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-        raise fail("--near-verbatim", d, "pass the largest number of changed suffix tokens to count, e.g. 3 "
-                   "(0 = off)")
-    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-        raise fail("--nv-beams", w, "pass the paths kept per number of changed tokens, >= 1, e.g. 8")
-    if not d:
-        if w != DEFAULT_BEAMS:
-            raise fail("--nv-beams", w, "only applies with --near-verbatim D")
-        if o.nv_distance != "hamming":
-            raise fail("--nv-distance", o.nv_distance, "only applies with --near-verbatim D")
-        return
-    if d >= o.suffix:
-        raise fail("--near-verbatim", d, f"must be below --suffix {o.suffix}: with every token changed "
-                   "any continuation counts")
-    if not parse_sampling(o.sampling):
-        raise fail("--near-verbatim", d, "needs a sampling scheme to bound (greedy emits one continuation: "
-                   "its token accuracy is in the extraction table); drop --sampling '' or name one, e.g. "
-                   "--sampling t=1.0")
 
 
 def _inputs(o: EvalOptions) -> dict[str, str | None]:

@@ -27,7 +27,7 @@ from evals.probabilistic import sampled_extraction, split_rows
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
 from evals.static_decode import DecodeLog
 from memorization.eval.membership import EvalCorpus
-from memorize_core import ConfigError, fail
+from memorize_core import NEAR_DISTANCES, ConfigError, fail
 
 DEFAULT_NS = (1, 10, 100, 1000)
 DEFAULT_P = 0.5
@@ -159,6 +159,33 @@ def near_verbatim_section(o: EvalOptions, model: Any, tok: Any, c: EvalCorpus, *
                             batch_size=o.batch_size, grid=grid, progress=progress)
     section = {**got, "ns": list(parse_ns(o.np_n)), "p": parse_p(o.np_p), "seconds": time.perf_counter() - t}
     return section, rows
+
+
+def check_near_verbatim(o: Any) -> None:
+    """--near-verbatim D, --nv-beams W and --nv-distance of `memorize eval` and `memorize scan` (options `o`
+    with near_verbatim, nv_beams, nv_distance, suffix, sampling): D changed tokens fewer than the suffix,
+    a scheme to sample with; the other two only with D."""
+    d, w = o.near_verbatim, o.nv_beams
+    if o.nv_distance not in NEAR_DISTANCES:
+        raise fail("--nv-distance", o.nv_distance, "choose hamming or levenshtein")
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise fail("--near-verbatim", d, "pass the largest number of changed suffix tokens to count, e.g. 3 "
+                   "(0 = off)")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise fail("--nv-beams", w, "pass the paths kept per number of changed tokens, >= 1, e.g. 8")
+    if not d:
+        if w != DEFAULT_BEAMS:
+            raise fail("--nv-beams", w, "only applies with --near-verbatim D")
+        if o.nv_distance != "hamming":
+            raise fail("--nv-distance", o.nv_distance, "only applies with --near-verbatim D")
+        return
+    if d >= o.suffix:
+        raise fail("--near-verbatim", d, f"must be below --suffix {o.suffix}: with every token changed "
+                   "any continuation counts")
+    if not parse_sampling(o.sampling):
+        raise fail("--near-verbatim", d, "needs a sampling scheme to bound (greedy emits one continuation: "
+                   "its token accuracy is in the extraction table); drop --sampling '' or name one, e.g. "
+                   "--sampling t=1.0")
 
 
 def near_report(model: Any, seqs: Sequence[Sequence[int]], ids: Sequence[Any], tok: Any, *, prefix_len: int,

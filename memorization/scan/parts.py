@@ -11,10 +11,12 @@ the rows of an uninterrupted run, no duplicates and no gaps. A different command
 naming the first option that differs. `--overwrite` removes only SCAN_FILES (memorization/outputs.py).
 
 Every row also holds `logpz_greedy` (0 on an exact match) and one `logpz/<scheme>` per --sampling
-scheme: log P(the scheme emits exactly the suffix), float64. A scheme that can never emit the suffix
-(top-k / top-p removed a suffix token; greedy off an exact match) gives -inf: stored as -inf in
-Parquet, and as null in JSON lines (JSON has no infinity); read_parts gives None there, and
-`logpz_values` turns either back into -inf.
+scheme: log P(the scheme emits exactly the suffix), float64 (with --near-verbatim also `near_score`,
+the near-verbatim search's ranking: evals/scan.py). A scheme that can never emit the suffix (top-k /
+top-p removed a suffix token; greedy off an exact match) gives -inf: stored as -inf in Parquet, and as
+null in JSON lines (JSON has no infinity); read_parts gives None there, and `logpz_values` turns
+either back into -inf. With --near-verbatim, OUT/near_verbatim.jsonl holds the windows searched after
+the last part (memorization/scan/near.py), written whole or not at all.
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ from memorize_core import fail
 
 STATE = "scan-state.json"
 PARTS = "parts"
-PNGS = ("scan-scores.png", "scan-position.png", "scan-duplicates.png", "scan-np.png")
-SCAN_FILES = (PARTS, STATE, "report.json", "report.md", *PNGS, "wandb")
+PNGS = ("scan-scores.png", "scan-position.png", "scan-duplicates.png", "scan-np.png", "scan-near.png")
+NEAR_ROWS = "near_verbatim.jsonl"  # --near-verbatim: the searched windows (memorization/scan/near.py)
+NEAR_SCORE = "near_score"  # --near-verbatim: each row's rank for the search (evals/scan.py)
+SCAN_FILES = (PARTS, STATE, "report.json", "report.md", NEAR_ROWS, *PNGS, "wandb")
 # results of other commands: a scan must not land beside them without --overwrite
 OTHER_RESULTS = ("metrics.jsonl", "run.json", "extraction.jsonl", "model", "checkpoints")
 FLAGS = {"model_files": "--model", "data_files": "--data"}  # fingerprint keys not named as their flag
@@ -45,8 +49,9 @@ def logpz_columns(schemes: Sequence[str]) -> list[str]:
     return ["logpz_greedy", *(f"logpz/{name}" for name in schemes)]
 
 
-def schema(generate: bool, schemes: Sequence[str] = ()) -> pa.Schema:
-    """The columns of a part: where each window came from, its tokens and every score."""
+def schema(generate: bool, schemes: Sequence[str] = (), near: bool = False) -> pa.Schema:
+    """The columns of a part: where each window came from, its tokens and every score (`near`: with
+    --near-verbatim's near_score)."""
     ids = pa.list_(pa.int32())
     fields = [("row", pa.int64()), ("sequence", pa.int64()), ("offset", pa.int64()), ("doc", pa.int64()),
               ("doc_id", pa.string()), ("doc_offset", pa.int64()), ("count", pa.int64()),
@@ -55,6 +60,7 @@ def schema(generate: bool, schemes: Sequence[str] = ()) -> pa.Schema:
     if generate:
         fields += [("memorization_score", pa.float64()), ("rougeL", pa.float64()), ("continuation_ids", ids)]
     fields += [(name, pa.float64()) for name in logpz_columns(schemes)]
+    fields += [(NEAR_SCORE, pa.float64())] if near else []
     fields += [("prefix_ids", ids), ("suffix_ids", ids)]
     return pa.schema(fields)
 
@@ -73,16 +79,17 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 
 def write_part(out: Path, index: int, cols: dict[str, list], fmt: str, generate: bool,
-               schemes: Sequence[str] = ()) -> Path:
+               schemes: Sequence[str] = (), near: bool = False) -> Path:
     """Write one part (columns: name -> values) atomically (temporary name, then rename); its path."""
     folder = out / PARTS
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / part_name(index, fmt)
     if fmt == "parquet":
-        table = pa.Table.from_pydict(cols, schema=schema(generate, schemes))
+        table = pa.Table.from_pydict(cols, schema=schema(generate, schemes, near))
         _atomic_write(path, lambda p: pq.write_table(table, p))
     else:
-        cols = {k: [_json_float(x) for x in v] if k.startswith("logpz") else v for k, v in cols.items()}
+        cols = {k: [_json_float(x) for x in v] if k.startswith("logpz") or k == NEAR_SCORE else v
+                for k, v in cols.items()}
         names = list(cols)
         text = "".join(json.dumps(dict(zip(names, r))) + "\n" for r in zip(*cols.values()))
         _atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
@@ -170,5 +177,5 @@ def read_parts(out: Path, fmt: str, columns: Sequence[str] | None = None) -> Ite
             yield {c: [r.get(c) for r in rows] for c in names}
 
 
-__all__ = ["PARTS", "SCAN_FILES", "STATE", "check_scan_out", "clean_for_resume", "logpz_columns",
-           "logpz_values", "read_parts", "read_state", "schema", "write_part", "write_state"]
+__all__ = ["NEAR_ROWS", "NEAR_SCORE", "PARTS", "SCAN_FILES", "STATE", "check_scan_out", "clean_for_resume",
+           "logpz_columns", "logpz_values", "read_parts", "read_state", "schema", "write_part", "write_state"]

@@ -3,6 +3,7 @@
     memorize scan --model DIR --data SOURCE --prefix 32 --suffix 32 --out OUT [--seq-len 2049]
                   [--offsets start|stride:N|random:K] [--limit N] [--generate] [--format jsonl]
                   [--sampling 't=1.0;t=0.7,top_k=40;top_p=0.9'] [--np-n 1,10,100,1000] [--np-p 0.5]
+                  [--near-verbatim D [--nv-distance levenshtein] [--nv-beams 8] [--nv-rows 1000]]
 
 The source is streamed (data_pipelines/token_sources.py, windows cut by data_pipelines/scan_windows.py),
 batches of windows go through one teacher-forced forward each (evals/scan.py, the scoring layer, so a
@@ -11,6 +12,8 @@ lockstep and the main rank writes), and rows are written in parts that make the 
 SIGKILL (memorization/scan/parts.py); the report comes last (memorization/scan/summary.py). The same
 forward gives each row's log p_z per --sampling scheme (Hayes et al. 2024's probabilistic extraction,
 evals/sampling.py), summarized in the report as (n, p)-extractable fractions beside greedy exact match.
+With --near-verbatim D, after the last part the windows that forward ranks likeliest to lie within D
+changes of their suffix are searched for near-copies (memorization/scan/near.py; lower bounds).
 
 Every input is checked before anything is written (flags, OUT and the resume, the model folder, the
 source, its dtype and its ids against the vocabulary, the grid): one ConfigError line, exit 2, OUT
@@ -48,13 +51,17 @@ from data_pipelines.scan_windows import (
 )
 from data_pipelines.token_sources import TokenSource, check_spec, index_pair, open_source
 from evals.metrics import ids_text
+from evals.near_verbatim import DEFAULT_BEAMS
 from evals.scan import score_windows
 from evals.scoring import Scorer
 from memorization.config import WANDB_MODES, WandbConfig
-from memorization.eval.sections import parse_ns, parse_p, parse_sampling
+from memorization.eval.sections import check_near_verbatim, parse_ns, parse_p, parse_sampling
 from memorization.models import context_length, folder_tokenizer, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries, write_files
+from memorization.scan.near import extractable_fractions
+from memorization.scan.near import search as search_near
 from memorization.scan.parts import (
+    NEAR_SCORE,
     PNGS,
     SCAN_FILES,
     STATE,
@@ -67,6 +74,8 @@ from memorization.scan.summary import build_report, dumps, markdown, plot
 from memorization.tracking import WandbSink
 from memorization.train.parallel import inference_grid, plan_inference
 from memorize_core import ConfigError, fail
+
+NV_ROWS = 1000  # --nv-rows default
 
 
 @dataclass
@@ -100,6 +109,10 @@ class ScanOptions:
     sampling: str | None = None  # decoding schemes scored per row (None: evals.sampling.DEFAULT_SCHEMES)
     np_n: str | None = None  # the report's numbers of draws n, e.g. "1,10,100,1000" (None: those)
     np_p: float | None = None  # the report's probability p of an (n, p) extraction (None: 0.5)
+    near_verbatim: int = 0  # D: bound P(a sample within D changes of the suffix) on the best-ranked rows
+    nv_beams: int = DEFAULT_BEAMS  # paths kept per number of changes
+    nv_distance: str = "hamming"  # hamming (substituted in place) or levenshtein (+ inserted, deleted)
+    nv_rows: int = NV_ROWS  # windows searched: the best by the forward's near_score
 
     def selection(self) -> Selection:
         """The windows this scan scores."""
@@ -141,6 +154,11 @@ def check_options(o: ScanOptions) -> None:
     o.schemes()
     parse_ns(o.np_n)
     parse_p(o.np_p)
+    check_near_verbatim(o)
+    if isinstance(o.nv_rows, bool) or not isinstance(o.nv_rows, int) or o.nv_rows < 1:
+        raise fail("--nv-rows", o.nv_rows, "pass the number of windows to search, >= 1, e.g. 1000")
+    if not o.near_verbatim and o.nv_rows != NV_ROWS:
+        raise fail("--nv-rows", o.nv_rows, "only applies with --near-verbatim D")
 
 
 def _files_of(spec: str) -> list[Path]:
@@ -159,9 +177,10 @@ def fingerprint(o: ScanOptions) -> dict[str, Any]:
         sum(p.stat().st_size for p in folder.glob("*.bin"))
     conf = hashlib.sha256(cfg.read_bytes()).hexdigest()[:16] if cfg.is_file() else None
     data = [f"{p.resolve()}:{p.stat().st_size}" for p in _files_of(o.data)] or [o.data]
+    near = {"near_verbatim": o.near_verbatim} if o.near_verbatim else {}  # its rows carry a near_score
     return {"model_files": f"{folder} config:{conf} weights:{weights}", "data_files": " ".join(data),
             **{k: getattr(o, k) for k in ROW_OPTIONS},
-            "sampling": ";".join(sch.name for sch in o.schemes())}  # canonical: t=1 and t=1.0 agree
+            "sampling": ";".join(sch.name for sch in o.schemes()), **near}  # canonical: t=1 = t=1.0
 
 
 def duplicate_counts(o: ScanOptions, source: TokenSource) -> dict[int, int] | None:
@@ -264,6 +283,8 @@ def _columns(batch: list[Window], s: dict[str, np.ndarray], source: TokenSource,
                     continuation_ids=s["continuation"].tolist())
     cols["logpz_greedy"] = np.where(s["exact_match"], 0.0, -np.inf).tolist()  # also without schemes
     cols.update({f"logpz/{sch.name}": s[f"logpz/{sch.name}"].tolist() for sch in schemes})
+    if NEAR_SCORE in s:
+        cols[NEAR_SCORE] = s[NEAR_SCORE].tolist()
     cols["prefix_ids"], cols["suffix_ids"] = tokens[:, :prefix].tolist(), tokens[:, prefix:].tolist()
     return cols
 
@@ -337,7 +358,7 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
         for batch in chain([first] if first else [], _batches(it, o.batch_size)):
             ids = _check_ids(o, batch, vocab)
             scores = score_windows(model, torch.from_numpy(ids), o.prefix, k=o.min_k, generate=o.generate,
-                                   text=text, scorer=sc, schemes=schemes)
+                                   text=text, scorer=sc, schemes=schemes, near=o.near_verbatim)
             scanned += len(batch)
             bar.update(len(batch))
             if main:
@@ -354,6 +375,10 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     if main and stats.short and o.progress:
         print(f"[scan] skipped {stats.short} of {stats.sequences} sequences shorter than --prefix + --suffix "
               f"= {sel.width} tokens", file=sys.stderr)
+    near = None
+    if o.near_verbatim:  # every part is written: the search ranks all of them
+        with keep_gathered(model, o.keep_gathered):
+            near = search_near(o, model, grid, out, text, schemes)
     header = {"model": o.model, "data": o.data, "source": source.kind, "args": asdict(o),
               "selection": asdict(sel), "sequences": stats.sequences, "short": stats.short,
               "grid": ",".join(map(str, grid.dims)), "scanned_now": scanned, "seconds": seconds,
@@ -364,6 +389,9 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
                           top=o.top, schemes=[sch.name for sch in schemes], ns=parse_ns(o.np_n),
                           p=parse_p(o.np_p), by_offset=parse_offsets(o.offsets)[0] == "stride")
     report["summary"].update(sequences_read=stats.sequences, short_skipped=stats.short)
+    if near is not None:
+        report["near_verbatim"] = near
+        report["summary"]["near_extractable"] = extractable_fractions(near)
     _write_report(out, report)
     _log_wandb(o, out, report)
     write_state(out, {**record, "complete": True})
@@ -372,7 +400,8 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
 
 def _flush(out: Path, o: ScanOptions, parts: int, cols: dict[str, list], record: dict[str, Any]) -> int:
     """Write part `parts` and count it in the state file (in that order); the new part count."""
-    write_part(out, parts, cols, o.format, o.generate, [sch.name for sch in o.schemes()])
+    write_part(out, parts, cols, o.format, o.generate, [sch.name for sch in o.schemes()],
+               near=bool(o.near_verbatim))
     record.update(parts=parts + 1, rows=record["rows"] + len(cols["row"]))
     write_state(out, record)
     return parts + 1

@@ -69,11 +69,18 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
         raise fail("--world", args.world, "--dry-run needs the job's GPU count, e.g. --world 8")
     sel = Selection(args.prefix, args.suffix, args.seq_len, args.offsets, args.seed, args.limit)
     check_selection(sel)
-    from memorization.eval.sections import parse_ns, parse_p, parse_sampling  # deferred: evals' imports
+    from memorization.eval.sections import (  # deferred: evals' imports
+        check_near_verbatim,
+        parse_ns,
+        parse_p,
+        parse_sampling,
+    )
 
     parse_sampling(getattr(args, "sampling", None))  # the launch would refuse them: so does its dry run
     parse_ns(getattr(args, "np_n", None))
     parse_p(getattr(args, "np_p", None))
+    if getattr(args, "near_verbatim", None) is not None:
+        check_near_verbatim(args)
     windows = count_windows(args)
     hw = get_hardware(args.hardware or "h100")
     world = args.world
@@ -101,7 +108,17 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
             "rank0_bytes": {k: int(v) for k, v in mem.items()}, "rank0_total_gib": total / GiB,
             "usable_gib": usable / GiB, "predicted_s": t["seconds"],
             "sequences_per_s": windows / t["seconds"] if t["seconds"] else None,
-            "launch": launch_line(args, dims, min(gpn, world))}
+            "near_verbatim": _near(args), "launch": launch_line(args, dims, min(gpn, world))}
+
+
+def _near(args: Any) -> dict[str, Any] | None:
+    """--near-verbatim's search, which the prediction leaves out (decode steps, not forwards)."""
+    d = getattr(args, "near_verbatim", 0) or 0
+    if not d:
+        return None
+    paths = 1 + d * args.nv_beams
+    return {"max_edits": d, "beams": args.nv_beams, "distance": args.nv_distance, "rows": args.nv_rows,
+            "paths": paths, "priced": False}
 
 
 # the scan's options that change what it scores or how: the launch line repeats every one that is set
@@ -117,6 +134,9 @@ def launch_line(args: Any, dims: Sequence[int], nproc: int) -> str:
         value = getattr(args, name, None)
         if value is not None and (value != "" or name == "sampling"):  # --sampling '': greedy only
             words += [f"--{name.replace('_', '-')}", str(value)]
+    if getattr(args, "near_verbatim", 0):
+        words += ["--near-verbatim", str(args.near_verbatim), "--nv-beams", str(args.nv_beams),
+                  "--nv-distance", args.nv_distance, "--nv-rows", str(args.nv_rows)]
     words += ["--grid", ",".join(map(str, dims)), "--out", args.out or "OUT"]
     return shlex.join(words)
 
@@ -133,6 +153,10 @@ def format_scan_plan(r: dict[str, Any]) -> str:
         f"rank 0 memory: {r['rank0_total_gib']:.2f} GiB of {r['usable_gib']:.1f} usable ({mem} GiB)",
         f"predicted: {r['predicted_s']:.1f} s ({r['predicted_s'] / 3600:.2f} h), "
         f"{r['sequences_per_s']:,.0f} sequences/s",
+        *([] if not r.get("near_verbatim") else [
+            f"then the near-verbatim search of up to {r['near_verbatim']['rows']:,} windows (not in the "
+            f"prediction): {r['suffix']} decode steps of {r['near_verbatim']['paths']} paths per window and "
+            "scheme"]),
         f"launch: {r['launch']}"])
 
 

@@ -10,7 +10,10 @@
 - probabilistic extraction (Hayes et al. 2024): per --sampling scheme and greedy, the fraction of rows
   (n, p)-extractable for each n of --np-n at --np-p (evals.sampling.np_summary of the rows' log p_z),
   over all rows and, with --offsets stride:N, per window offset (the same position in every sequence;
-  random:K offsets differ from sequence to sequence, so they are not split), and its plot against n.
+  random:K offsets differ from sequence to sequence, so they are not split), and its plot against n;
+- with --near-verbatim D, the search's lower bounds (memorization/scan/near.py): per scheme and d <= D
+  the fraction of all rows (n, p)-extractable within d changes, the likeliest near-copies with what they
+  change, and its plot against d.
 The parts are read column by column, so the report of a million rows needs a few of its columns only.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from evals.sampling import np_summary
+from memorization.scan.near import plot_near
 from memorization.scan.parts import PARTS, PNGS, logpz_columns, logpz_values, read_parts
 
 POSITION_BINS = 20
@@ -150,6 +154,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"| {b['count']} | {b['windows']} | {_ci(b['exact_match_rate'], b['ci95'])} |"
                   for b in report["by_count"]]
     lines += _np_lines(report)
+    lines += _near_lines(report)
     lines += ["", "## Top memorized windows", "", "| row | doc | offset | lead | loss | prefix | suffix |",
               "|---|---|---|---|---|---|---|"]
     for t in report["top"]:
@@ -177,6 +182,35 @@ def _np_lines(report: dict[str, Any]) -> list[str]:
         for name, per in summ["schemes"].items():
             cells = [f"{per[f'n={n}']['fraction']:.4f} ({per[f'n={n}']['count']})" for n in ns]
             lines.append("| " + " | ".join([str(offset), f"`{name}`", *cells]) + " |")
+    return lines
+
+
+def _near_lines(report: dict[str, Any]) -> list[str]:
+    """report.md's near-verbatim section: the lower bounds per scheme and d, the likeliest near-copies."""
+    nv = report.get("near_verbatim")
+    if not nv:
+        return []
+    ns, word = nv["ns"], "token edits" if nv["distance"] == "levenshtein" else "changed tokens"
+    lines = ["", f"## Near-verbatim extraction: within d {word} (lower bound)", "",
+             f"A row counts when the probability that a sample lies within d {word} of its suffix passes the "
+             f"(n, p = {nv['p']}) test; the probability is the lower bound of a beam search ({nv['beams']} "
+             f"paths per d; evals/near_verbatim.py) run on the {nv['searched']} of {nv['windows']} windows "
+             f"the forward ranks likeliest (`--nv-rows {nv['asked']}`, by the log-prob of their suffix's S - "
+             f"{nv['max_edits']} likeliest tokens); the others count by their exact copy's p_z, so every "
+             "fraction is a lower bound, at least the exact one above (d = 0: the exact copy). Rows: "
+             "near_verbatim.jsonl; "
+             f"{nv['seconds']:.1f} s.", "", f"![near-verbatim by d]({PNGS[4]})", ""]
+    head = ["scheme", "d"] + [f"n={n}" for n in ns]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, per in nv["np"].items():
+        for d, cells in per.items():
+            vals = [f"{cells[f'n={n}']['fraction']:.4f} ({cells[f'n={n}']['count']})" for n in ns]
+            lines.append("| " + " | ".join([f"`{name}`", d.removeprefix("d="), *vals]) + " |")
+    if nv["examples"]:
+        lines += ["", "Likeliest near-copies (`[-removed-]{+added+}`):", "",
+                  "| row | scheme | changes | log10 P | near-copy |", "|---|---|---|---|---|"]
+        lines += [f"| {x['row']} | `{x['scheme']}` | {x['edits']} | {x['logp'] / math.log(10):.2f} | "
+                  f"{_cell(x['diff'])} |" for x in nv["examples"]]
     return lines
 
 
@@ -218,6 +252,8 @@ def plot(report: dict[str, Any], folder: Path) -> list[Path]:
 
     figs = [(PNGS[0], scores), (PNGS[1], position)] + ([(PNGS[2], counts)] if cnt else [])
     figs += [(PNGS[3], extractable)] if report.get("sampling") else []
+    if report.get("near_verbatim"):
+        figs.append((PNGS[4], lambda ax: plot_near(report["near_verbatim"], ax)))
     for name, draw in figs:
         fig, ax = plt.subplots(figsize=(6, 4))
         draw(ax)

@@ -1,0 +1,149 @@
+"""`memorize scan --near-verbatim D`: after the last part, the near-verbatim search (evals/near_verbatim.py)
+of the windows the scan's forward ranks likeliest to be near-verbatim.
+
+The search costs S decode steps of 1 + D * beams paths per window and scheme, where the scan spends one
+forward: searching every window of a large corpus would cost more than the scan itself. Each row's
+`near_score` (evals/scan.py: the summed log-probs of its suffix's S - D likeliest tokens, teacher-forced,
+under the likeliest scheme) ranks the windows, and the `--nv-rows` best (those with a finite score) are
+searched. A window not searched keeps its exact copy's probability p_z (the row's `logpz/<scheme>`) as
+its bound: a sample equal to the suffix lies within D changes of it. The search's bound is a lower bound
+of P(a sample lies within D changes of the suffix) too, so the report's fractions over all rows are lower
+bounds, never below the exact (n, p) fractions of the same report, and `--nv-rows` only decides how tight
+they are (a window the ranking misses can only make them smaller). The searched windows go to
+OUT/near_verbatim.jsonl, one row each: where it came from, its rank score, its bound per scheme at
+d = 0..D (d = 0 is the exact copy's p_z, equal to the row's `logpz/<scheme>`), and the likeliest path
+found per scheme, spelled out with what it changes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from axonn.grid import ProcessGrid
+from evals.sampling import extractable
+from memorization.eval.sections import near_report, parse_ns, parse_p
+from memorization.outputs import write_files
+from memorization.scan.parts import NEAR_ROWS, NEAR_SCORE, logpz_values, read_parts
+
+SEARCH_BATCH = 32  # windows per search batch: at D = 4 and 8 beams, ~1,000 paths through the KV cache
+
+
+@dataclass
+class _Text:
+    """The scan's id -> text function as the decode() near_report spells rows with."""
+
+    decode: Callable[[list[int]], str]
+
+
+def select(out: Path, fmt: str, k: int, schemes: Sequence[str], ns: Sequence[int], p: float
+           ) -> tuple[list[dict[str, Any]], int, dict[str, dict[str, int]]]:
+    """(the k rows with the largest finite near_score, best first, each with where it came from and its
+    tokens; the number of rows in the scan; per scheme and n, how many of the rows NOT chosen are (n, p)-
+    extractable by their exact p_z). Reads the score and log p_z columns of every part, then the chosen
+    rows' tokens."""
+    scores: list[tuple[float, int]] = []
+    rows, lz = [], {name: [] for name in schemes}
+    for part in read_parts(out, fmt, ["row", NEAR_SCORE, *(f"logpz/{name}" for name in schemes)]):
+        rows += part["row"]
+        scores += [(s, r) for r, s in zip(part["row"], part[NEAR_SCORE])
+                   if s is not None and math.isfinite(s)]
+        for name in schemes:
+            lz[name] += logpz_values(part[f"logpz/{name}"])
+    scores.sort(key=lambda x: (-x[0], x[1]))
+    rank = {r: i for i, (_, r) in enumerate(scores[:k])}
+    rest = np.array([r not in rank for r in rows], dtype=bool)
+    floor = {name: {f"n={n}": int(extractable(np.asarray(v, dtype=np.float64)[rest], n, p).sum()) for n in ns}
+             for name, v in lz.items()}
+    chosen: list[dict[str, Any] | None] = [None] * len(rank)
+    names = ["row", "doc_id", "doc_offset", "offset", NEAR_SCORE, "prefix_ids", "suffix_ids"]
+    for part in read_parts(out, fmt, names):
+        for i, row in enumerate(part["row"]):
+            if row in rank:
+                chosen[rank[row]] = {c: part[c][i] for c in names}
+    return [c for c in chosen if c is not None], len(rows), floor
+
+
+def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: Callable[[list[int]], str],
+           schemes: Sequence[Any]) -> dict[str, Any] | None:
+    """Search the --nv-rows best-ranked windows of the scan in OUT (every rank; rank 0 reads and writes):
+    write OUT/near_verbatim.jsonl; the report's near-verbatim section on rank 0 (None elsewhere)."""
+    t = time.perf_counter()
+    main = grid.rank == 0
+    ns, p = parse_ns(o.np_n), parse_p(o.np_p)
+    names = [s.name for s in schemes]
+    box = [select(out, o.format, o.nv_rows, names, ns, p) if main else None]
+    if grid.distributed:
+        torch.distributed.broadcast_object_list(box, src=0)
+    chosen, total, floor = box[0]
+    got, rows = {"offsets": {}}, []
+    if chosen:
+        windows = [list(c["prefix_ids"]) + list(c["suffix_ids"]) for c in chosen]
+        got, rows = near_report(model, windows, [c["row"] for c in chosen], _Text(text), prefix_len=o.prefix,
+                                suffix_len=o.suffix, schemes=schemes, max_edits=o.near_verbatim,
+                                beams=o.nv_beams, distance=o.nv_distance, ns=ns, p=p,
+                                batch_size=min(o.batch_size, SEARCH_BATCH), grid=grid,
+                                progress=o.progress and main)
+    if not main:
+        return None
+    by_row = {c["row"]: c for c in chosen}
+    where = ("doc_id", "doc_offset", "offset", NEAR_SCORE)
+    lines = [{"row": r["doc"], **{k: by_row[r["doc"]][k] for k in where},
+              **{k: v for k, v in r.items() if k not in ("doc", "offset")}} for r in rows]
+    write_files(out, {NEAR_ROWS: "".join(json.dumps(r) + "\n" for r in lines)}, replace=())
+    at = got["offsets"].get("0") or {}
+    table = {}
+    for name in names:
+        per = ((at.get("np") or {}).get(name) or {}).get("schemes", {})
+        table[name] = {f"d={d}": {f"n={n}": _counts(per, d, n, total, len(chosen), floor[name][f"n={n}"])
+                                  for n in ns} for d in range(o.near_verbatim + 1)}
+    for ex in got.get("examples", []):
+        ex["row"] = ex.pop("doc")
+        ex.pop("offset", None)
+    return {"max_edits": o.near_verbatim, "distance": o.nv_distance, "beams": o.nv_beams, "schemes": names,
+            "ns": list(ns), "p": p, "windows": total, "searched": len(chosen), "asked": o.nv_rows,
+            "lowest_score_searched": chosen[-1][NEAR_SCORE] if chosen else None,
+            "np": table, "median_log10_searched": at.get("median_log10", {}),
+            "examples": got.get("examples", []), "seconds": time.perf_counter() - t}
+
+
+def _counts(per: dict[str, Any], d: int, n: int, total: int, searched: int, exact_rest: int
+            ) -> dict[str, Any]:
+    """Windows within d changes (n, p)-extractable: the searched ones by their bound (`searched_count`, of
+    `searched`) plus the others by their exact p_z (`exact_rest`): count and fraction of all rows."""
+    found = int(((per.get(f"d={d}") or {}).get(f"n={n}") or {}).get("count", 0))
+    count = found + exact_rest
+    return {"count": count, "fraction": count / total if total else 0.0, "searched_count": found,
+            "fraction_searched": found / searched if searched else 0.0}
+
+
+def extractable_fractions(section: dict[str, Any]) -> dict[str, Any]:
+    """The report summary's line: per scheme, the fraction of all rows (n, p)-extractable within D changes
+    at the largest n."""
+    d, n = section["max_edits"], max(section["ns"])
+    return {"d": d, "n": n, "p": section["p"], "distance": section["distance"],
+            **{name: per[f"d={d}"][f"n={n}"]["fraction"] for name, per in section["np"].items()}}
+
+
+def plot_near(section: dict[str, Any], ax: Any) -> None:
+    """The fraction of all rows (n, p)-extractable at the largest n against the changes allowed."""
+    n = max(section["ns"])
+    ds = list(range(section["max_edits"] + 1))
+    for name, per in section["np"].items():
+        ax.plot(ds, [per[f"d={d}"][f"n={n}"]["fraction"] for d in ds], marker="o", label=name)
+    word = "token edits" if section["distance"] == "levenshtein" else "changed tokens"
+    ax.set(xlabel=f"within d {word}", ylabel=f"(n={n}, p={section['p']})-extractable fraction (lower bound)",
+           title=f"Near-verbatim ({section['searched']} of {section['windows']} windows searched)")
+    ax.set_xticks(ds)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+
+
+__all__ = ["SEARCH_BATCH", "extractable_fractions", "plot_near", "search", "select"]
