@@ -80,3 +80,22 @@ def test_a_checkpoint_of_the_other_kind_is_refused_in_one_line(capsys, pretraine
     assert line.startswith(f"error: --resume='{ck}': is a LoRA checkpoint saved at grid 1,1,1,1")
     assert "--grid 1,1,1,1" in line
     assert not (tmp_path / "o2").exists()
+
+
+def test_the_dry_runs_best_plan_prices_the_adapters(capsys):
+    """The dry run's 'planner best' (the grid it suggests) is planned for what the run trains: with LoRA
+    the frozen base has no weight gradients, optimizer state or gradient reduction, so its best step is
+    cheaper than the full fine-tune's (it once ignored the adapters and printed the full one's: equal).
+    At 8 x H100 on llama-1b the best grid is 1,1,8,1 for both, bound by the weight all-gathers that
+    LoRA keeps, so the gap is small (2% on 2026-11-27)."""
+    from memorization.models import REPO_ROOT
+
+    best = {}
+    for lora in ("false", "true"):
+        capsys.readouterr()
+        assert main(["train", str(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml"), "--dry-run", "--world",
+                     "8", "--hardware", "h100", "--json", "model.name=llama-1b", "model.overrides={}",
+                     "data.block_len=2048", "trainer.batch_size=16", "grid=1,2,1,4",
+                     f"model.lora.enabled={lora}"]) == 0
+        best[lora] = json.loads(capsys.readouterr().out)["planner_best"]["step_s"]
+    assert best["true"] < best["false"]

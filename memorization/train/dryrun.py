@@ -176,7 +176,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                 precision=precision, local=local, adapters=adapters, loss_chunk=chunk, example_norms=ghost)
     try:
         top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
-                   precision=precision, loss_chunk=chunk, example_norms=ghost)[0]
+                   precision=precision, loss_chunk=chunk, example_norms=ghost, adapters=adapters)[0]
         best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
                 "activation_checkpointing": top.checkpoint_activations}
     except ConfigError:
