@@ -208,3 +208,17 @@ def test_a_data_parallel_scan_searches_the_serial_rows(folder, scanned, tmp_path
                                        [np.nan if v is None else v for v in b["bound"][name]], rtol=1e-5)
     report = json.loads((tmp_path / "dp" / "report.json").read_text())["near_verbatim"]
     assert report["np"] == json.loads((scanned / "report.json").read_text())["near_verbatim"]["np"]
+
+
+def test_jsonl_parts_search_the_same_rows(folder, scanned, tmp_path):
+    argv = _argv(folder, tmp_path / "j", "--near-verbatim", str(D), "--nv-rows", str(ROWS), "--nv-beams", "3",
+                 "--format", "jsonl")
+    assert main(argv) == 0
+    parts = sorted((tmp_path / "j" / "parts").iterdir())
+    got = [json.loads(x)["near_score"] for p in parts for x in p.read_text().splitlines()]
+    want = pq.read_table(scanned / "parts")["near_score"].to_pylist()
+    assert got == [None if np.isneginf(v) else v for v in want]
+    rows = [json.loads(x)["row"] for x in (tmp_path / "j" / "near_verbatim.jsonl").read_text().splitlines()]
+    assert rows == [json.loads(x)["row"] for x in (scanned / "near_verbatim.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "j" / "report.json").read_text())["near_verbatim"]["np"] == \
+        json.loads((scanned / "report.json").read_text())["near_verbatim"]["np"]

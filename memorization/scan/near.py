@@ -17,7 +17,6 @@ found per scheme, spelled out with what it changes.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,30 +44,33 @@ class _Text:
 
 def select(out: Path, fmt: str, k: int, schemes: Sequence[str], ns: Sequence[int], p: float
            ) -> tuple[list[dict[str, Any]], int, dict[str, dict[str, int]]]:
-    """(the k rows with the largest finite near_score, best first, each with where it came from and its
-    tokens; the number of rows in the scan; per scheme and n, how many of the rows NOT chosen are (n, p)-
-    extractable by their exact p_z). Reads the score and log p_z columns of every part, then the chosen
-    rows' tokens."""
-    scores: list[tuple[float, int]] = []
-    rows, lz = [], {name: [] for name in schemes}
-    for part in read_parts(out, fmt, ["row", NEAR_SCORE, *(f"logpz/{name}" for name in schemes)]):
-        rows += part["row"]
-        scores += [(s, r) for r, s in zip(part["row"], part[NEAR_SCORE])
-                   if s is not None and math.isfinite(s)]
-        for name in schemes:
-            lz[name] += logpz_values(part[f"logpz/{name}"])
-    scores.sort(key=lambda x: (-x[0], x[1]))
-    rank = {r: i for i, (_, r) in enumerate(scores[:k])}
-    rest = np.array([r not in rank for r in rows], dtype=bool)
-    floor = {name: {f"n={n}": int(extractable(np.asarray(v, dtype=np.float64)[rest], n, p).sum()) for n in ns}
-             for name, v in lz.items()}
+    """(the k rows with the largest finite near_score, best first (ties: the earlier row), each with where
+    it came from and its tokens; the number of rows in the scan; per scheme and n, how many of the rows
+    NOT chosen are (n, p)-extractable by their exact p_z). Two passes over the parts, one part and k rows
+    in memory at a time: the scores, then the log p_z columns and the chosen rows' tokens."""
+    best_s, best_r = np.zeros(0), np.zeros(0, dtype=np.int64)
+    total = 0
+    for part in read_parts(out, fmt, ["row", NEAR_SCORE]):
+        total += len(part["row"])
+        s = np.array(logpz_values(part[NEAR_SCORE]), dtype=np.float64)
+        keep = np.isfinite(s)
+        best_s = np.concatenate([best_s, s[keep]])
+        best_r = np.concatenate([best_r, np.asarray(part["row"], dtype=np.int64)[keep]])
+        order = np.lexsort((best_r, -best_s))[:k]
+        best_s, best_r = best_s[order], best_r[order]
+    rank = {int(r): i for i, r in enumerate(best_r)}
     chosen: list[dict[str, Any] | None] = [None] * len(rank)
+    floor = {name: dict.fromkeys((f"n={n}" for n in ns), 0) for name in schemes}
     names = ["row", "doc_id", "doc_offset", "offset", NEAR_SCORE, "prefix_ids", "suffix_ids"]
-    for part in read_parts(out, fmt, names):
-        for i, row in enumerate(part["row"]):
-            if row in rank:
-                chosen[rank[row]] = {c: part[c][i] for c in names}
-    return [c for c in chosen if c is not None], len(rows), floor
+    for part in read_parts(out, fmt, [*names, *(f"logpz/{name}" for name in schemes)]):
+        rest = np.array([r not in rank for r in part["row"]], dtype=bool)
+        for name in schemes:
+            lz = np.array(logpz_values(part[f"logpz/{name}"]), dtype=np.float64)[rest]
+            for n in ns:
+                floor[name][f"n={n}"] += int(extractable(lz, n, p).sum())
+        for i in np.flatnonzero(~rest):
+            chosen[rank[part["row"][i]]] = {c: part[c][i] for c in names}
+    return [c for c in chosen if c is not None], total, floor
 
 
 def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: Callable[[list[int]], str],
