@@ -127,6 +127,20 @@ def tiny_pretrained(tmp_path_factory) -> str:
     return str(out)
 
 
+def scan_llama(root, initializer_range: float = 0.2) -> LlamaForCausalLM:
+    """The scan tests' model, saved to ROOT/model and returned in eval mode: a seeded tiny Llama, vocab
+    320, 4 heads / 2 KV heads, no tokenizer (token files need none); a larger `initializer_range` gives
+    peaked logits (sampling then reproduces its own continuations)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=initializer_range, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(root / "model")
+    return model
+
+
 def tiny_scan_folder(root):
     """What the scan tests read: a tiny Llama folder (vocab 320, 4 heads / 2 KV heads, no tokenizer:
     token files need none) and an indexed corpus `corpus.bin/.idx` of 40 random documents, 3 of them
@@ -135,11 +149,7 @@ def tiny_scan_folder(root):
 
     from data_pipelines.inject import Manifest
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    scan_llama(root)
     g = np.random.default_rng(0)
     docs = [g.integers(0, 320, size=int(n)).tolist() for n in g.integers(20, 40, size=40)]
     docs[3], docs[17], docs[30] = docs[3][:5], docs[17][:9], [7]
@@ -191,3 +201,17 @@ def levenshtein(a: list[int], b: list[int]) -> int:
         for j, y in enumerate(b, 1):
             prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
     return row[-1]
+
+
+def refused(capsys, argv: list, *needles: str) -> str:
+    """`memorize ARGV` exits 2 with one `error: ...` line on stderr naming every needle; that line."""
+    from memorization.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for n in needles:
+        assert n in err, err
+    return err

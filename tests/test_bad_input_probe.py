@@ -8,7 +8,7 @@ import shlex
 
 import numpy as np
 import pytest
-from helpers import TINY, tiny_model, tiny_scan_folder, write_indexed
+from helpers import TINY, refused, tiny_model, tiny_scan_folder, write_indexed
 from test_overwrite_safety import tree
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,13 +61,7 @@ def here(root, monkeypatch):
 def _refused(capfd, root, argv, *needles):
     """main(argv) exits 2 with one `error: ` line holding `needles`, and root is byte for byte unchanged."""
     before = tree(root)
-    capfd.readouterr()
-    code = main([str(a) for a in argv])
-    err = capfd.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    for n in needles:
-        assert n in err, err
+    err = refused(capfd, argv, *needles)
     assert tree(root) == before
     return err
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from helpers import refused
 from sklearn.metrics import roc_auc_score
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -147,14 +148,7 @@ def test_out_holds_exactly_the_report_and_refuses_to_overwrite(setup, tmp_path, 
 
 
 def _refused(capsys, argv, *needles) -> str:
-    capsys.readouterr()
-    code = main([str(a) for a in ["eval", *argv]])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    for n in needles:
-        assert n in err, err
-    return err
+    return refused(capsys, ["eval", *argv], *needles)
 
 
 def _other_tokenizer_model(root, vocab: int):

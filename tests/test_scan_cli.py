@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from helpers import tiny_scan_folder, write_indexed
+from helpers import refused, tiny_scan_folder, write_indexed
 
 from memorization.cli import main
 from memorization.scan import scanner as scan_module
@@ -101,15 +101,6 @@ def test_sigkill_and_resume_equals_uninterrupted(folder, tmp_path):
     assert _rows(tmp_path / "k") == _rows(tmp_path / "ref")
 
 
-def _refused(capsys, argv, *needles) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-
-
 def test_bad_inputs_are_one_line_and_write_nothing(folder, tmp_path, capsys):
     out = tmp_path / "out"
     bad = _scan(folder, out)
@@ -132,7 +123,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(folder, tmp_path, capsys):
         argv = list(bad)
         if spec is not None:
             argv[data] = spec
-        _refused(capsys, argv + extra, *needles)
+        refused(capsys, argv + extra, *needles)
         assert not out.exists(), (spec, extra)
 
 
@@ -140,13 +131,13 @@ def test_out_rules_and_resume_with_another_command(folder, tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
     (out / "run.json").write_text("{}")
-    _refused(capsys, _scan(folder, out), "--out=", "already holds results (run.json)")
+    refused(capsys, _scan(folder, out), "--out=", "already holds results (run.json)")
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]
     done = tmp_path / "done"
     assert main(_scan(folder, done)) == 0
     before = {p: p.stat().st_mtime_ns for p in done.rglob("*")}
-    _refused(capsys, _scan(folder, done) + ["--suffix", "5"], "--suffix=5", "made with 6", "--overwrite")
-    _refused(capsys, _scan(folder, done), "already holds a finished scan")
+    refused(capsys, _scan(folder, done) + ["--suffix", "5"], "--suffix=5", "made with 6", "--overwrite")
+    refused(capsys, _scan(folder, done), "already holds a finished scan")
     assert {p: p.stat().st_mtime_ns for p in done.rglob("*")} == before
     assert main(_scan(folder, done) + ["--overwrite", "--suffix", "5"]) == 0  # replaces only its own files
     assert (out / "run.json").exists()
@@ -158,4 +149,4 @@ def test_dry_run_sizes_a_70b_scan_on_8_h100(capsys):
     r = json.loads(capsys.readouterr().out)
     assert np.prod(r["grid"]) == 8 and r["windows"] == 1_000_000
     assert 0 < r["rank0_total_gib"] <= r["usable_gib"] and r["predicted_s"] > 0
-    _refused(capsys, ["scan", "--model", "llama-70b", "--dry-run", "--world", "8"], "--limit=None")
+    refused(capsys, ["scan", "--model", "llama-70b", "--dry-run", "--world", "8"], "--limit=None")

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import write_indexed
+from helpers import refused, scan_llama, write_indexed
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from evals.near_verbatim import near_verbatim
@@ -30,12 +30,7 @@ def folder(tmp_path_factory) -> Path:
     """A tiny Llama (vocab 320) and 16 documents of 16 tokens: 8 its own greedy continuations of a random
     4-token prefix with one token changed (near-copies of what it emits), 8 random."""
     root = tmp_path_factory.mktemp("scan-near")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=1.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(root / "model")
+    model = scan_llama(root, 1.0)
     g = np.random.default_rng(0)
     prefixes = torch.from_numpy(g.integers(0, 320, size=(8, 4)))
     with torch.no_grad():
@@ -153,15 +148,6 @@ def test_rows_not_searched_count_by_their_exact_copy(folder, scanned, tmp_path):
     assert exact["t=1.0"]["n=100"]["count"] > 1  # so the rows not searched carried some of it
 
 
-def _refused(capsys, argv: list[str], *needles: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    for n in needles:
-        assert n in err, err
-
-
 @pytest.mark.parametrize("extra,needle", [
     (("--nv-rows", "5"), "--nv-rows"), (("--nv-beams", "3"), "--nv-beams"),
     (("--nv-distance", "levenshtein"), "--nv-distance"), (("--near-verbatim", "8"), "--near-verbatim"),
@@ -169,14 +155,14 @@ def _refused(capsys, argv: list[str], *needles: str) -> None:
     (("--near-verbatim", "2", "--sampling", ""), "--near-verbatim"),
 ])
 def test_bad_flags_are_one_line_and_write_nothing(folder, tmp_path, capsys, extra, needle):
-    _refused(capsys, _argv(folder, tmp_path / "o", *extra), needle)
+    refused(capsys, _argv(folder, tmp_path / "o", *extra), needle)
     assert not (tmp_path / "o").exists()
 
 
 def test_a_resume_with_another_d_is_refused_and_the_dry_run_carries_it(folder, scanned, capsys):
     before = {p.relative_to(scanned): p.read_bytes() for p in scanned.rglob("*") if p.is_file()}
-    _refused(capsys, _argv(folder, scanned, "--near-verbatim", "1"), "--near-verbatim", "differs")
-    _refused(capsys, _argv(folder, scanned), "--near-verbatim", "differs")
+    refused(capsys, _argv(folder, scanned, "--near-verbatim", "1"), "--near-verbatim", "differs")
+    refused(capsys, _argv(folder, scanned), "--near-verbatim", "differs")
     assert {p.relative_to(scanned): p.read_bytes() for p in scanned.rglob("*") if p.is_file()} == before
     capsys.readouterr()
     assert main(["scan", "--model", "llama-70b", "--dry-run", "--world", "8", "--limit", "1000", "--grid",

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import write_indexed
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from helpers import refused, scan_llama, write_indexed
+from transformers import AutoModelForCausalLM
 
 from evals.sampling import DEFAULT_SCHEMES, np_summary, parse_schemes
 from evals.scan import score_windows
@@ -28,12 +28,7 @@ def folder(tmp_path_factory) -> Path:
     """A tiny Llama (vocab 320) and an indexed corpus of 24 documents of 20 tokens: 12 its own greedy
     continuations of a random 6-token prefix (exact matches at offset 0), 12 random."""
     root = tmp_path_factory.mktemp("scan-sampling")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(root / "model")
+    model = scan_llama(root)
     g = np.random.default_rng(0)
     prefixes = torch.from_numpy(g.integers(0, 320, size=(12, 6)))
     with torch.no_grad():
@@ -124,27 +119,17 @@ def test_greedy_only(folder, tmp_path):
     assert report["sampling"]["ns"] == [1, 10, 100, 1000] and report["sampling"]["p"] == 0.5
 
 
-def _refused(capsys, argv: list[str], *needles: str) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    for n in needles:
-        assert n in err, err
-    return err
-
-
-def test_a_resume_with_other_schemes_is_refused(folder, scanned, capsys):
+def test_a_resume_with_other_schemes_isrefused(folder, scanned, capsys):
     before = {p.relative_to(scanned): p.read_bytes() for p in scanned.rglob("*") if p.is_file()}
     state = json.loads((scanned / "scan-state.json").read_text())
     assert state["fingerprint"]["sampling"] == ";".join(NAMES)
-    _refused(capsys, _argv(folder, scanned, "--sampling", "t=0.7"), "--sampling", "differs", "t=0.7")
-    _refused(capsys, _argv(folder, scanned, "--sampling", ""), "--sampling", "differs")  # greedy only
+    refused(capsys, _argv(folder, scanned, "--sampling", "t=0.7"), "--sampling", "differs", "t=0.7")
+    refused(capsys, _argv(folder, scanned, "--sampling", ""), "--sampling", "differs")  # greedy only
     assert {p.relative_to(scanned): p.read_bytes() for p in scanned.rglob("*") if p.is_file()} == before
     # the same schemes spelled otherwise (or the default's) are the same scan: finished, not different
-    _refused(capsys, _argv(folder, scanned, "--sampling", "temperature=1;t=0.7,top_k=40;top_p=0.9"),
+    refused(capsys, _argv(folder, scanned, "--sampling", "temperature=1;t=0.7,top_k=40;top_p=0.9"),
              "--out", "finished")
-    _refused(capsys, _argv(folder, scanned), "--out", "finished")
+    refused(capsys, _argv(folder, scanned), "--out", "finished")
 
 
 @pytest.mark.parametrize("flag,value,needle", [
@@ -153,7 +138,7 @@ def test_a_resume_with_other_schemes_is_refused(folder, scanned, capsys):
     ("--np-p", "1.5", "--np-p"), ("--np-p", "nan", "--np-p"),
 ])
 def test_bad_flags_are_one_line_and_write_nothing(folder, tmp_path, capsys, flag, value, needle):
-    _refused(capsys, _argv(folder, tmp_path / "o", flag, value), needle)
+    refused(capsys, _argv(folder, tmp_path / "o", flag, value), needle)
     assert not (tmp_path / "o").exists()
 
 
@@ -165,7 +150,7 @@ def test_dry_run_launch_line_carries_the_schemes(capsys):
         assert main([*argv, "--sampling", sampling]) == 0
         launch = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("launch: "))
         assert want in launch and "--np-n 1,10" in launch
-    _refused(capsys, [*argv, "--sampling", "t=-1"], "--sampling")
+    refused(capsys, [*argv, "--sampling", "t=-1"], "--sampling")
 
 
 def _rank(rank, world, runs):
