@@ -1,22 +1,27 @@
 """The planner prices DP-SGD with ghost clipping (`example_norms`): per micro-batch a norm pass (a backward
 without weight GEMMs, plus the per-example norm GEMMs) before the clipped backward, its collectives,
-the step's Gaussian noise and the norm buffers; off, it predicts exactly as before. The run's
-chooser and memory check ask for it where the run clips by ghost norms."""
+the step's Gaussian noise and the norm buffers; off, it predicts exactly as before. Opacus' per-sample
+clipping (`example_norms="materialized"`): the weight-gradient GEMMs again, one gradient per row held,
+written and read twice, the noise. The run's chooser and memory check ask for whichever the run
+clips by, and `grid: auto` only weighs grids the run accepts."""
 from __future__ import annotations
 
 from dataclasses import replace
+
+import pytest
 
 from axonn.plan.calibrate import get_hardware
 from axonn.plan.choose import train_cost
 from axonn.plan.collectives import collective_time, group_strides
 from axonn.plan.compute import attention_time, elementwise_time, example_norm_time, gemm_time
-from axonn.plan.memory import Adapters, example_norm_bytes
+from axonn.plan.memory import Adapters, example_norm_bytes, memory_breakdown
 from axonn.plan.model import predict
 from axonn.plan.shapes import load_shape
 from axonn.plan.volumes import Grid, step_ops
 from memorization.config import load_run_config
 from memorization.models import REPO_ROOT
-from memorization.train.parallel import _train_objective, ghost_norms
+from memorization.train.parallel import Launch, _train_objective, choose_grid, example_norms
+from memorize_core import ConfigError
 
 
 def _norm_gemms_by_hand(shape, seq: int, rows: int, hw) -> float:
@@ -85,16 +90,18 @@ def test_norm_pass_collectives_repeat_the_backwards_but_the_weight_reduction():
 
 def test_the_run_asks_for_the_norm_pass_where_it_clips_by_ghost_norms():
     """A ghost-clipping DP run's training objective prices the norm pass and its buffers (the auto
-    grid and the memory check use it); Opacus' per-sample clipping and a plain run do not."""
+    grid and the memory check use it); Opacus' per-sample clipping its per-row gradients; a plain run
+    neither."""
     cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml", [])
     dp = replace(cfg, trainer=replace(cfg.trainer, dp=replace(cfg.trainer.dp, enabled=True)))
     per_sample = replace(dp, trainer=replace(dp.trainer, dp=replace(dp.trainer.dp, clipping="per_sample")))
-    assert (ghost_norms(cfg), ghost_norms(dp), ghost_norms(per_sample)) == (False, True, False)
+    kinds = (example_norms(cfg), example_norms(dp), example_norms(per_sample))
+    assert kinds == (False, "ghost", "materialized")
     shape, hw = load_shape("llama-1b"), get_hardware("h100")
     costs = {}
     for name, c in (("plain", cfg), ("ghost", dp)):
         obj = replace(_train_objective(c, None, shape, "bf16"), extra_bytes=None, micro_batch=None)
-        assert obj.example_norms == (name == "ghost")
+        assert obj.example_norms == ("ghost" if name == "ghost" else False)
         costs[name] = train_cost(shape, Grid(1, 1, 1, 1), hw, replace(obj, seq=2048, batch=4), mode="paired",
                                  gpus_per_node=1, headroom=0.1)
     assert costs["ghost"][0] > 1.5 * costs["plain"][0] and costs["ghost"][1] > costs["plain"][1]
@@ -118,3 +125,41 @@ def test_with_adapters_only_their_norms_are_formed():
     gemms, _, _ = step_ops(shape, grid, 2048, 4, False, "paired")
     dgrad = sum(gemm_time(g.m, g.n, g.k, hw) * g.count for g in gemms if g.role == "dgrad")
     assert dgrad + adapters < dp.time_s - plain.time_s < dgrad + adapters + 0.5 * plain.time_s
+
+
+def test_per_sample_gradients_are_priced_by_hand():
+    """Opacus' per-sample clipping on llama-1b at 1,1,1,1: memory gains one fp32 gradient per row and
+    parameter; the step gains, per micro-batch, the weight-gradient GEMMs again and three passes over
+    those gradients (written, read for the norms, read for the clipped sum), and the noise."""
+    shape, hw, grid = load_shape("llama-1b"), get_hardware("h100"), Grid(1, 1, 1, 1)
+    kw = dict(gpus_per_node=1, mode="paired", loss_chunk="off", micro_batch=2)
+    plain = predict(shape, grid, 2048, 4, hw, **kw)
+    ps = predict(shape, grid, 2048, 4, hw, example_norms="materialized", **kw)
+    n = shape.params
+    gemms, _, _ = step_ops(shape, grid, 2048, 2, False, "paired")
+    wgrad = sum(gemm_time(g.m, g.n, g.k, hw) * g.count for g in gemms if g.role == "wgrad")
+    extra = 2 * (wgrad + 12.0 * 2 * n / hw.hbm_bw) + 16.0 * n / hw.hbm_bw  # 2 micro-batches, then noise
+    assert abs((ps.time_s - plain.time_s) - extra) <= 1e-9 * ps.time_s
+    mem = memory_breakdown(shape, grid, 2048, 2, False, mode="paired", example_norms="materialized")
+    assert mem["example_grads"] == 4.0 * 2 * n and "example_norms" not in mem
+    assert abs((ps.memory_gb - plain.memory_gb) * 2 ** 30 - 4.0 * 2 * n) <= 1.0
+    with pytest.raises(ConfigError, match="example_norms"):
+        predict(shape, grid, 2048, 4, hw, example_norms="opacus", **kw)
+
+
+def test_auto_grid_takes_only_grids_the_run_accepts():
+    """`grid: auto` with Opacus' per-sample clipping, or LoRA with adapter dropout, weighs only grids that
+    split no weight (the run refuses the others): it once chose 1,1,8,1 for per-sample DP-SGD."""
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml",
+                          ["model.name=llama-1b", "model.overrides={}", "data.block_len=2048",
+                           "trainer.batch_size=16"])
+    from memorization.train.run_plan import planned_model_config
+
+    config = planned_model_config(cfg)[0]
+    launch = Launch(8, 8, "h100")
+    assert choose_grid(cfg, config, launch)[:3] != (1, 1, 1)  # a plain run splits the weights
+    dp = replace(cfg.trainer.dp, enabled=True, clipping="per_sample", target_epsilon=8.0)
+    per_sample = replace(cfg, trainer=replace(cfg.trainer, dp=dp))
+    assert choose_grid(per_sample, config, launch) == (1, 1, 1, 8)
+    dropout = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, enabled=True, dropout=0.1)))
+    assert choose_grid(dropout, config, launch) == (1, 1, 1, 8)

@@ -44,7 +44,9 @@ class Train:
     adapters: Adapters | None = None
     loss_chunk: int | str = 0
     extra_bytes: Callable[[Grid], float] | None = None  # what else the grid must hold (in-place scoring)
-    example_norms: bool = False  # per-example clipping by ghost norms: the norm pass, buffers (model.predict)
+    # per-example clipping (model.predict): True / "ghost" the norm pass and buffers, "materialized"
+    # per-example gradients held whole
+    example_norms: bool | str = False
     name: str = "train"
 
 

@@ -180,19 +180,37 @@ def example_norm_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int
     return 4.0 * micro_batch * (largest + 2 * t2)
 
 
+EXAMPLE_NORMS = ("ghost", "materialized")  # how per-example gradient norms are formed (None: not at all)
+
+
+def norm_kind(example_norms: bool | str | None) -> str | None:
+    """The planner's `example_norms` argument as one of EXAMPLE_NORMS or None: False / None off, True or
+    "ghost" the ghost-norm pass (axonn/layers/per_example.py), "materialized" per-example gradients held
+    whole (one per row and trained parameter, as per-sample hooks form them); ConfigError otherwise."""
+    if example_norms is None or example_norms is False:
+        return None
+    if example_norms is True:
+        return "ghost"
+    if example_norms in EXAMPLE_NORMS:
+        return example_norms
+    raise fail("example_norms", example_norms, "pass False, True or 'ghost' (norms by a ghost-norm pass), or "
+               "'materialized' (per-example gradients held whole)")
+
+
 def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                      checkpoint: bool, prefetch: bool = True,
                      mode: str | None = None, *, local: float | None = None,
                      precision: str | Precision = "bf16", loss_chunk: int | str = 0,
-                     example_norms: bool = False, adapters: Adapters | None = None,
+                     example_norms: bool | str = False, adapters: Adapters | None = None,
                      trained: float | None = None) -> dict[str, float]:
     """Peak bytes per GPU by category for one micro-batch of `micro_batch` rows per rank.
 
     `local` is the parameter count of one rank (default: `local_params` of the shape); the dry run
     passes the count of the sharded model it built. `loss_chunk`: the trainer's LM-head setting
     (auto, off/0: full logits, or tokens per chunk; resolved for this grid by head_chunk).
-    `example_norms` adds the per-example norm buffers
-    (`example_norm_bytes`: per-example clipping). With `adapters` those `local` parameters are
+    `example_norms` (norm_kind) adds per-example clipping's buffers: True / "ghost" the norm buffers
+    (`example_norm_bytes`), "materialized" one gradient per row of the micro-batch and trained parameter
+    (`example_grads`, in the gradients' dtype). With `adapters` those `local` parameters are
     frozen (their load dtype, no gradient or optimizer state) and only the adapters' -- `trained`,
     default `adapter_params` -- have all three.
     """
@@ -215,18 +233,21 @@ def memory_breakdown(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
         "z_buffers": z_buffers,
         "activations": activation_bytes(shape, grid, seq, micro_batch, checkpoint, mode, p, loss_chunk),
     }
-    if example_norms:
+    kind = norm_kind(example_norms)
+    if kind == "ghost":
         out["example_norms"] = example_norm_bytes(shape, grid, seq, micro_batch, mode)
+    elif kind == "materialized":
+        out["example_grads"] = p.grad * micro_batch * n
     return out
 
 
 def memory_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, checkpoint: bool,
                  prefetch: bool = True, mode: str | None = None,
                  precision: str | Precision = "bf16", loss_chunk: int | str = 0,
-                 adapters: Adapters | None = None, example_norms: bool = False) -> float:
+                 adapters: Adapters | None = None, example_norms: bool | str = False) -> float:
     """Total predicted peak bytes per GPU (`loss_chunk`: the trainer's setting, see head_chunk;
-    `adapters`: a LoRA run's frozen base and trained adapters; `example_norms`: the ghost-norm
-    buffers of per-example clipping)."""
+    `adapters`: a LoRA run's frozen base and trained adapters; `example_norms`: per-example clipping's
+    buffers, memory_breakdown)."""
     return sum(memory_breakdown(shape, grid, seq, micro_batch, checkpoint, prefetch,
                                 mode, precision=precision, loss_chunk=loss_chunk, adapters=adapters,
                                 example_norms=example_norms).values())

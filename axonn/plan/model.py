@@ -13,7 +13,7 @@ from axonn.plan.compute import (
     optimizer_time,
 )
 from axonn.plan.hardware import GiB, Hardware
-from axonn.plan.memory import Adapters, adapter_params, head_chunk, local_params, memory_breakdown
+from axonn.plan.memory import Adapters, adapter_params, head_chunk, local_params, memory_breakdown, norm_kind
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Comm, Grid, default_mode, rows_per_rank, step_ops
 
@@ -98,7 +98,7 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             checkpoint: bool = False, overlap: bool = True, headroom: float = 0.1,
             mode: str | None = None, precision: str = "bf16",
             local: float | None = None, loss_chunk: int | str = 0, adapters: Adapters | None = None,
-            example_norms: bool = False) -> Prediction:
+            example_norms: bool | str = False) -> Prediction:
     """Predict step time, memory and throughput of one valid grid (see volumes.check_grid).
 
     `overlap` is the engine's overlapped schedule (prefetch, background reductions); the time it
@@ -114,7 +114,11 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     activation-gradient GEMMs (no weight GEMMs), the attention and element-wise backward, the norm
     GEMMs (compute.example_norm_time) and its collectives (the backward's but the weight reduce-scatter,
     none hidden behind a weight GEMM; the norms' all-reduces over X and Y), the noise such a step adds
-    to every trained coordinate, and the norm buffers in memory."""
+    to every trained coordinate, and the norm buffers in memory. `example_norms="materialized"`: the
+    norms from per-example gradients held whole (per-sample hooks on a grid that splits no weight): per
+    micro-batch the weight-gradient GEMMs again, one gradient per row (of the adapters only with
+    `adapters`), written, read for its norm and read for the clipped sum, the noise, and those
+    gradients in memory (memory.memory_breakdown's `example_grads`)."""
     mode = mode or default_mode(shape)
     gpn = hw.gpus_per_node if gpus_per_node is None else gpus_per_node
     gpus = grid.size
@@ -124,7 +128,8 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     loss_chunk = head_chunk(loss_chunk, -(-shape.vocab // grid.y), mb * (seq - 1))
     gemms, comms, step = step_ops(shape, grid, seq, mb, checkpoint, mode)
 
-    fwd_c = bwd_c = dgrad_c = 0.0
+    kind = norm_kind(example_norms)
+    fwd_c = bwd_c = dgrad_c = wgrad_c = 0.0
     wgrad: dict[str, float] = {}
     for g in gemms:
         t = gemm_time(g.m, g.n, g.k, hw)
@@ -134,6 +139,7 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
             bwd_c += t * g.count
         if g.role == "wgrad":
             wgrad[g.name] = t
+            wgrad_c += t * g.count
         elif g.phase == "bwd":
             dgrad_c += t * g.count  # what a backward without weight gradients runs (and recomputes)
     a_f, a_b = attention_time(shape, grid, seq, mb, hw, checkpoint, mode)
@@ -158,8 +164,12 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
 
     micro_comms = timed(comms, n_micro)
     step_comm = sum(t for _, t in timed(step, 1))
+    n_local = local_params(shape, grid, mode) if local is None else local
+    n_trained = n_local if adapters is None else adapter_params(shape, grid, adapters, mode)
     norms_c = norms_exposed = 0.0
-    if example_norms:  # the norm pass: a backward of its own, timed like a forward (no weight GEMM hides)
+    if kind == "materialized":  # per-row weight gradients: formed, written, read for norms and the sum
+        norms_c = (0.0 if adapters is not None else wgrad_c) + 12.0 * mb * n_trained / hw.hbm_bw
+    if kind == "ghost":  # the norm pass: a backward of its own, timed like a forward (no weight GEMM hides)
         norms_c = dgrad_c + a_b + e_b + example_norm_time(shape, grid, seq, mb, hw, mode, adapters)
         passed = [dataclasses.replace(c, phase="fwd") for c in comms
                   if c.phase == "bwd" and c.kind != "reduce_scatter"]
@@ -177,10 +187,8 @@ def predict(shape: ModelShape, grid: Grid, seq: int, global_batch: int, hw: Hard
     else:
         exposed = comm_total
 
-    n_local = local_params(shape, grid, mode) if local is None else local
-    n_trained = n_local if adapters is None else adapter_params(shape, grid, adapters, mode)
     compute = n_micro * (fwd_c + bwd_c + norms_c) + optimizer_time(n_trained, hw)
-    if example_norms:  # N(0, sigma^2 C^2) per trained coordinate: drawn (fp32) and added once per step
+    if kind:  # N(0, sigma^2 C^2) per trained coordinate: drawn (fp32) and added once per step
         compute += 16.0 * n_trained / hw.hbm_bw
     time_s = compute + exposed
     mem = memory_breakdown(shape, grid, seq, mb, checkpoint, prefetch=overlap, mode=mode,

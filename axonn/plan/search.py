@@ -52,7 +52,8 @@ def check_inputs(gpus: int, gpus_per_node: int, seq: int, global_batch: int,
 def _largest_fitting(shape: ModelShape, grid: Grid, seq: int, rows: int, checkpoint: bool,
                      budget: float, prefetch: bool, forced: int | None,
                      mode: str, precision: str = "bf16", loss_chunk: int | str = 0,
-                     adapters: Adapters | None = None, example_norms: bool = False) -> tuple[int, float]:
+                     adapters: Adapters | None = None, example_norms: bool | str = False
+                     ) -> tuple[int, float]:
     """(micro-batch rows, bytes): the largest micro-batch that fits, else the smallest tried."""
     options = [forced] if forced else sorted(divisors(rows), reverse=True)
     need = 0.0
@@ -69,7 +70,7 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
          headroom: float = 0.1, micro_batch: int | None = None,
          include_unfit: bool = False, strict: bool = False,
          mode: str | None = None, precision: str = "bf16", loss_chunk: int | str = 0,
-         adapters: Adapters | None = None, example_norms: bool = False) -> list[Prediction]:
+         adapters: Adapters | None = None, example_norms: bool | str = False) -> list[Prediction]:
     """Predictions for every valid grid, best first; only those that fit unless include_unfit.
 
     checkpoint None tries with and without activation checkpointing and keeps the faster that
@@ -77,8 +78,8 @@ def plan(model: Any, gpus: int, gpus_per_node: int | None, seq: int, global_batc
     `strict` keeps only grids with no Z padding and an even batch split (volumes.grid_problems);
     `precision` is the trainer's (bf16 autocast on GPUs, fp32 on CPU: memory.PRECISIONS), `loss_chunk`
     its LM-head setting (model.predict; 0: full logits), `adapters` a LoRA run's (memory.Adapters: a
-    frozen base, only the adapters trained), `example_norms` per-example clipping by ghost norms
-    (model.predict).
+    frozen base, only the adapters trained), `example_norms` per-example clipping (model.predict:
+    True / "ghost" by a ghost-norm pass, "materialized" from per-example gradients).
     Ranked: grids that fit first, among them those the engine runs as is (z*data divides the batch),
     each group by step time. Raises ConfigError when nothing is valid or nothing fits.
     """

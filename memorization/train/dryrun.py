@@ -38,7 +38,7 @@ from memorization.experiments import load_experiment
 from memorization.mitigations.peft_lora import apply_sharded_lora
 from memorization.models import meta_model
 from memorization.train.dryrun_report import format_report
-from memorization.train.parallel import Launch, ghost_norms, memory_fix, run_adapters
+from memorization.train.parallel import Launch, example_norms, memory_fix, run_adapters
 from memorization.train.prepare import prepare_data
 from memorization.train.run_plan import plan_run, planned_model_config
 from memorize_core import ConfigError, fail
@@ -156,7 +156,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora,
                                                                        run_plan.lora_targets)))
 
-    ghost = ghost_norms(cfg)  # DP-SGD's norm pass and per-example norm buffers
+    ghost = example_norms(cfg)  # DP-SGD: ghost clipping's norm pass and buffers, or per-sample gradients
     # the LM head as the launched trainer runs it (the plan's loss_chunk; a model whose
     # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
     head = run_plan.trainer.loss_chunk
@@ -201,6 +201,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                   "param_bytes": int(used["weights"]), "grad_bytes": int(used["gradients"]),
                   "optimizer_bytes": int(used["optimizer"]), "z_buffer_bytes": int(used["z_buffers"]),
                   "example_norm_bytes": int(used.get("example_norms", 0)),
+                  "example_grad_bytes": int(used.get("example_grads", 0)),
                   "trained_params": local if trained is None else trained,
                   "activation_bytes": {"checkpointing": int(mem[True]["activations"]),
                                        "no_checkpointing": int(mem[False]["activations"])},

@@ -33,6 +33,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{_gib(k['grad_bytes'])}, optimizer {_gib(k['optimizer_bytes'])}, Z buffers "
         f"{_gib(k['z_buffer_bytes'])}"
         + (f", DP-SGD per-example norm buffers {_gib(k['example_norm_bytes'])}" if k.get("example_norm_bytes")
+           else "")
+        + (f", DP-SGD per-sample gradients {_gib(k['example_grad_bytes'])}" if k.get("example_grad_bytes")
            else ""),
         f"             activations {_gib(k['activation_bytes']['checkpointing'])} with checkpointing"
         f"{' (on)' if ck else ''}, {_gib(k['activation_bytes']['no_checkpointing'])} without"

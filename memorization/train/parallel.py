@@ -30,7 +30,8 @@ from axonn.plan.evaluation import eval_memory
 from axonn.plan.hardware import PRESETS
 from axonn.plan.volumes import Grid, default_mode
 from axonn.trainer import resolve_device, resolve_precision
-from memorization.mitigations.peft_lora import planner_adapters
+from memorization.mitigations.dp_sgd import check_dp_grid
+from memorization.mitigations.peft_lora import check_lora_run, planner_adapters
 from memorization.models import meta_model
 from memorize_core import ConfigError, fail
 
@@ -154,10 +155,14 @@ def head_setting(cfg: RunConfig) -> int | str:
     return "off" if cfg.trainer.dp.enabled else cfg.trainer.loss_chunk
 
 
-def ghost_norms(cfg: RunConfig) -> bool:
-    """Whether the run measures per-example gradient norms by ghost clipping (DP-SGD's default): its
-    step runs a norm pass and holds norm buffers (axonn.plan.model.predict's `example_norms`)."""
-    return cfg.trainer.dp.enabled and cfg.trainer.dp.clipping == "ghost"
+def example_norms(cfg: RunConfig) -> bool | str:
+    """How the run forms per-example gradient norms, as the planner prices them (axonn.plan.model.predict's
+    `example_norms`): "ghost" for DP-SGD's ghost clipping (a norm pass, norm buffers), "materialized" for
+    Opacus' per-sample gradients (one gradient per row and parameter), False without DP-SGD."""
+    dp = cfg.trainer.dp
+    if not dp.enabled:
+        return False
+    return "ghost" if dp.clipping == "ghost" else "materialized"
 
 
 def _train_objective(cfg: RunConfig, model_config: Any, shape: Any, precision: str) -> Train:
@@ -167,7 +172,7 @@ def _train_objective(cfg: RunConfig, model_config: Any, shape: Any, precision: s
     return Train(seq=cfg.data.block_len, batch=t.batch_size,
                  micro_batch=lambda g: t.accumulation(g.z * g.data)[1],
                  checkpoint=t.activation_checkpointing, precision=precision, adapters=adapters,
-                 loss_chunk=head_setting(cfg), example_norms=ghost_norms(cfg),
+                 loss_chunk=head_setting(cfg), example_norms=example_norms(cfg),
                  extra_bytes=lambda g: eval_bytes(cfg, shape, g, mode, precision, adapters=adapters))
 
 
@@ -198,8 +203,11 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
 
-    def check(g: Any) -> None:
-        validate_grid_for_model((g.x, g.y, g.z, g.data), model_config, mode)
+    def check(g: Any) -> None:  # what the run refuses on a grid (run_plan.check_grid), before its cost
+        dims = (g.x, g.y, g.z, g.data)
+        check_lora_run(cfg, dims)  # adapter dropout on a tensor split
+        check_dp_grid(t.dp, dims)  # Opacus' per-sample gradients on a tensor split
+        validate_grid_for_model(dims, model_config, mode)
         t.accumulation(g.z * g.data)
 
     objective = _train_objective(cfg, model_config, shape, precision)
