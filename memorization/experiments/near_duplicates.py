@@ -4,11 +4,12 @@ Goldfish's guarantee is per exact copy: a dropped token is dropped in every copy
 a function of the token ids. A near-copy (a few words edited) changes the hash keys of the h windows
 after each edit, so across many near-copies the union of supervised tokens can cover the original.
 One cell per (copies n, edit rate r, strategy): `clusters` documents of the base corpus each appear n
-times (copy 0 verbatim, the others with each word edited at rate r: data_pipelines.inject), a tiny
-model is trained from scratch on that corpus, and the cell reports extraction of the originals
-(greedy suffix from the prefix: exact match, RougeL), their mask coverage (the share of each
-original's suffix tokens supervised in at least one copy: memorization.mitigations.coverage) and the
-held-out loss. With one copy every edit rate trains the same corpus, so that cell is trained once.
+times (copy 0 verbatim, the others with each word edited at rate r: data_pipelines.inject), a model is
+trained on that corpus (a tiny one from scratch, or a pretrained one fine-tuned), and the cell reports
+extraction of the originals (greedy suffix from the prefix: exact match, RougeL), their mask coverage
+(the share of each original's suffix tokens supervised in at least one copy:
+memorization.mitigations.coverage) and the held-out loss. With one copy every edit rate trains the
+same corpus, so that cell is trained once.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from memorization.experiments.runner import Experiment, load_documents, say
 from memorization.experiments.spec import ExperimentConfig, choice_list, int_list
 from memorization.mitigations.coverage import audit, clusters_from_manifest
 from memorization.mitigations.goldfish import STRATEGIES
-from memorization.models import run_tokenizer
+from memorization.models import is_pretrained, run_tokenizer
 from memorization.train.prepare import prepare_documents
 from memorization.train.run_plan import run_schemes
 from memorize_core import fail
@@ -163,12 +164,14 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if not exp.is_main:
         return None
     table = _expand(rows, cfg)
+    pretrained = is_pretrained(b.model.name) and not b.model.random_init
     notes = [
         f"Corpus: {b.data.corpus} (limit {b.data.limit}), {len(docs)} base documents of >= "
         f"{b.data.min_tokens} tokens; {cfg.clusters} of them are copied n times per cell (copy 0 verbatim, "
         f"the others edited: each {cfg.edit_unit} substituted, preceded by an insertion or deleted with "
-        f"probability r); rows cut to "
-        f"{b.data.block_len} tokens; model {b.model.name} {b.model.overrides or ''} from scratch, "
+        f"probability r); rows cut to {b.data.block_len} tokens; model "
+        f"{b.model.name}{f' {b.model.overrides}' if b.model.overrides else ''} "
+        f"{'fine-tuned from its pretrained weights' if pretrained else 'from scratch'}, "
         f"{b.trainer.epochs} epochs, lr {b.trainer.lr}.",
         f"Goldfish k={gold.k}, h={gold.h} for every strategy; none = standard loss.",
         f"EM / RougeL: greedy {b.eval.suffix} tokens from the first {b.eval.prefix} of each original.",
