@@ -127,10 +127,25 @@ def test_report_counts_searched_rows_by_bound_and_the_rest_by_p_z(scanned):
                 if d:
                     assert cell["count"] >= nv["np"][name][f"d={d - 1}"][f"n={n}"]["count"]
     assert report["summary"]["near_extractable"]["d"] == D
+    offsets = np.array(rows["offset"])
+    assert sorted(nv["by_offset"]) == ["0", "4"]  # --offsets stride:4: the counts per window offset too
+    for w, per in nv["by_offset"].items():
+        sel = offsets == int(w)
+        for name in ("t=1.0", "top_k=5"):
+            lz = np.array(rows[f"logpz/{name}"])
+            for d in range(D + 1):
+                bound = np.array([-np.inf if x["bound"][name][d] is None else x["bound"][name][d]
+                                  for r, x in lines.items() if rows["offset"][r] == int(w)])
+                want = int(extractable(bound, 100, 0.5).sum()) + \
+                    int(extractable(lz[rest & sel], 100, 0.5).sum())
+                assert per[name][f"d={d}"]["n=100"]["count"] == want
+                assert sum(nv["by_offset"][x][name][f"d={d}"]["n=100"]["count"] for x in nv["by_offset"]) == \
+                    nv["np"][name][f"d={d}"]["n=100"]["count"]
     assert nv["np"]["t=1.0"][f"d={D}"]["n=100"]["count"] > exact["t=1.0"]["n=100"]["count"] > 0  # near-copies
     md = (scanned / "report.md").read_text()
     assert "## Near-verbatim extraction: within d changed tokens (lower bound)" in md
     assert f"{ROWS} of {len(rows['row'])} windows" in md
+    assert "Per window offset, within 2 changed tokens" in md
     assert (scanned / "scan-near.png").is_file()
 
 

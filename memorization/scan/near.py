@@ -43,15 +43,13 @@ class _Text:
 
 
 def select(out: Path, fmt: str, k: int, schemes: Sequence[str], ns: Sequence[int], p: float
-           ) -> tuple[list[dict[str, Any]], int, dict[str, dict[str, int]]]:
+           ) -> tuple[list[dict[str, Any]], dict[int, int], dict[int, dict[str, dict[str, int]]]]:
     """(the k rows with the largest finite near_score, best first (ties: the earlier row), each with where
-    it came from and its tokens; the number of rows in the scan; per scheme and n, how many of the rows
+    it came from and its tokens; rows per window offset; per offset, scheme and n, how many of the rows
     NOT chosen are (n, p)-extractable by their exact p_z). Two passes over the parts, one part and k rows
-    in memory at a time: the scores, then the log p_z columns and the chosen rows' tokens."""
+    in memory at a time: the scores, then the offsets, the log p_z columns and the chosen rows' tokens."""
     best_s, best_r = np.zeros(0), np.zeros(0, dtype=np.int64)
-    total = 0
     for part in read_parts(out, fmt, ["row", NEAR_SCORE]):
-        total += len(part["row"])
         s = np.array(logpz_values(part[NEAR_SCORE]), dtype=np.float64)
         keep = np.isfinite(s)
         best_s = np.concatenate([best_s, s[keep]])
@@ -60,23 +58,30 @@ def select(out: Path, fmt: str, k: int, schemes: Sequence[str], ns: Sequence[int
         best_s, best_r = best_s[order], best_r[order]
     rank = {int(r): i for i, r in enumerate(best_r)}
     chosen: list[dict[str, Any] | None] = [None] * len(rank)
-    floor = {name: dict.fromkeys((f"n={n}" for n in ns), 0) for name in schemes}
+    rows: dict[int, int] = {}
+    floor: dict[int, dict[str, dict[str, int]]] = {}
     names = ["row", "doc_id", "doc_offset", "offset", NEAR_SCORE, "prefix_ids", "suffix_ids"]
     for part in read_parts(out, fmt, [*names, *(f"logpz/{name}" for name in schemes)]):
         rest = np.array([r not in rank for r in part["row"]], dtype=bool)
-        for name in schemes:
-            lz = np.array(logpz_values(part[f"logpz/{name}"]), dtype=np.float64)[rest]
-            for n in ns:
-                floor[name][f"n={n}"] += int(extractable(lz, n, p).sum())
+        offsets = np.asarray(part["offset"], dtype=np.int64)
+        for o in np.unique(offsets).tolist():
+            at = offsets == o
+            rows[o] = rows.get(o, 0) + int(at.sum())
+            mine = floor.setdefault(o, {name: dict.fromkeys((f"n={n}" for n in ns), 0) for name in schemes})
+            for name in schemes:
+                lz = np.array(logpz_values(part[f"logpz/{name}"]), dtype=np.float64)[rest & at]
+                for n in ns:
+                    mine[name][f"n={n}"] += int(extractable(lz, n, p).sum())
         for i in np.flatnonzero(~rest):
             chosen[rank[part["row"][i]]] = {c: part[c][i] for c in names}
-    return [c for c in chosen if c is not None], total, floor
+    return [c for c in chosen if c is not None], rows, floor
 
 
 def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: Callable[[list[int]], str],
-           schemes: Sequence[Any]) -> dict[str, Any] | None:
+           schemes: Sequence[Any], by_offset: bool = False) -> dict[str, Any] | None:
     """Search the --nv-rows best-ranked windows of the scan in OUT (every rank; rank 0 reads and writes):
-    write OUT/near_verbatim.jsonl; the report's near-verbatim section on rank 0 (None elsewhere)."""
+    write OUT/near_verbatim.jsonl; the report's near-verbatim section on rank 0 (None elsewhere), with
+    `by_offset` (--offsets stride:N) its counts per window offset too."""
     t = time.perf_counter()
     main = grid.rank == 0
     ns, p = parse_ns(o.np_n), parse_p(o.np_p)
@@ -84,7 +89,7 @@ def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: C
     box = [select(out, o.format, o.nv_rows, names, ns, p) if main else None]
     if grid.distributed:
         torch.distributed.broadcast_object_list(box, src=0)
-    chosen, total, floor = box[0]
+    chosen, per_offset, floor = box[0]
     got, rows = {"offsets": {}}, []
     if chosen:
         windows = [list(c["prefix_ids"]) + list(c["suffix_ids"]) for c in chosen]
@@ -100,30 +105,39 @@ def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: C
     lines = [{"row": r["doc"], **{k: by_row[r["doc"]][k] for k in where},
               **{k: v for k, v in r.items() if k not in ("doc", "offset")}} for r in rows]
     write_files(out, {NEAR_ROWS: "".join(json.dumps(r) + "\n" for r in lines)}, replace=())
+    d_max = o.near_verbatim
+
+    def table(offsets: Sequence[int]) -> dict[str, Any]:
+        """Per scheme, d and n: the searched rows at these offsets by their bound, the rest by p_z."""
+        mine = [x for x in lines if x["offset"] in offsets]
+        total = sum(per_offset[w] for w in offsets)
+        out_: dict[str, Any] = {}
+        for name in names:
+            out_[name] = {}
+            for d in range(d_max + 1):
+                bound = np.array(logpz_values([x["bound"][name][d] for x in mine]), dtype=np.float64)
+                cells = {}
+                for n in ns:
+                    found = int(extractable(bound, n, p).sum())
+                    count = found + sum(floor[w][name][f"n={n}"] for w in offsets)
+                    cells[f"n={n}"] = {"count": count, "fraction": count / total if total else 0.0,
+                                       "searched_count": found,
+                                       "fraction_searched": found / len(mine) if mine else 0.0}
+                out_[name][f"d={d}"] = cells
+        return out_
+
+    offsets = sorted(per_offset)
     at = got["offsets"].get("0") or {}
-    table = {}
-    for name in names:
-        per = ((at.get("np") or {}).get(name) or {}).get("schemes", {})
-        table[name] = {f"d={d}": {f"n={n}": _counts(per, d, n, total, len(chosen), floor[name][f"n={n}"])
-                                  for n in ns} for d in range(o.near_verbatim + 1)}
     for ex in got.get("examples", []):
         ex["row"] = ex.pop("doc")
         ex.pop("offset", None)
-    return {"max_edits": o.near_verbatim, "distance": o.nv_distance, "beams": o.nv_beams, "schemes": names,
-            "ns": list(ns), "p": p, "windows": total, "searched": len(chosen), "asked": o.nv_rows,
-            "lowest_score_searched": chosen[-1][NEAR_SCORE] if chosen else None,
-            "np": table, "median_log10_searched": at.get("median_log10", {}),
+    return {"max_edits": d_max, "distance": o.nv_distance, "beams": o.nv_beams, "schemes": names,
+            "ns": list(ns), "p": p, "windows": sum(per_offset.values()), "searched": len(chosen),
+            "asked": o.nv_rows, "lowest_score_searched": chosen[-1][NEAR_SCORE] if chosen else None,
+            "np": table(offsets),
+            "by_offset": {str(w): table([w]) for w in offsets} if by_offset and len(offsets) > 1 else {},
+            "median_log10_searched": at.get("median_log10", {}),
             "examples": got.get("examples", []), "seconds": time.perf_counter() - t}
-
-
-def _counts(per: dict[str, Any], d: int, n: int, total: int, searched: int, exact_rest: int
-            ) -> dict[str, Any]:
-    """Windows within d changes (n, p)-extractable: the searched ones by their bound (`searched_count`, of
-    `searched`) plus the others by their exact p_z (`exact_rest`): count and fraction of all rows."""
-    found = int(((per.get(f"d={d}") or {}).get(f"n={n}") or {}).get("count", 0))
-    count = found + exact_rest
-    return {"count": count, "fraction": count / total if total else 0.0, "searched_count": found,
-            "fraction_searched": found / searched if searched else 0.0}
 
 
 def extractable_fractions(section: dict[str, Any]) -> dict[str, Any]:

@@ -378,7 +378,8 @@ def run_scan(o: ScanOptions) -> dict[str, Any]:
     near = None
     if o.near_verbatim:  # every part is written: the search ranks all of them
         with keep_gathered(model, o.keep_gathered):
-            near = search_near(o, model, grid, out, text, schemes)
+            near = search_near(o, model, grid, out, text, schemes,
+                               by_offset=parse_offsets(o.offsets)[0] == "stride")
     header = {"model": o.model, "data": o.data, "source": source.kind, "args": asdict(o),
               "selection": asdict(sel), "sequences": stats.sequences, "short": stats.short,
               "grid": ",".join(map(str, grid.dims)), "scanned_now": scanned, "seconds": seconds,

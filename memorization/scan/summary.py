@@ -12,8 +12,8 @@
   over all rows and, with --offsets stride:N, per window offset (the same position in every sequence;
   random:K offsets differ from sequence to sequence, so they are not split), and its plot against n;
 - with --near-verbatim D, the search's lower bounds (memorization/scan/near.py): per scheme and d <= D
-  the fraction of all rows (n, p)-extractable within d changes, the likeliest near-copies with what they
-  change, and its plot against d.
+  the fraction of all rows (n, p)-extractable within d changes (with --offsets stride:N also per window
+  offset), the likeliest near-copies with what they change, and its plot against d.
 The parts are read column by column, so the report of a million rows needs a few of its columns only.
 """
 from __future__ import annotations
@@ -206,6 +206,15 @@ def _near_lines(report: dict[str, Any]) -> list[str]:
         for d, cells in per.items():
             vals = [f"{cells[f'n={n}']['fraction']:.4f} ({cells[f'n={n}']['count']})" for n in ns]
             lines.append("| " + " | ".join([f"`{name}`", d.removeprefix("d="), *vals]) + " |")
+    if nv.get("by_offset"):
+        d = f"d={nv['max_edits']}"
+        lines += ["", f"Per window offset, within {nv['max_edits']} {word}:", "",
+                  "| " + " | ".join(["offset", "scheme", *(f"n={n}" for n in ns)]) + " |",
+                  "|" + "---|" * (2 + len(ns))]
+        for offset, per_scheme in nv["by_offset"].items():
+            for name, per in per_scheme.items():
+                vals = [f"{per[d][f'n={n}']['fraction']:.4f} ({per[d][f'n={n}']['count']})" for n in ns]
+                lines.append("| " + " | ".join([offset, f"`{name}`", *vals]) + " |")
     if nv["examples"]:
         lines += ["", "Likeliest near-copies (`[-removed-]{+added+}`):", "",
                   "| row | scheme | changes | log10 P | near-copy |", "|---|---|---|---|---|"]
