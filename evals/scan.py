@@ -110,7 +110,7 @@ def score_windows(model: torch.nn.Module, windows: torch.Tensor, prefix: int, *,
     if None in names or len(set(names)) < len(names):
         raise fail("sampling", schemes, "pass distinct evals.sampling.Scheme values (parse_schemes)")
     n, s = windows.shape[0], windows.shape[1] - prefix
-    if near and (not schemes or isinstance(near, bool) or not 1 <= near < s):
+    if near and (not schemes or isinstance(near, bool) or not isinstance(near, int) or not 1 <= near < s):
         raise fail("near", near, f"pass the near-verbatim changes d, 1 <= d < {s} (the suffix), with at "
                    "least one sampling scheme")
     sc = scorer or Scorer(model, grid)

@@ -214,7 +214,8 @@ def _add_scan(sub) -> None:
     _add_near(s)
     s.add_argument("--nv-rows", type=int, default=1000, metavar="K",
                    help="with --near-verbatim: search the K windows the scan's forward ranks likeliest to be "
-                        "near-verbatim (default 1000; the others count as not extractable: a lower bound)")
+                        "near-verbatim (default 1000; the others count by their exact copy's p_z: a lower "
+                        "bound)")
     _add_common(s)
     _add_dry_run(s)
 

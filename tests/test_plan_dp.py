@@ -161,5 +161,10 @@ def test_auto_grid_takes_only_grids_the_run_accepts():
     dp = replace(cfg.trainer.dp, enabled=True, clipping="per_sample", target_epsilon=8.0)
     per_sample = replace(cfg, trainer=replace(cfg.trainer, dp=dp))
     assert choose_grid(per_sample, config, launch) == (1, 1, 1, 8)
+    # the dry run's suggestion ("planner best") weighs the same grids
+    from memorization.train.dryrun import dry_run
+
+    best = dry_run(per_sample, world=8, grid="1,1,1,8", hardware="h100")["planner_best"]
+    assert best["grid"][:3] == [1, 1, 1]
     dropout = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, enabled=True, dropout=0.1)))
     assert choose_grid(dropout, config, launch) == (1, 1, 1, 8)

@@ -73,7 +73,7 @@ def test_near_score_is_its_definition():
     for i in range(5):  # the 5 - 2 likeliest suffix tokens' log-probs, the best scheme
         want.append(max(sum(sorted(per[s][i].tolist(), reverse=True)[:3]) for s in schemes))
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    for bad in (5, 0.5, True):
+    for bad in (5, 0.5, 2.0, True):
         with pytest.raises(ConfigError, match="near"):
             score_windows(model, windows, 4, schemes=schemes, near=bad)
     with pytest.raises(ConfigError, match="near"):
@@ -174,10 +174,16 @@ def test_bad_flags_are_one_line_and_write_nothing(folder, tmp_path, capsys, extr
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("extra", [("--near-verbatim", "2", "--nv-rows", "0"), ("--nv-rows", "5")])
+def test_the_dry_run_refuses_what_the_scan_refuses(capsys, extra):
+    refused(capsys, ["scan", "--model", "llama-70b", "--dry-run", "--world", "8", "--limit", "1000", *extra],
+            "--nv-rows")
+
+
 def test_a_resume_with_another_d_is_refused_and_the_dry_run_carries_it(folder, scanned, capsys):
     before = {p.relative_to(scanned): p.read_bytes() for p in scanned.rglob("*") if p.is_file()}
     refused(capsys, _argv(folder, scanned, "--near-verbatim", "1"), "--near-verbatim", "differs")
-    refused(capsys, _argv(folder, scanned), "--near-verbatim", "differs")
+    refused(capsys, _argv(folder, scanned), "--near-verbatim='(not given)'", "differs")
     assert {p.relative_to(scanned): p.read_bytes() for p in scanned.rglob("*") if p.is_file()} == before
     capsys.readouterr()
     assert main(["scan", "--model", "llama-70b", "--dry-run", "--world", "8", "--limit", "1000", "--grid",

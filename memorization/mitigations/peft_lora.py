@@ -105,6 +105,15 @@ def tensor_split(dims: Sequence[int] | ProcessGrid) -> bool:
     return x * y * z > 1
 
 
+def check_lora_grid(lora: Any, dims: Sequence[int] | None) -> None:
+    """ConfigError when LoRA cannot run on grid `dims` (None: not known yet): adapter dropout on a
+    tensor split (its mask would be drawn per shard)."""
+    if lora.enabled and dims and tensor_split(dims) and lora.dropout > 0:
+        raise fail("model.lora.dropout", lora.dropout, f"adapter dropout runs on serial or 1,1,1,D grids "
+                   f"only (on grid {','.join(map(str, dims))} its mask would be drawn per shard); set "
+                   "model.lora.dropout=0 or use a grid without a tensor split")
+
+
 def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
     """ConfigError before any work when LoRA cannot run as configured (dropout on a tensor split,
     adapter export without a base on disk).
@@ -113,10 +122,7 @@ def check_lora_run(cfg: Any, dims: Sequence[int] | None) -> None:
     lora = cfg.model.lora
     if not lora.enabled:
         return
-    if dims and tensor_split(dims) and lora.dropout > 0:
-        raise fail("model.lora.dropout", lora.dropout, f"adapter dropout runs on serial or 1,1,1,D grids "
-                   f"only (on grid {','.join(map(str, dims))} its mask would be drawn per shard); set "
-                   "model.lora.dropout=0 or use a grid without a tensor split")
+    check_lora_grid(lora, dims)
     if lora.export == "adapter":
         m = cfg.model
         why = ("model.random_init builds fresh weights that are not on disk" if m.random_init

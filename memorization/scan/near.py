@@ -5,8 +5,9 @@ The search costs S decode steps of 1 + D * beams paths per window and scheme, wh
 forward: searching every window of a large corpus would cost more than the scan itself. Each row's
 `near_score` (evals/scan.py: the summed log-probs of its suffix's S - D likeliest tokens, teacher-forced,
 under the likeliest scheme) ranks the windows, and the `--nv-rows` best (those with a finite score) are
-searched. A window not searched keeps its exact copy's probability p_z (the row's `logpz/<scheme>`) as
-its bound: a sample equal to the suffix lies within D changes of it. The search's bound is a lower bound
+searched. Every window keeps its exact copy's probability p_z (the row's `logpz/<scheme>`) as a bound
+(a sample equal to the suffix lies within D changes of it): a searched one the larger of it and the
+search's, one not searched p_z alone. The search's bound is a lower bound
 of P(a sample lies within D changes of the suffix) too, so the report's fractions over all rows are lower
 bounds, never below the exact (n, p) fractions of the same report, and `--nv-rows` only decides how tight
 they are (a window the ranking misses can only make them smaller). The searched windows go to
@@ -31,8 +32,19 @@ from evals.sampling import extractable
 from memorization.eval.sections import near_report, parse_ns, parse_p
 from memorization.outputs import write_files
 from memorization.scan.parts import NEAR_ROWS, NEAR_SCORE, logpz_values, read_parts
+from memorize_core import ConfigError, fail
 
 SEARCH_BATCH = 32  # windows per search batch: at D = 4 and 8 beams, ~1,000 paths through the KV cache
+NV_ROWS = 1000  # --nv-rows default
+
+
+def check_nv_rows(o: Any) -> None:
+    """--nv-rows K (of `memorize scan` and its dry run): an integer >= 1, and only with --near-verbatim."""
+    k = o.nv_rows
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise fail("--nv-rows", k, "pass the number of windows to search, >= 1, e.g. 1000")
+    if not o.near_verbatim and k != NV_ROWS:
+        raise fail("--nv-rows", k, "only applies with --near-verbatim D")
 
 
 @dataclass
@@ -60,8 +72,9 @@ def select(out: Path, fmt: str, k: int, schemes: Sequence[str], ns: Sequence[int
     chosen: list[dict[str, Any] | None] = [None] * len(rank)
     rows: dict[int, int] = {}
     floor: dict[int, dict[str, dict[str, int]]] = {}
-    names = ["row", "doc_id", "doc_offset", "offset", NEAR_SCORE, "prefix_ids", "suffix_ids"]
-    for part in read_parts(out, fmt, [*names, *(f"logpz/{name}" for name in schemes)]):
+    names = ["row", "doc_id", "doc_offset", "offset", NEAR_SCORE, "prefix_ids", "suffix_ids",
+             *(f"logpz/{name}" for name in schemes)]
+    for part in read_parts(out, fmt, names):
         rest = np.array([r not in rank for r in part["row"]], dtype=bool)
         offsets = np.asarray(part["offset"], dtype=np.int64)
         for o in np.unique(offsets).tolist():
@@ -86,9 +99,16 @@ def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: C
     main = grid.rank == 0
     ns, p = parse_ns(o.np_n), parse_p(o.np_p)
     names = [s.name for s in schemes]
-    box = [select(out, o.format, o.nv_rows, names, ns, p) if main else None]
+    box: list[Any] = [None]
+    if main:
+        try:
+            box[0] = select(out, o.format, o.nv_rows, names, ns, p)
+        except (ConfigError, OSError, ValueError) as e:  # every rank raises it, none waits for rank 0
+            box[0] = e
     if grid.distributed:
         torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
     chosen, per_offset, floor = box[0]
     got, rows = {"offsets": {}}, []
     if chosen:
@@ -115,7 +135,11 @@ def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: C
         for name in names:
             out_[name] = {}
             for d in range(d_max + 1):
-                bound = np.array(logpz_values([x["bound"][name][d] for x in mine]), dtype=np.float64)
+                # P(within d) >= its exact copy's p_z too: the row's own log p_z (one forward) holds the
+                # bound at d = 0 to the exact verdict where the cached decode's sum differs in the last bits
+                found_lb = logpz_values([x["bound"][name][d] for x in mine])
+                exact_lb = logpz_values([by_row[x["row"]][f"logpz/{name}"] for x in mine])
+                bound = np.maximum(np.array(found_lb, dtype=np.float64), np.array(exact_lb, dtype=np.float64))
                 cells = {}
                 for n in ns:
                     found = int(extractable(bound, n, p).sum())
@@ -162,4 +186,5 @@ def plot_near(section: dict[str, Any], ax: Any) -> None:
     ax.legend(fontsize="small")
 
 
-__all__ = ["SEARCH_BATCH", "extractable_fractions", "plot_near", "search", "select"]
+__all__ = ["NV_ROWS", "SEARCH_BATCH", "check_nv_rows", "extractable_fractions", "plot_near", "search",
+           "select"]

@@ -145,9 +145,9 @@ def check_scan_out(out: str | Path, fingerprint: dict[str, Any], overwrite: bool
     for key in dict.fromkeys([*fingerprint, *old]):
         if old.get(key) != fingerprint.get(key):
             flag = FLAGS.get(key, "--" + key.replace("_", "-"))
-            raise fail(flag, fingerprint.get(key), f"differs from the scan being resumed in {out} (made "
-                       f"with {old.get(key)!r}); rerun its command to resume it, or pass --overwrite or a "
-                       "new --out")
+            raise fail(flag, fingerprint.get(key, "(not given)"), f"differs from the scan being resumed in "
+                       f"{out} (made with {old.get(key, '(not given)')!r}); rerun its command to resume it, "
+                       "or pass --overwrite or a new --out")
     if state.get("complete"):
         raise fail("--out", str(out), "already holds a finished scan of this command; pass --overwrite to "
                    "run it again, or a new --out")

@@ -58,7 +58,7 @@ from memorization.config import WANDB_MODES, WandbConfig
 from memorization.eval.sections import check_near_verbatim, parse_ns, parse_p, parse_sampling
 from memorization.models import context_length, folder_tokenizer, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries, write_files
-from memorization.scan.near import extractable_fractions
+from memorization.scan.near import NV_ROWS, check_nv_rows, extractable_fractions
 from memorization.scan.near import search as search_near
 from memorization.scan.parts import (
     NEAR_SCORE,
@@ -74,8 +74,6 @@ from memorization.scan.summary import build_report, dumps, markdown, plot
 from memorization.tracking import WandbSink
 from memorization.train.parallel import inference_grid, plan_inference
 from memorize_core import ConfigError, fail
-
-NV_ROWS = 1000  # --nv-rows default
 
 
 @dataclass
@@ -155,10 +153,7 @@ def check_options(o: ScanOptions) -> None:
     parse_ns(o.np_n)
     parse_p(o.np_p)
     check_near_verbatim(o)
-    if isinstance(o.nv_rows, bool) or not isinstance(o.nv_rows, int) or o.nv_rows < 1:
-        raise fail("--nv-rows", o.nv_rows, "pass the number of windows to search, >= 1, e.g. 1000")
-    if not o.near_verbatim and o.nv_rows != NV_ROWS:
-        raise fail("--nv-rows", o.nv_rows, "only applies with --near-verbatim D")
+    check_nv_rows(o)
 
 
 def _files_of(spec: str) -> list[Path]:

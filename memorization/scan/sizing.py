@@ -80,7 +80,10 @@ def scan_dry_run(args: Any) -> dict[str, Any]:
     parse_ns(getattr(args, "np_n", None))
     parse_p(getattr(args, "np_p", None))
     if getattr(args, "near_verbatim", None) is not None:
+        from memorization.scan.near import check_nv_rows  # deferred: evals' imports
+
         check_near_verbatim(args)
+        check_nv_rows(args)
     windows = count_windows(args)
     hw = get_hardware(args.hardware or "h100")
     world = args.world

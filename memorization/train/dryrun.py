@@ -38,7 +38,7 @@ from memorization.experiments import load_experiment
 from memorization.mitigations.peft_lora import apply_sharded_lora
 from memorization.models import meta_model
 from memorization.train.dryrun_report import format_report
-from memorization.train.parallel import Launch, example_norms, memory_fix, run_adapters
+from memorization.train.parallel import Launch, example_norms, grid_check, memory_fix, run_adapters
 from memorization.train.prepare import prepare_data
 from memorization.train.run_plan import plan_run, planned_model_config
 from memorize_core import ConfigError, fail
@@ -175,11 +175,21 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
                 precision=precision, local=local, adapters=adapters, loss_chunk=chunk, example_norms=ghost)
     try:
-        top = plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
-                   precision=precision, loss_chunk=chunk, example_norms=ghost, adapters=adapters)[0]
+        accepts = grid_check(cfg, hf_config)  # only grids the run accepts (per-sample DP-SGD: 1,1,1,D)
+
+        def accepted(q: Any) -> bool:
+            try:
+                accepts(Grid(*q.grid))
+            except ConfigError:
+                return False
+            return True
+
+        top = next(q for q in plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
+                                   precision=precision, loss_chunk=chunk, example_norms=ghost,
+                                   adapters=adapters) if accepted(q))
         best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
                 "activation_checkpointing": top.checkpoint_activations}
-    except ConfigError:
+    except (ConfigError, StopIteration):
         best = None
     tokens = t.batch_size * seq
     evaluation = _evaluation(cfg, shape, g, hw, gpn, mode, precision, local, usable, adapters, trained)

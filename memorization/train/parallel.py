@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ from axonn.plan.hardware import PRESETS
 from axonn.plan.volumes import Grid, default_mode
 from axonn.trainer import resolve_device, resolve_precision
 from memorization.mitigations.dp_sgd import check_dp_grid
-from memorization.mitigations.peft_lora import check_lora_run, planner_adapters
+from memorization.mitigations.peft_lora import check_lora_grid, planner_adapters
 from memorization.models import meta_model
 from memorize_core import ConfigError, fail
 
@@ -193,6 +194,22 @@ def check_memory(cfg: RunConfig, model_config: Any, dims: Dims, launch: Launch) 
                    f"{memory_fix(cfg.trainer)}")
 
 
+def grid_check(cfg: RunConfig, model_config: Any) -> Callable[[Any], None]:
+    """What the run refuses on a grid (memorization.train.run_plan.check_grid), as a check of a planner
+    Grid that raises ConfigError: adapter dropout or Opacus' per-sample gradients on a weight split, a
+    grid that does not divide the model, a batch it cannot split. `grid: auto` and the dry run's
+    suggestion weigh only the grids it passes."""
+    t, mode = cfg.trainer, cfg.parallel_mode
+
+    def check(g: Any) -> None:
+        dims = (g.x, g.y, g.z, g.data)
+        check_lora_grid(cfg.model.lora, dims)
+        check_dp_grid(t.dp, dims)
+        validate_grid_for_model(dims, model_config, mode)
+        t.accumulation(g.z * g.data)
+    return check
+
+
 def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     """`grid: auto`: the planner's one chooser (axonn.plan.choose) with the training objective: the
     predicted-fastest grid of `launch.world` processes that runs this config as written (micro-batch,
@@ -203,17 +220,10 @@ def choose_grid(cfg: RunConfig, model_config: Any, launch: Launch) -> Dims:
     shape = dataclasses.replace(load_shape(model_config), name=cfg.model.name)
     precision = precision_for(t.precision, hw)
 
-    def check(g: Any) -> None:  # what the run refuses on a grid (run_plan.check_grid), before its cost
-        dims = (g.x, g.y, g.z, g.data)
-        check_lora_run(cfg, dims)  # adapter dropout on a tensor split
-        check_dp_grid(t.dp, dims)  # Opacus' per-sample gradients on a tensor split
-        validate_grid_for_model(dims, model_config, mode)
-        t.accumulation(g.z * g.data)
-
     objective = _train_objective(cfg, model_config, shape, precision)
     try:
         return choose(shape, launch.world, launch.gpus_per_node, hw, objective, mode=mode,
-                      headroom=launch.headroom, check=check).grid
+                      headroom=launch.headroom, check=grid_check(cfg, model_config)).grid
     except ConfigError as e:
         if "memory" in str(e):  # the trainer's own ways out of memory
             raise fail("--grid", "auto", f"{str(e).split(': ', 1)[-1]}; {memory_fix(t)}") from None
