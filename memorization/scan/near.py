@@ -7,13 +7,13 @@ forward: searching every window of a large corpus would cost more than the scan 
 under the likeliest scheme) ranks the windows, and the `--nv-rows` best (those with a finite score) are
 searched. Every window keeps its exact copy's probability p_z (the row's `logpz/<scheme>`) as a bound
 (a sample equal to the suffix lies within D changes of it): a searched one the larger of it and the
-search's, one not searched p_z alone. The search's bound is a lower bound
-of P(a sample lies within D changes of the suffix) too, so the report's fractions over all rows are lower
-bounds, never below the exact (n, p) fractions of the same report, and `--nv-rows` only decides how tight
-they are (a window the ranking misses can only make them smaller). The searched windows go to
-OUT/near_verbatim.jsonl, one row each: where it came from, its rank score, its bound per scheme at
-d = 0..D (d = 0 is the exact copy's p_z, equal to the row's `logpz/<scheme>`), and the likeliest path
-found per scheme, spelled out with what it changes.
+search's, one not searched p_z alone. The search's bound is a lower bound of P(a sample lies within D
+changes of the suffix) too, so the report's fractions over all rows are lower bounds, never below the
+exact (n, p) fractions of the same report, and `--nv-rows` only decides how tight they are (a window the
+ranking misses can only make them smaller). The searched windows go to OUT/near_verbatim.jsonl, one
+row each: where it came from, its rank score, the search's bound per scheme at d = 0..D (d = 0: the
+exact copy's p_z as the cached decode sums it) and the likeliest path found per scheme, spelled out
+with what it changes.
 """
 from __future__ import annotations
 
@@ -164,27 +164,4 @@ def search(o: Any, model: torch.nn.Module, grid: ProcessGrid, out: Path, text: C
             "examples": got.get("examples", []), "seconds": time.perf_counter() - t}
 
 
-def extractable_fractions(section: dict[str, Any]) -> dict[str, Any]:
-    """The report summary's line: per scheme, the fraction of all rows (n, p)-extractable within D changes
-    at the largest n."""
-    d, n = section["max_edits"], max(section["ns"])
-    return {"d": d, "n": n, "p": section["p"], "distance": section["distance"],
-            **{name: per[f"d={d}"][f"n={n}"]["fraction"] for name, per in section["np"].items()}}
-
-
-def plot_near(section: dict[str, Any], ax: Any) -> None:
-    """The fraction of all rows (n, p)-extractable at the largest n against the changes allowed."""
-    n = max(section["ns"])
-    ds = list(range(section["max_edits"] + 1))
-    for name, per in section["np"].items():
-        ax.plot(ds, [per[f"d={d}"][f"n={n}"]["fraction"] for d in ds], marker="o", label=name)
-    word = "token edits" if section["distance"] == "levenshtein" else "changed tokens"
-    ax.set(xlabel=f"within d {word}", ylabel=f"(n={n}, p={section['p']})-extractable fraction (lower bound)",
-           title=f"Near-verbatim ({section['searched']} of {section['windows']} windows searched)")
-    ax.set_xticks(ds)
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small")
-
-
-__all__ = ["NV_ROWS", "SEARCH_BATCH", "check_nv_rows", "extractable_fractions", "plot_near", "search",
-           "select"]
+__all__ = ["NV_ROWS", "SEARCH_BATCH", "check_nv_rows", "search", "select"]

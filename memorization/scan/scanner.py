@@ -58,7 +58,7 @@ from memorization.config import WANDB_MODES, WandbConfig
 from memorization.eval.sections import check_near_verbatim, parse_ns, parse_p, parse_sampling
 from memorization.models import context_length, folder_tokenizer, hf_config, load_model
 from memorization.outputs import check_inputs, remove_entries, write_files
-from memorization.scan.near import NV_ROWS, check_nv_rows, extractable_fractions
+from memorization.scan.near import NV_ROWS, check_nv_rows
 from memorization.scan.near import search as search_near
 from memorization.scan.parts import (
     NEAR_SCORE,
@@ -70,7 +70,7 @@ from memorization.scan.parts import (
     write_part,
     write_state,
 )
-from memorization.scan.summary import build_report, dumps, markdown, plot
+from memorization.scan.summary import build_report, dumps, extractable_fractions, markdown, plot
 from memorization.tracking import WandbSink
 from memorization.train.parallel import inference_grid, plan_inference
 from memorize_core import ConfigError, fail

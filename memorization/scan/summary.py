@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from evals.sampling import np_summary
-from memorization.scan.near import plot_near
+from memorization.config import change_words
 from memorization.scan.parts import PARTS, PNGS, logpz_columns, logpz_values, read_parts
 
 POSITION_BINS = 20
@@ -190,7 +190,7 @@ def _near_lines(report: dict[str, Any]) -> list[str]:
     nv = report.get("near_verbatim")
     if not nv:
         return []
-    ns, word = nv["ns"], "token edits" if nv["distance"] == "levenshtein" else "changed tokens"
+    ns, word = nv["ns"], change_words(nv["distance"])[1]
     lines = ["", f"## Near-verbatim extraction: within d {word} (lower bound)", "",
              f"A row counts when the probability that a sample lies within d {word} of its suffix passes the "
              f"(n, p = {nv['p']}) test; the probability is the lower bound of a beam search ({nv['beams']} "
@@ -221,6 +221,28 @@ def _near_lines(report: dict[str, Any]) -> list[str]:
         lines += [f"| {x['row']} | `{x['scheme']}` | {x['edits']} | {x['logp'] / math.log(10):.2f} | "
                   f"{_cell(x['diff'])} |" for x in nv["examples"]]
     return lines
+
+
+def extractable_fractions(section: dict[str, Any]) -> dict[str, Any]:
+    """The report summary's line: per scheme, the fraction of all rows (n, p)-extractable within D changes
+    at the largest n."""
+    d, n = section["max_edits"], max(section["ns"])
+    return {"d": d, "n": n, "p": section["p"], "distance": section["distance"],
+            **{name: per[f"d={d}"][f"n={n}"]["fraction"] for name, per in section["np"].items()}}
+
+
+def plot_near(section: dict[str, Any], ax: Any) -> None:
+    """The fraction of all rows (n, p)-extractable at the largest n against the changes allowed."""
+    n = max(section["ns"])
+    ds = list(range(section["max_edits"] + 1))
+    for name, per in section["np"].items():
+        ax.plot(ds, [per[f"d={d}"][f"n={n}"]["fraction"] for d in ds], marker="o", label=name)
+    word = change_words(section["distance"])[1]
+    ax.set(xlabel=f"within d {word}", ylabel=f"(n={n}, p={section['p']})-extractable fraction (lower bound)",
+           title=f"Near-verbatim ({section['searched']} of {section['windows']} windows searched)")
+    ax.set_xticks(ds)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
 
 
 def _cell(text: str) -> str:
@@ -288,4 +310,4 @@ def dumps(report: dict[str, Any]) -> str:
     return json.dumps(clean(report), indent=1) + "\n"
 
 
-__all__ = ["build_report", "dumps", "markdown", "plot", "wilson"]
+__all__ = ["build_report", "dumps", "extractable_fractions", "markdown", "plot", "plot_near", "wilson"]

@@ -156,13 +156,13 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
         trained = sum(p.numel() for p in trainable(apply_sharded_lora(model, cfg.model.lora,
                                                                        run_plan.lora_targets)))
 
-    ghost = example_norms(cfg)  # DP-SGD: ghost clipping's norm pass and buffers, or per-sample gradients
+    norms = example_norms(cfg)  # DP-SGD: ghost clipping's norm pass and buffers, or per-sample gradients
     # the LM head as the launched trainer runs it (the plan's loss_chunk; a model whose
     # head the chunked path does not apply to keeps full logits, an explicit size is refused there)
     head = run_plan.trainer.loss_chunk
     chunk = head if LossHead(model, virtual, head).head is not None else "off"
     mem = {ck: memory_breakdown(shape, g, seq, mb, ck, mode=mode, local=local, precision=precision,
-                                example_norms=ghost, adapters=adapters, trained=trained, loss_chunk=chunk)
+                                example_norms=norms, adapters=adapters, trained=trained, loss_chunk=chunk)
            for ck in (False, True)}
     used = mem[t.activation_checkpointing]
     total, usable = sum(used.values()), hw.memory_bytes * (1.0 - headroom)
@@ -173,7 +173,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
                    f"{memory_fix(t, used['weights'] + used['gradients'] + used['optimizer'], usable)}")
     p = predict(shape, g, seq, t.batch_size, hw, gpus_per_node=gpn, micro_batch=mb,
                 checkpoint=t.activation_checkpointing, headroom=headroom, mode=mode,
-                precision=precision, local=local, adapters=adapters, loss_chunk=chunk, example_norms=ghost)
+                precision=precision, local=local, adapters=adapters, loss_chunk=chunk, example_norms=norms)
     try:
         accepts = grid_check(cfg, hf_config)  # only grids the run accepts (per-sample DP-SGD: 1,1,1,D)
 
@@ -185,7 +185,7 @@ def dry_run(cfg: RunConfig, *, world: int, gpus_per_node: int | None = None, gri
             return True
 
         top = next(q for q in plan(shape, world, gpn, seq, t.batch_size, hw, strict=True, mode=mode,
-                                   precision=precision, loss_chunk=chunk, example_norms=ghost,
+                                   precision=precision, loss_chunk=chunk, example_norms=norms,
                                    adapters=adapters) if accepted(q))
         best = {"grid": list(top.grid), "micro_batch": top.micro_batch, "step_s": top.time_s,
                 "activation_checkpointing": top.checkpoint_activations}

@@ -194,19 +194,22 @@ def check_memory(cfg: RunConfig, model_config: Any, dims: Dims, launch: Launch) 
                    f"{memory_fix(cfg.trainer)}")
 
 
-def grid_check(cfg: RunConfig, model_config: Any) -> Callable[[Any], None]:
-    """What the run refuses on a grid (memorization.train.run_plan.check_grid), as a check of a planner
-    Grid that raises ConfigError: adapter dropout or Opacus' per-sample gradients on a weight split, a
-    grid that does not divide the model, a batch it cannot split. `grid: auto` and the dry run's
-    suggestion weigh only the grids it passes."""
-    t, mode = cfg.trainer, cfg.parallel_mode
+def check_run_grid(cfg: RunConfig, dims: Dims, model_config: Any) -> tuple[int, int]:
+    """Every refusal of grid `dims` that depends on the grid alone (run_plan.check_grid adds the process
+    count): adapter dropout or Opacus' per-sample gradients on a weight split, a grid that does not divide
+    the model's heads, KV heads, hidden, FFN and vocab, a batch it cannot split; returns (micro-batches
+    per step, rows per rank per micro-batch)."""
+    check_lora_grid(cfg.model.lora, dims)
+    check_dp_grid(cfg.trainer.dp, dims)
+    validate_grid_for_model(dims, model_config, cfg.parallel_mode)
+    return cfg.trainer.accumulation(dims[2] * dims[3])
 
+
+def grid_check(cfg: RunConfig, model_config: Any) -> Callable[[Any], None]:
+    """check_run_grid as a check of a planner Grid: `grid: auto` and the dry run's suggestion weigh only
+    the grids the run accepts."""
     def check(g: Any) -> None:
-        dims = (g.x, g.y, g.z, g.data)
-        check_lora_grid(cfg.model.lora, dims)
-        check_dp_grid(t.dp, dims)
-        validate_grid_for_model(dims, model_config, mode)
-        t.accumulation(g.z * g.data)
+        check_run_grid(cfg, (g.x, g.y, g.z, g.data), model_config)
     return check
 
 

@@ -41,7 +41,7 @@ import torch
 
 from axonn import checkpoint
 from axonn.compile import resolve as compile_resolve
-from axonn.grid import ProcessGrid, validate_grid_for_model
+from axonn.grid import ProcessGrid
 from axonn.lm_head import LossHead
 from axonn.plan.fits import check_shape
 from axonn.trainer import resolve_device, resolve_precision
@@ -69,7 +69,15 @@ from memorization.models import (
 )
 from memorization.models import model_config as memorization_model_config
 from memorization.outputs import check_inputs, check_writable, existing_entries
-from memorization.train.parallel import Dims, Launch, check_memory, head_setting, run_device_type, run_dims
+from memorization.train.parallel import (
+    Dims,
+    Launch,
+    check_memory,
+    check_run_grid,
+    head_setting,
+    run_device_type,
+    run_dims,
+)
 from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
@@ -323,16 +331,15 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
     """X*Y*Z*D = the processes, LoRA / DP-SGD grids, the model's shapes, the batch split; returns
     (micro-batches per step, rows per rank per micro-batch)."""
     x, y, z, d = dims
+    # what the config cannot do on this grid is named before the launch's process count
     if cfg.model.lora.enabled:  # dropout on a tensor split, or an adapter export without a base on disk
         check_lora_run(cfg, dims)
-    if cfg.trainer.dp.enabled:  # DP-SGD: per_sample serial or 1,1,1,D only
-        check_dp_grid(cfg.trainer.dp, dims)
+    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: per_sample serial or 1,1,1,D only
     if x * y * z * d != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
                    f"process(es); launch {x * y * z * d} (torchrun --nproc-per-node {x * y * z * d}, or "
                    f"--world {x * y * z * d} in a dry run) or change the grid")
-    validate_grid_for_model(dims, model_config, cfg.parallel_mode)  # heads, KV heads, hidden, FFN, vocab
-    return cfg.trainer.accumulation(z * d)
+    return check_run_grid(cfg, dims, model_config)  # LoRA / DP-SGD grids, the model's shapes, the batch
 
 
 # -- 4. the model ----------------------------------------------------------------------------------
