@@ -199,8 +199,10 @@ def check_run_grid(cfg: RunConfig, dims: Dims, model_config: Any) -> tuple[int, 
     count): adapter dropout or Opacus' per-sample gradients on a weight split, a grid that does not divide
     the model's heads, KV heads, hidden, FFN and vocab, a batch it cannot split; returns (micro-batches
     per step, rows per rank per micro-batch)."""
-    check_lora_grid(cfg.model.lora, dims)
-    check_dp_grid(cfg.trainer.dp, dims)
+    if cfg.model.lora.enabled:  # a switch's module is entered only when on (tests/test_decision_walk)
+        check_lora_grid(cfg.model.lora, dims)
+    if cfg.trainer.dp.enabled:
+        check_dp_grid(cfg.trainer.dp, dims)
     validate_grid_for_model(dims, model_config, cfg.parallel_mode)
     return cfg.trainer.accumulation(dims[2] * dims[3])
 

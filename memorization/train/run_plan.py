@@ -334,7 +334,8 @@ def check_grid(cfg: RunConfig, dims: Dims, *, world: int, model_config: Any) -> 
     # what the config cannot do on this grid is named before the launch's process count
     if cfg.model.lora.enabled:  # dropout on a tensor split, or an adapter export without a base on disk
         check_lora_run(cfg, dims)
-    check_dp_grid(cfg.trainer.dp, dims)  # DP-SGD: per_sample serial or 1,1,1,D only
+    if cfg.trainer.dp.enabled:  # DP-SGD: per_sample serial or 1,1,1,D only
+        check_dp_grid(cfg.trainer.dp, dims)
     if x * y * z * d != world:
         raise fail("--grid", ",".join(map(str, dims)), f"x*y*z*data={x * y * z * d} but the job has {world} "
                    f"process(es); launch {x * y * z * d} (torchrun --nproc-per-node {x * y * z * d}, or "
