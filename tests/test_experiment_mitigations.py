@@ -138,9 +138,9 @@ def test_every_arm_at_a_tensor_split_scores_as_the_serial_run(pretrained, tmp_pa
     # rank 0's own lines first: torchrun's tail shows only the rank that lost its peer
     mine = [ln for ln in done.stderr.splitlines() if ln.startswith(("[rank0]", "error:"))]
     assert done.returncode == 0, "\n".join(mine[-60:]) + done.stderr[-2000:]
-    serial, split = (json.loads((tmp_path / d / "report.json").read_text())["arms"]
-                     for d in ("serial", "split"))
-    assert [a["name"] for a in split] == ["none", "goldfish", "dedup", "dp", "lora"]
+    reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("serial", "split")]
+    serial, split = ([r["baseline"], *r["arms"]] for r in reports)  # the base model's row too
+    assert [a["name"] for a in split] == ["base model", "none", "goldfish", "dedup", "dp", "lora"]
     for s, g in zip(serial, split, strict=True):
         for part in ("seen_once", "duplicated"):
             rate = s["extraction"][part]["exact_match_rate"]
@@ -156,3 +156,36 @@ def test_every_arm_at_a_tensor_split_scores_as_the_serial_run(pretrained, tmp_pa
             assert got == v["offsets"]["0"]["np"], (s["name"], part)
     run = json.loads((tmp_path / "split" / "runs" / "lora" / "run.json").read_text())
     assert run["summary"]["grid"] == "1,2,1,1"
+
+
+def test_the_base_model_row_is_the_untrained_arm(pretrained, tmp_path, cache_dir, monkeypatch):
+    """The 'base model' row is the experiment's own questions asked of the starting weights: an arm whose
+    fine-tune cannot move them (lr 1e-12) answers exactly as it does; it leads the tables, gives the
+    un-fine-tuned downstream score, and is cached (a second invocation loads no reference model for it)."""
+    import memorization.experiments.mitigations as mit
+
+    arms = "[{name: still, mitigation: none, overrides: [trainer.lr=1.0e-12]}]"
+    cfg = _write(tmp_path, pretrained, arms)
+    cfg.write_text(cfg.read_text().replace(", near_verbatim: 1, nv_beams: 2}", "}"))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    base, still = report["baseline"], report["arms"][0]
+    assert base["name"] == "base model" and [a["name"] for a in report["arms"]] == ["still"]
+    assert base["cost"]["steps"] == 0 and base["privacy"]["epsilon"] is None
+    for part in ("seen_once", "duplicated"):
+        assert still["extraction"][part] == base["extraction"][part]
+    assert still["canaries"]["exposure_mean"] == pytest.approx(base["canaries"]["exposure_mean"], abs=1e-9)
+    assert still["utility"]["val_loss"] == pytest.approx(base["utility"]["val_loss"], rel=1e-6)
+    assert still["mia"]["loss"]["auc"] == base["mia"]["loss"]["auc"]
+    assert report["base_downstream"] == base["utility"]["downstream"]
+    md = (out / "report.md").read_text()
+    arms_table = md[md.index("| arm |"):]
+    assert arms_table.index("| base model |") < arms_table.index("| still |")
+
+    def cached_only(self, key, load, evaluate, real=mit.Experiment.baseline):
+        return real(self, key, lambda: pytest.fail("the cached baseline loaded its model"), evaluate)
+
+    monkeypatch.setattr(mit.Experiment, "baseline", cached_only)
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["baseline"] == base

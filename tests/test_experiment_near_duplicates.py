@@ -64,3 +64,46 @@ def test_the_70b_version_dry_runs(capsys):
                "base.trainer.batch_size=64"])
     assert rc == 0
     assert "llama-70b" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    from helpers import tiny_base_yaml
+
+    root = tmp_path_factory.mktemp("base")
+    (root / "base.yaml").write_text(tiny_base_yaml(max_steps=2))
+    assert main(["train", str(root / "base.yaml"), "--out", str(root / "run")]) == 0
+    return root / "run" / "model"
+
+
+def test_a_pretrained_base_is_asked_before_fine_tuning(pretrained, tmp_path, monkeypatch):
+    """The base-model row is the experiment's own evaluation of the starting weights: a fine-tune that
+    cannot move them (lr 1e-12) scores exactly as it does; it is cached (a second invocation loads no
+    model) and recomputed when an eval setting changes; the held-out loss the table shows equals the
+    trainer's validation loss."""
+    import memorization.experiments.near_duplicates as nd
+
+    small = ["copies=[1,3]", "edit_rates=[0.2]", "strategies=[none]", "clusters=2", "base.data.limit=16",
+             f"base.model.name={pretrained}", "base.model.overrides={}", "base.data.block_len=40",
+             "base.data.min_tokens=40", "base.trainer.epochs=1", "base.trainer.warmup_steps=1",
+             "base.trainer.lr=1.0e-12", "base.eval.prefix=16", "base.eval.suffix=16"]
+    rows = run_experiment(CONFIG, out=tmp_path, overrides=small)["runs"]
+    base, cells_ = rows[0], rows[1:]
+    assert base["strategy"] == "base model" and base["copies"] == 0 and len(cells_) == 2
+    for r in cells_:
+        for key in ("exact_match_rate", "rougeL", "np_best"):
+            assert r[key] == base[key], key
+        assert r["val_loss"] == pytest.approx(base["val_loss"], rel=1e-6)
+        trained = json.loads((tmp_path / "runs" / r["name"] / "run.json").read_text())["summary"]
+        assert r["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-5)  # the trainer's definition
+    assert "Base model: the pretrained weights" in (tmp_path / "report.md").read_text()
+
+    def no_model(*_):
+        raise AssertionError("the cached baseline loaded the model")
+
+    monkeypatch.setattr(nd, "reference_model", no_model)
+    assert run_experiment(CONFIG, out=tmp_path, overrides=small)["runs"][0] == base
+    with pytest.raises(AssertionError, match="cached baseline"):  # another suffix: evaluated again
+        run_experiment(CONFIG, out=tmp_path, overrides=small + ["base.eval.suffix=12"])
+    rows = run_experiment(CONFIG, out=tmp_path, overrides=small + ["baseline=false"])["runs"]
+    assert [r["copies"] for r in rows] == [1, 3]

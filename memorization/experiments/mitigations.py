@@ -12,6 +12,9 @@ arm is data, not code), or on the deduplicated corpus. Then every arm is asked:
   utility              held-out loss on the non-member half and on another domain; downstream accuracy
                        (lm-eval tasks, `downstream`) beside the un-fine-tuned base model's
   cost                 step time vs the unmitigated arm, peak RSS while training, trainable parameters
+The base model itself, before fine-tuning, is asked the same questions (`baseline`): the report's first
+row, what every arm's figures are read against (a secret or a lead it already reproduces was not
+learnt from this corpus).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from memorization.experiments.questions import (
     task_label,
 )
 from memorization.experiments.reporting import Outputs, Point, Table, bar_panels, scatter_panels
-from memorization.experiments.runner import Experiment, PeakRSS, load_documents, say
+from memorization.experiments.runner import Experiment, PeakRSS, digest, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
@@ -70,6 +73,7 @@ class Config(InjectionConfig, MiaSettings):
 
     passes: int = 3
     arms: list[Arm] = field(default_factory=_default_arms)
+    baseline: bool = True  # ask the base model the same questions before fine-tuning: the first row
     dedup: DedupConfig = field(default_factory=lambda: DedupConfig(enabled=True))
 
     def validate(self, prefix: str = "") -> None:
@@ -149,8 +153,6 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     reference = reference_model(b, exp.grid_spec)
     questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
                                other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
-    base_downstream = questions.downstream(reference)  # what fine-tuning starts from (None: no tasks)
-    del reference
     key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
            "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
                         "space": cfg.canaries.space}}
@@ -174,6 +176,26 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens),
                 "sampled": beyond, "near_verbatim": near, **questions(model, downstream=True)}
 
+    eval_key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap, **b.eval.near_key(),
+                "candidates": cfg.canaries.candidates,
+                "other": [cfg.other_held_out, cfg.other_held_out_limit],
+                "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot]}
+    baseline = None
+    if cfg.baseline:  # the model every arm starts from, asked the same questions (cached in OUT/baseline)
+        say("base model: evaluating before fine-tuning")
+        inputs = {"members": members, "nonmembers": nonmembers, "duplicated": dup_docs,
+                  "other": questions.other,
+                  "injected": [[it.id, it.text, it.count, it.secret] for it in manifest.items]}
+        values = exp.baseline({"model": b.model.name, "overrides": b.model.overrides, "seed": b.seed,
+                               "inputs": digest(inputs), "eval": eval_key, "prefix": b.eval.prefix,
+                               "suffix": b.eval.suffix, "schemes": b.eval.sampling,
+                               "np": [b.eval.np_ns, b.eval.np_p]}, lambda r=reference: r, evaluate)
+        baseline = _arm_record(Arm(BASELINE_ROW, "not fine-tuned"), values, cfg.counts)
+        base_downstream = values.get("downstream")
+    else:
+        base_downstream = questions.downstream(reference)  # what fine-tuning starts from (None: no tasks)
+    del reference
+
     arms, samples = [], []
     for arm in cfg.arms:
         rc = arm_config(cfg, arm)
@@ -189,24 +211,20 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
         extra = {**key, "dedup": to_dict(cfg.dedup) if arm.dedup else None}
         summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
-                          eval_key={"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
-                                    **b.eval.near_key(),
-                                    "candidates": cfg.canaries.candidates,
-                                    "other": [cfg.other_held_out, cfg.other_held_out_limit],
-                                    "downstream": [cfg.downstream, cfg.downstream_limit,
-                                                   cfg.downstream_fewshot]},
-                          per_run_wandb=cfg.per_run_wandb)
+                          eval_key=eval_key, per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:
             continue
-        arms.append(_arm_record(arm, rc, summary, cfg.counts))
+        arms.append(_arm_record(arm, summary, cfg.counts))
         samples += extraction_samples(arm.name, exp.run_dir(arm.name), data.tokenizer, min(cfg.samples, 2))
     if not exp.is_main:
         return None
     _relative_cost(arms)
     return _outputs(cfg, arms, len(members), len(nonmembers), len(data.train_docs),
-                    len(dedup_data.train_docs) if dedup_data else None, exp.out, samples, base_downstream)
+                    len(dedup_data.train_docs) if dedup_data else None, exp.out, samples, base_downstream,
+                    baseline)
 
 
+BASELINE_ROW = "base model"  # the un-fine-tuned row (arm names are folder names: no spaces, no clash)
 PZ_FLOOR = 1e-3  # "hidden" memorization: a suffix some scheme emits at least once in a thousand draws
 
 
@@ -235,8 +253,9 @@ def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
-    """One arm's numbers under the stable keys documented in docs/mitigations.md."""
+def _arm_record(arm: Arm, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
+    """One arm's numbers (or the base model's: no training, no cost) under the stable keys documented in
+    docs/mitigations.md."""
     inj = s["injected"]
     dups, canaries = inj["duplicates"], inj["canaries"]
     by_count = {}
@@ -267,7 +286,8 @@ def _arm_record(arm: Arm, rc: RunConfig, s: dict[str, Any], counts: list[int]) -
         "cost": {"steps": steps, "train_seconds": s.get("train_seconds"),
                  "step_seconds": (s.get("train_seconds") or 0) / steps if steps else None,
                  "peak_rss_gb": (s.get("peak_rss_bytes") or 0) / 2**30 or None,
-                 "trainable_params": s.get("trainable_params", s.get("params"))},
+                 "trainable_params": s.get("trainable_params", s.get("params")),
+                 "step_time_vs_none": None},  # _relative_cost, among the trained arms
         "reused": s.get("reused", False),
     }
 
@@ -309,8 +329,10 @@ def _mean(values: list[float]) -> float | None:
 
 def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembers: int, n_rows: int,
              n_dedup: int | None, out: Path, samples: list[list[Any]],
-             base_downstream: dict[str, Any] | None = None) -> Outputs:
+             base_downstream: dict[str, Any] | None = None,
+             baseline: dict[str, Any] | None = None) -> Outputs:
     methods = cfg.mia_methods
+    trained, arms = arms, ([baseline] if baseline else []) + arms  # the tables and plots lead with the base
     rows = []
     for a in arms:
         row = {"arm": a["name"], "mitigation": a["mitigation"],
@@ -375,6 +397,10 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         notes.append("WARNING: the audit bound exceeds the accountant's epsilon for " + ", ".join(over)
                      + ": the DP-SGD implementation or its accounting is wrong." if over else
                      "No DP arm's audit bound exceeds its accountant's epsilon.")
+    if baseline:
+        notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning, asked the same questions "
+                     "(OUT/baseline/evals.json): a lead or secret it already reproduces, or a membership "
+                     "signal it already shows, was not learnt from this corpus.")
     if cfg.downstream:
         notes.append(f"Downstream: accuracy ± standard error (lm-eval) on {', '.join(cfg.downstream)} "
                      f"({limit_words(cfg)}); the un-fine-tuned base model scores "
@@ -400,11 +426,12 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                      "(evals/near_verbatim.py); a fraction counts the "
                      "documents whose bound alone passes the (n, p) test.")
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
-                   runs=arms,
+                   runs=trained,
                    tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols)),
                            *extra_tables],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
-                   extra={"arms": arms, "passes": cfg.passes, "base_downstream": base_downstream})
+                   extra={"arms": trained, "baseline": baseline, "passes": cfg.passes,
+                          "base_downstream": base_downstream})
 
 
 def _downstream_acc(a: dict[str, Any]) -> tuple[float | None, float | None]:

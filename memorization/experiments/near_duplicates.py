@@ -9,7 +9,8 @@ trained on that corpus (a tiny one from scratch, or a pretrained one fine-tuned)
 extraction of the originals (greedy suffix from the prefix: exact match, RougeL), their mask coverage
 (the share of each original's suffix tokens supervised in at least one copy:
 memorization.mitigations.coverage) and the held-out loss. With one copy every edit rate trains the
-same corpus, so that cell is trained once.
+same corpus, so that cell is trained once. A pretrained base is also asked the same questions before
+fine-tuning (`baseline`, the "0 copies" row): a hit it already makes is not learnt from the copies.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from typing import Any
 from data_pipelines import DuplicateSpec, inject, tokenize_documents
 from evals import extract
 from evals.near_verbatim import near_verbatim
+from evals.perplexity import corpus_loss
 from evals.probabilistic import np_rates, sampled_extraction
 from memorization.config import RunConfig, change_words
+from memorization.experiments.questions import reference_model
 from memorization.experiments.reporting import Outputs, Table, save
-from memorization.experiments.runner import Experiment, load_documents, say
+from memorization.experiments.runner import Experiment, digest, load_documents, say
 from memorization.experiments.spec import ExperimentConfig, choice_list, int_list
 from memorization.mitigations.coverage import audit, clusters_from_manifest
 from memorization.mitigations.goldfish import STRATEGIES
@@ -51,6 +54,9 @@ class Config(ExperimentConfig):
     strategies: list[str] = field(default_factory=lambda: ["none", "hash", "hash-table", "apertus", "static"])
     clusters: int = 4  # originals copied in every cell
     edit_unit: str = "word"  # word: edit the text's words; token: edit its token ids
+    # a pretrained base is evaluated once before fine-tuning, the report's "base model" row (a model
+    # trained from scratch starts from noise: no row)
+    baseline: bool = True
 
     def validate(self, prefix: str = "") -> None:
         """Copies >= 1, rates in [0, 1], known strategies, at least one cluster."""
@@ -119,52 +125,62 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     exp.check(run_configs(cfg), [corpora[(n, r)][0] for n, r in cells(cfg) for _ in cfg.strategies])
     gold = b.goldfish
     schemes = run_schemes(b)  # (n, p) extraction of the originals beside greedy (evals/probabilistic.py)
+    # the originals and the held-out documents are the same in every cell (one seeded choice)
+    originals = [c.original for c in corpora[cells(cfg)[0]][1]]
+    held_docs = corpora[cells(cfg)[0]][0].held_out_docs
+    if any([c.original for c in clusters] != originals for _, clusters, _ in corpora.values()):
+        raise RuntimeError("goldfish-near-duplicates: the cells copy different originals; evaluate per cell")
+
+    def evaluate(model, run_dir) -> dict[str, Any]:
+        res = extract(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix, tokenizer=tok,
+                      batch_size=b.eval.batch_size, decode=b.eval.decode)
+        beyond = sampled_extraction(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
+                                    schemes=schemes, ns=b.eval.np_ns, p=b.eval.np_p,
+                                    batch_size=b.eval.batch_size) if schemes else None
+        # base.eval.near_verbatim: a sample within that many changes of the original's suffix
+        near = (near_verbatim(model, originals, schemes=schemes, **b.eval.near_args())
+                if schemes and b.eval.near_verbatim else None)
+        # the held-out documents' loss, as the trainer's validation scores them (per-document rows)
+        held = corpus_loss(model, held_docs, batch_size=b.eval.batch_size)["loss"] if held_docs else None
+        return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res],
+                "np": np_rates(beyond) if beyond else {},
+                "near_np": _near_rates(near, b.eval.near_verbatim) if near else {}, "held_out_loss": held}
+
+    eval_key = {"prefix": b.eval.prefix, "suffix": b.eval.suffix, "held_out_loss": True, **b.eval.near_key()}
     rows = []
+    pretrained = is_pretrained(b.model.name) and not b.model.random_init
+    if cfg.baseline and pretrained:
+        key = {"model": b.model.name, "overrides": b.model.overrides, "originals": digest(originals),
+               "held_out": digest(held_docs), "eval": eval_key, "schemes": b.eval.sampling,
+               "np": [b.eval.np_ns, b.eval.np_p], "seed": b.seed}
+        say("base model: evaluating before fine-tuning")
+        values = exp.baseline(key, lambda: reference_model(b, exp.grid_spec), evaluate)
+        if exp.is_main:
+            rows.append({"name": "base-model", "strategy": "base model", "copies": 0, "edit_rate": None,
+                         **_scores(values), "suffix_coverage": None, "coverage": None,
+                         "single_copy_suffix": None, "fully_covered": "", "train_seconds": None, "rows": 0})
     for n, r in cells(cfg):
         data, clusters, spec = corpora[(n, r)]
-        originals = [c.original for c in clusters]
-
-        def evaluate(model, run_dir, originals=originals) -> dict[str, Any]:
-            res = extract(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix, tokenizer=tok,
-                          batch_size=b.eval.batch_size, decode=b.eval.decode)
-            beyond = sampled_extraction(model, originals, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
-                                        schemes=schemes, ns=b.eval.np_ns, p=b.eval.np_p,
-                                        batch_size=b.eval.batch_size) if schemes else None
-            # base.eval.near_verbatim: a sample within that many changes of the original's suffix
-            near = (near_verbatim(model, originals, schemes=schemes, **b.eval.near_args())
-                    if schemes and b.eval.near_verbatim else None)
-            return {"extraction": [{"exact_match": x.exact_match, "rougeL": x.rougeL} for x in res],
-                    "np": np_rates(beyond) if beyond else {},
-                    "near_np": _near_rates(near, b.eval.near_verbatim) if near else {}}
-
         for strategy in cfg.strategies:
             rc = cell_config(cfg, strategy, n, r)
             summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb,
-                              extra_key={"duplicates": vars(spec), "seed": b.seed},
-                              eval_key={"prefix": b.eval.prefix, "suffix": b.eval.suffix,
-                                        **b.eval.near_key()})
+                              extra_key={"duplicates": vars(spec), "seed": b.seed}, eval_key=eval_key)
             if not exp.is_main:
                 continue
             cov = audit(clusters, [strategy], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
                         seed=rc.goldfish.seed)["strategies"][strategy]
-            ext = summary["extraction"]
             rows.append({"name": rc.name, "strategy": strategy, "copies": n, "edit_rate": r,
-                         "exact_match_rate": _mean([x["exact_match"] for x in ext]),
-                         "rougeL": _mean([x["rougeL"] for x in ext]), "extracted_docs": len(ext),
-                         "np_best": max((v for k, v in (summary.get("np") or {}).items() if k != "greedy"),
-                                        default=None),
-                         "near_best": max((summary.get("near_np") or {}).values(), default=None),
+                         **_scores(summary),
                          "suffix_coverage": cov["suffix_coverage"], "coverage": cov["coverage"],
                          "single_copy_suffix": cov["single_copy_suffix"],
                          "fully_covered": f"{cov['clusters_fully_covered']}/{len(clusters)}",
-                         "val_loss": summary.get("val_loss"), "train_seconds": summary.get("train_seconds"),
-                         "rows": len(data.train)})
+                         "train_seconds": summary.get("train_seconds"), "rows": len(data.train)})
             say(f"{rc.name}: EM {rows[-1]['exact_match_rate']:.0%}, suffix coverage "
                 f"{rows[-1]['suffix_coverage']:.0%}")
     if not exp.is_main:
         return None
-    table = _expand(rows, cfg)
-    pretrained = is_pretrained(b.model.name) and not b.model.random_init
+    base = [x for x in rows if x["copies"] == 0]
+    table = base + _expand([x for x in rows if x["copies"]], cfg)
     notes = [
         f"Corpus: {b.data.corpus} (limit {b.data.limit}), {len(docs)} base documents of >= "
         f"{b.data.min_tokens} tokens; {cfg.clusters} of them are copied n times per cell (copy 0 verbatim, "
@@ -178,9 +194,16 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         "Coverage: the share of each original's suffix tokens supervised in at least one copy (copies "
         "aligned to the original by difflib on token ids); 'one copy': what one exact copy supervises. "
         "'suffix 100%': clusters whose whole suffix is supervised somewhere (goldfish withholds nothing).",
-        f"Held-out loss: {b.data.held_out or f'a {b.data.held_out_fraction:.0%} split of {b.data.corpus}'}.",
+        f"Held-out loss: {b.data.held_out or f'a {b.data.held_out_fraction:.0%} split of {b.data.corpus}'}"
+        " (each document cut to the block, scored after training).",
         "One copy is the same corpus at every edit rate: that cell is trained once, repeated in the table.",
     ]
+    if base:
+        notes.append("Base model: the pretrained weights before fine-tuning, asked the same questions (0 "
+                     "copies; OUT/baseline/evals.json): what it already reproduces is not learnt from the "
+                     "copies.")
+    elif pretrained:
+        notes.append("No base-model row (baseline: false).")
     plot = _plot(table, cfg, exp.out / "goldfish-near-duplicates.png")
     title = "Goldfish under near-duplicates: extraction and mask coverage vs copies and edit rate"
     columns = COLUMNS
@@ -207,6 +230,16 @@ def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
     return out
 
 
+def _scores(s: dict[str, Any]) -> dict[str, Any]:
+    """A cell's (or the base model's) extraction figures and held-out loss from its evaluation."""
+    ext = s["extraction"]
+    return {"exact_match_rate": _mean([x["exact_match"] for x in ext]),
+            "rougeL": _mean([x["rougeL"] for x in ext]), "extracted_docs": len(ext),
+            "np_best": max((v for k, v in (s.get("np") or {}).items() if k != "greedy"), default=None),
+            "near_best": max((s.get("near_np") or {}).values(), default=None),
+            "val_loss": s.get("held_out_loss")}
+
+
 def _near_rates(result: dict[str, Any], d: int) -> dict[str, float]:
     """scheme -> the fraction of documents whose near-verbatim bound within d changes passes (n, p) at the
     largest n, offset 0 (of evals.near_verbatim.near_verbatim)."""
@@ -221,7 +254,8 @@ def _mean(values: list) -> float | None:
 
 def _plot(rows: list[dict[str, Any]], cfg: Config, path):
     """EM (top), suffix coverage and, with base.eval.near_verbatim, the share of originals (n, p)-extractable
-    within that many changes (bottom) vs copies, one panel per edit rate, one line per strategy."""
+    within that many changes (bottom) vs copies, one panel per edit rate, one line per strategy; the base
+    model's value (before fine-tuning) a dashed grey line."""
     import matplotlib  # deferred: matplotlib +0.7 s
 
     matplotlib.use("Agg")
@@ -245,6 +279,11 @@ def _plot(rows: list[dict[str, Any]], cfg: Config, path):
             style = dict(marker="o", label=s, linestyle=":" if s == "none" else "-")
             for i, (key, _) in enumerate(panels):
                 axes[i][j].plot(xs, [x[key] for x in mine], **style)
+        for base in (x for x in rows if x["copies"] == 0):  # the pretrained model before fine-tuning
+            for i, (key, _) in enumerate(panels):
+                if base[key] is not None:
+                    axes[i][j].axhline(base[key], color="grey", linestyle="--", linewidth=1,
+                                       label="base model" if i == 0 and j == 0 else None)
         for i, (_, label) in enumerate(panels):
             ax = axes[i][j]
             ax.set_xscale("log", base=2)

@@ -3,6 +3,7 @@
 Layout of an experiment folder OUT:
     OUT/runs/<run>/     one training run (run.json, metrics.jsonl, extraction.jsonl, model/) plus
                         inputs.json (what the run was trained from) and evals.json (extra metrics)
+    OUT/baseline/       evals.json of the model every run starts from, untrained (Experiment.baseline)
     OUT/report.json OUT/report.md OUT/*.png    written by the experiment at the end
 
 A sub-run is reused when its run.json exists and its inputs.json matches the requested run (fields
@@ -11,7 +12,9 @@ setting retrains only the runs it touches.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +39,7 @@ from memorization.train.prepare import PreparedData, prepare_documents
 from memorization.train.run_plan import check_runs
 
 REPORT_FILES = ("report.json", "report.md")
+BASELINE = "baseline"  # OUT/baseline/evals.json: the starting model's evaluation (Experiment.baseline)
 
 
 def say(msg: str) -> None:
@@ -118,7 +122,8 @@ class Experiment:
             self.prepared = True
             return
         if self.overwrite and self.out.is_dir():
-            remove_entries(self.out, ["runs", *REPORT_FILES, *(p.name for p in self.out.glob("*.png"))])
+            remove_entries(self.out, ["runs", BASELINE, *REPORT_FILES,
+                                      *(p.name for p in self.out.glob("*.png"))])
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
         self.prepared = True
 
@@ -202,7 +207,25 @@ class Experiment:
                evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]],
                key: dict[str, Any]) -> dict[str, Any]:
         """`evaluate` on every rank, of the exported model on the run's grid (cached in evals.json)."""
-        path = d / "evals.json"
+        return self._cached(d / "evals.json", key, lambda: evaluate(self.eval_model(cfg, d, summary), d))
+
+    def baseline(self, key: dict[str, Any], load: Callable[[], torch.nn.Module],
+                 evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]]) -> dict[str, Any]:
+        """The experiment's own `evaluate` of the model every sub-run starts from (`load()`: its
+        pretrained weights, on the runs' grid), nothing trained: the "before fine-tuning" row every
+        figure is read against. Cached in OUT/baseline/evals.json under `key` (what the values depend
+        on: the model, the evaluated documents, the eval settings), recomputed when it changes; the
+        model is loaded only then. Runs on every rank; every rank gets the values."""
+        self.prepare_out()
+        d = self.out / BASELINE
+        if self.is_main:
+            d.mkdir(exist_ok=True)
+        return self._cached(d / "evals.json", _jsonable(key), lambda: evaluate(load(), d))
+
+    def _cached(self, path: Path, key: dict[str, Any],
+                compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The values stored at `path` under `key`, else `compute()` on every rank, stored by the main
+        rank (written aside and renamed, so an interrupted write leaves the old file or none)."""
         stored = None
         if self.is_main and path.is_file():
             try:
@@ -214,9 +237,11 @@ class Experiment:
         stored = self.agree(stored)
         if stored is not None:
             return stored
-        values = _jsonable(evaluate(self.eval_model(cfg, d, summary), d))
+        values = _jsonable(compute())
         if self.is_main:
-            path.write_text(json.dumps({"key": key, "values": values}, indent=1))
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"key": key, "values": values}, indent=1))
+            os.replace(tmp, path)
         return values
 
     def eval_model(self, cfg: RunConfig, d: Path, summary: dict[str, Any]) -> torch.nn.Module:
@@ -248,6 +273,11 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def digest(obj: Any) -> str:
+    """A sha256 of obj's JSON (e.g. the token lists an evaluation reads): a short cache key."""
+    return hashlib.sha256(json.dumps(_jsonable(obj), sort_keys=True).encode()).hexdigest()
 
 
 def _jsonable(obj: Any) -> Any:
