@@ -23,6 +23,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #       -d .whl gensim==4.4.0 smart-open==9.0.2 nltk==3.10.4 defusedxml==0.7.1 liger-kernel==0.8.5
 #   pip wheel --no-deps rouge-score==0.1.2 -w .whl
+#   pip download --no-deps datasketch==2.0.0 -d .whl   (pure Python; imported only by near-dedup)
 # (30 MB; liger-kernel only for the two Liger arms; without it they print "skipped"). The image had
 # transformers 5.17.0 and torch 2.11 (2026-11): the dry run below passes under transformers 5.17.0 too.
 # W&B is switched off (WANDB_MODE=disabled): it is not on the machine and nothing here needs it.

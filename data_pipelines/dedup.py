@@ -1,10 +1,17 @@
-"""Deduplication on token ids: exact duplicate documents and repeated long spans, with a manifest.
+"""Deduplication on token ids: exact duplicate documents, near-duplicate documents and repeated long
+spans, with a manifest.
 
-The two methods of Lee et al. 2022 ("Deduplicating Training Data Makes Language Models Better"),
-on the tokenizer's ids so they work for any tokenizer:
+The methods of Lee et al. 2022 ("Deduplicating Training Data Makes Language Models Better"), on the
+tokenizer's ids so they work for any tokenizer:
 - exact documents: two documents are copies when their texts are equal after whitespace
   normalisation (every run of whitespace becomes one space, ends stripped). The earliest copy in
   corpus order stays; later copies are removed whole.
+- near documents (off by default, `near_documents`): documents whose sets of `near_ngram`-token
+  windows have Jaccard similarity >= `near_threshold` (NearDup: MinHash LSH candidates, each verified
+  exactly; data_pipelines.near_dedup) form clusters; the earliest document of each stays, the others
+  are removed whole. Runs after the exact pass, before the span pass. The near-copies exact spans
+  miss (a word edited every few dozen tokens) are what it is for, e.g. goldfish's leak
+  (docs/mitigations.md).
 - repeated spans: a window of `min_repeat_tokens` tokens (50 by default, the paper's threshold)
   that already occurred earlier in the corpus (order: document index, then token offset) is a
   later occurrence. A token is removed when a later occurrence covers it, unless it also lies in
@@ -31,13 +38,14 @@ from pathlib import Path
 import numpy as np
 
 from data_pipelines.corpora import Document
+from data_pipelines.near_dedup import near_duplicate_clusters
 from data_pipelines.packing import TokenLists
 from memorize_core import fail
 
 __all__ = ["KINDS", "DedupConfig", "DedupManifest", "Removal", "deduplicate", "normalize_whitespace",
            "repeated_spans"]
 
-KINDS = ("exact-document", "repeated-span", "short-remainder")
+KINDS = ("exact-document", "near-document", "repeated-span", "short-remainder")
 _BASE = 0x9E3779B97F4A7C15  # odd, so it has an inverse mod 2**64
 _CHUNK = 1 << 22  # token comparisons per verification batch (bounds memory on very repetitive corpora)
 
@@ -51,18 +59,29 @@ class DedupConfig:
     repeated_spans: bool = True  # cut later occurrences of spans of >= min_repeat_tokens tokens
     min_repeat_tokens: int = 50
     min_doc_tokens: int = 1  # a trimmed document left shorter than this is dropped (1: only if empty)
+    near_documents: bool = False  # drop near-copies of an earlier document (MinHash LSH + exact Jaccard)
+    near_threshold: float = 0.8  # Jaccard similarity of the n-token window sets (Lee et al.: 0.8)
+    near_ngram: int = 5  # window length in tokens (Lee et al.: 5 words)
+    near_perms: int = 256  # MinHash permutations (more: fewer dissimilar candidates to verify)
 
     def validate(self, prefix: str = "dedup") -> None:
         """Raise ConfigError on bad settings (names the field, the value and the fix)."""
-        for name in ("enabled", "exact_documents", "repeated_spans"):
+        for name in ("enabled", "exact_documents", "repeated_spans", "near_documents"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(f"{prefix}.{name}", getattr(self, name), "use true or false")
-        hints = {"min_repeat_tokens": "e.g. 50 (the threshold of Lee et al. 2022)",
-                 "min_doc_tokens": "e.g. 1 (drop a trimmed document only when nothing is left)"}
+        t = self.near_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+            raise fail(f"{prefix}.near_threshold", t, "use a Jaccard similarity in (0, 1], e.g. 0.8 (Lee et "
+                       "al. 2022); lower catches more heavily edited copies")
+        hints = {"min_repeat_tokens": "(a number of tokens), e.g. 50 (the threshold of Lee et al. 2022)",
+                 "min_doc_tokens": "(a number of tokens), e.g. 1 (drop a trimmed document only when nothing "
+                                   "is left)",
+                 "near_ngram": "(a number of tokens), e.g. 5 (the window of Lee et al. 2022)",
+                 "near_perms": "(MinHash permutations), e.g. 256"}
         for name, example in hints.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise fail(f"{prefix}.{name}", value, f"use an integer >= 1 (a number of tokens), {example}")
+                raise fail(f"{prefix}.{name}", value, f"use an integer >= 1 {example}")
 
 
 @dataclass
@@ -77,6 +96,7 @@ class Removal:
     first_id: str | None = None  # document holding the kept first occurrence (None: short-remainder)
     # repeated-span: tokens [start, end) equal first_id's tokens from first_start on; exact-document: 0
     first_start: int | None = None
+    similarity: float | None = None  # near-document: Jaccard similarity of its windows to first_id's
 
 
 @dataclass
@@ -160,6 +180,16 @@ def deduplicate(docs: Sequence[Document], token_lists: Sequence[Sequence[int]],
                 removals.append(Removal(ids[j], i, "exact-document", 0, len(lists[j]), ids[seen[key]], 0))
             else:
                 seen[key] = j
+    if cfg.enabled and cfg.near_documents:
+        alive = [j for j in range(len(lists)) if not gone[j]]
+        for cluster in near_duplicate_clusters([lists[j] for j in alive], cfg.near_threshold, cfg.near_ngram,
+                                               cfg.near_perms):
+            f = alive[cluster.kept]
+            for a, sim in cluster.removed:
+                j = alive[a]
+                gone[j] = True
+                removals.append(Removal(ids[j], kept_in[j], "near-document", 0, len(lists[j]), ids[f], 0,
+                                        similarity=round(sim, 6)))
     out = list(lists)
     if cfg.enabled and cfg.repeated_spans:
         alive = [j for j in range(len(lists)) if not gone[j]]

@@ -1,0 +1,92 @@
+"""Near-duplicate documents: MinHash LSH candidates, kept only where the exact Jaccard similarity passes.
+
+Two documents are near-duplicates when the Jaccard similarity of their sets of n-token windows
+(shingles of token ids, n = `ngram`) is at least `threshold`, the document-level criterion of Lee et
+al. 2022's NearDup (5-grams, 0.8, there on words; here on the tokenizer's ids, like the exact passes).
+Candidate pairs come from MinHash locality-sensitive hashing (datasketch's MinHash and MinHashLSH,
+`perms` permutations in b bands of r rows: the largest r for which a pair at the threshold is
+proposed with probability >= 1 - 1e-3, `bands`); every candidate's similarity is then computed
+exactly on the two shingle sets, so a pair that is kept always passes the threshold, and a pair that
+passes is missed only when LSH never proposed it (at most 1e-3 at the threshold, less above it).
+Near-duplicates form clusters (connected components, as NearDup does: a chain of near-copies is one
+cluster even where its ends are further apart); the earliest document of a cluster in corpus order
+is kept, the others removed whole.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MISS", "NearCluster", "bands", "near_duplicate_clusters", "shingles"]
+
+MISS = 1e-3  # the largest chance that LSH never proposes a pair at the threshold (bands)
+
+
+@dataclass
+class NearCluster:
+    """One cluster of near-duplicate documents: the kept one (earliest) and the removed ones, each with
+    its exact Jaccard similarity to the kept one (below the threshold only when linked by a chain)."""
+
+    kept: int  # index into the token lists
+    removed: list[tuple[int, float]]
+
+
+def shingles(tokens: Sequence[int], ngram: int) -> set[bytes]:
+    """The set of `ngram`-token windows of a token list (as bytes); a shorter list is one shingle."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if len(arr) <= ngram:
+        return {arr.tobytes()} if len(arr) else set()
+    windows = np.lib.stride_tricks.sliding_window_view(arr, ngram)
+    return {w.tobytes() for w in windows}
+
+
+def jaccard(a: set[bytes], b: set[bytes]) -> float:
+    """|a & b| / |a | b| (1.0 for two empty sets)."""
+    union = len(a | b)
+    return len(a & b) / union if union else 1.0
+
+
+def bands(threshold: float, perms: int) -> tuple[int, int]:
+    """(b, r): the LSH bands for `perms` permutations, r as large as keeps the chance of never proposing a
+    pair of similarity `threshold`, (1 - threshold^r)^b with b = perms // r, at most MISS (a larger r
+    proposes fewer dissimilar pairs); r = 1 when none does."""
+    for r in range(perms, 0, -1):
+        if (1 - threshold ** r) ** (perms // r) <= MISS:
+            return perms // r, r
+    return perms, 1
+
+
+def near_duplicate_clusters(token_lists: Sequence[Sequence[int]], threshold: float, ngram: int,
+                            perms: int, seed: int = 1) -> list[NearCluster]:
+    """Every cluster of two or more near-duplicate token lists (module docstring), in order of its kept
+    document; documents in no cluster are not listed."""
+    from datasketch import MinHash, MinHashLSH  # deferred: datasketch imports scipy (+0.5 s)
+
+    sets = [shingles(t, ngram) for t in token_lists]
+    live = [i for i, s in enumerate(sets) if s]  # an empty document has no shingles: never a near-copy
+    if len(live) < 2:
+        return []
+    hashes = MinHash.bulk([sets[i] for i in live], num_perm=perms, seed=seed)
+    lsh = MinHashLSH(num_perm=perms, params=bands(threshold, perms))
+    parent = list(range(len(sets)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, h in zip(live, hashes):
+        for j in lsh.query(h):  # earlier documents only: each pair once
+            if jaccard(sets[i], sets[j]) >= threshold:
+                a, b = root(i), root(j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)  # the root is the cluster's earliest document
+        lsh.insert(i, h)
+    members: dict[int, list[int]] = {}
+    for i in live:
+        members.setdefault(root(i), []).append(i)
+    return [NearCluster(r, [(i, jaccard(sets[r], sets[i])) for i in ms if i != r])
+            for r, ms in sorted(members.items()) if len(ms) > 1]
