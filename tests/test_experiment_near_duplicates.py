@@ -28,7 +28,9 @@ def test_default_grid_trains_each_corpus_once():
 
 @pytest.mark.parametrize("override,field", [("edit_rates=[0.5,2]", "edit_rates[1]"),
                                             ("strategies=[hash,md5]", "strategies[1]"),
-                                            ("copies=[0]", "copies[0]"), ("clusters=0", "clusters[0]")])
+                                            ("copies=[0]", "copies[0]"), ("clusters=0", "clusters[0]"),
+                                            ("dedup.near_threshold=2", "dedup.near_threshold"),
+                                            ("strategies=[dedup+md5]", "strategies[0]")])
 def test_bad_grid_names_the_field(override, field):
     with pytest.raises(ConfigError) as info:
         load_experiment(CONFIG, [override])
@@ -107,3 +109,26 @@ def test_a_pretrained_base_is_asked_before_fine_tuning(pretrained, tmp_path, mon
         run_experiment(CONFIG, out=tmp_path, overrides=small + ["base.eval.suffix=12"])
     rows = run_experiment(CONFIG, out=tmp_path, overrides=small + ["baseline=false"])["runs"]
     assert [r["copies"] for r in rows] == [1, 3]
+
+
+def test_dedup_strategies_train_on_the_deduplicated_corpus(tmp_path):
+    """dedup / dedup+S cells train on the corpus after near-document dedup: the near-copies are gone
+    (one copy per original left, its removals in OUT/dedup-x3-r0.1.json), coverage counts only what is
+    left, and goldfish is on only for dedup+S."""
+    over = [o for o in SMALL if not o.startswith(("copies", "edit_rates", "strategies"))]
+    report = run_experiment(CONFIG, out=tmp_path, overrides=over + ["copies=[3]", "edit_rates=[0.1]",
+                                                                    "strategies=[none,dedup,dedup+apertus]"])
+    rows = {r["strategy"]: r for r in report["runs"]}
+    assert rows["none"]["copies_trained"] == 3 and rows["dedup"]["copies_trained"] == 1
+    assert rows["dedup+apertus"]["copies_trained"] == 1
+    removed = json.loads((tmp_path / "dedup-x3-r0.1.json").read_text())["removals"]
+    assert len(removed) == 2 * 2 and {r["kind"] for r in removed} <= {"near-document", "exact-document"}
+    assert rows["dedup"]["rows"] == rows["none"]["rows"] - 4
+    # the kept copy is the earliest, edited or not: standard loss supervises what it shares with the original
+    assert 0.5 < rows["dedup"]["suffix_coverage"] <= rows["none"]["suffix_coverage"] == 1.0
+    assert rows["dedup+apertus"]["suffix_coverage"] <= rows["dedup"]["suffix_coverage"]
+    inputs = {s: json.loads((tmp_path / "runs" / f"{s}-x3-r0.1" / "inputs.json").read_text())
+              for s in rows}
+    assert inputs["dedup"]["extra"]["dedup"]["near_documents"] and "dedup" not in inputs["none"]["extra"]
+    assert [inputs[s]["run"]["goldfish"]["enabled"] for s in rows] == [False, False, True]
+    assert "copies trained" in (tmp_path / "report.md").read_text()

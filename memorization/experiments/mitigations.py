@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from axonn.config import to_dict
-from data_pipelines import DedupConfig, deduplicate, per_document, tokenize_documents
+from data_pipelines import DedupConfig, tokenize_documents
 from evals import extract, summarize
 from evals.near_verbatim import near_verbatim
 from evals.probabilistic import sampled_extraction, split_rows
@@ -57,7 +57,7 @@ from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
 from memorization.train.pipeline import run_training
-from memorization.train.prepare import PreparedData
+from memorization.train.prepare import PreparedData, prepare_deduplicated
 from memorization.train.run_plan import run_schemes
 from memorize_core import fail
 
@@ -121,12 +121,7 @@ def run_data(cfg: Config) -> list[PreparedData]:
 def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple[PreparedData, Any]:
     """The injected corpus after deduplication, and the dedup manifest (saved as OUT/dedup.json by
     the caller once every arm passed its checks)."""
-    tok, block = data.tokenizer, cfg.base.data.block_len
-    kept, manifest = deduplicate(injected_docs, tokenize_documents(injected_docs, tok), cfg.dedup)
-    cut = [t[:block] for t in kept]
-    rows = per_document(cut, block, tok.eos_token_id)
-    return PreparedData(tok, rows, cut, [injected_docs[i].id for i in kept.kept], data.held_out,
-                        audit=data.audit), manifest
+    return prepare_deduplicated(data, injected_docs, cfg.dedup, cfg.base.data.block_len)
 
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from data_pipelines import DuplicateSpec, inject, tokenize_documents
+from axonn.config import to_dict
+from data_pipelines import DedupConfig, DuplicateSpec, inject, tokenize_documents
 from evals import extract
 from evals.near_verbatim import near_verbatim
 from evals.perplexity import corpus_loss
@@ -27,14 +28,16 @@ from memorization.experiments.questions import reference_model
 from memorization.experiments.reporting import Outputs, Table, save
 from memorization.experiments.runner import Experiment, digest, load_documents, say
 from memorization.experiments.spec import ExperimentConfig, choice_list, int_list
-from memorization.mitigations.coverage import audit, clusters_from_manifest
+from memorization.mitigations.coverage import Cluster, audit, clusters_from_manifest
 from memorization.mitigations.goldfish import STRATEGIES
 from memorization.models import is_pretrained, run_tokenizer
-from memorization.train.prepare import prepare_documents
+from memorization.train.prepare import PreparedData, prepare_deduplicated, prepare_documents
 from memorization.train.run_plan import run_schemes
 from memorize_core import fail
 
-CHOICES = ("none",) + STRATEGIES  # none: standard loss
+# none: standard loss; dedup: standard loss on the corpus after `dedup` (near-document dedup by default);
+# dedup+S: goldfish strategy S on that corpus
+CHOICES = ("none",) + STRATEGIES + ("dedup",) + tuple(f"dedup+{s}" for s in STRATEGIES)
 COLUMNS = (
     ("strategy", "strategy", "{}"), ("copies", "copies", "{}"), ("edit_rate", "edit rate", "{:.0%}"),
     ("exact_match_rate", "EM", "{:.0%}"), ("rougeL", "RougeL", "{:.3f}"),
@@ -57,6 +60,10 @@ class Config(ExperimentConfig):
     # a pretrained base is evaluated once before fine-tuning, the report's "base model" row (a model
     # trained from scratch starts from noise: no row)
     baseline: bool = True
+    # what the dedup strategies train after: Lee et al.'s exact passes plus near-document dedup at a
+    # Jaccard similarity (of 5-token windows) low enough for copies edited at ~10% of words
+    dedup: DedupConfig = field(default_factory=lambda: DedupConfig(enabled=True, near_documents=True,
+                                                                   near_threshold=0.3))
 
     def validate(self, prefix: str = "") -> None:
         """Copies >= 1, rates in [0, 1], known strategies, at least one cluster."""
@@ -70,6 +77,7 @@ class Config(ExperimentConfig):
         choice_list("strategies", self.strategies, CHOICES)
         int_list("clusters", [self.clusters], minimum=1)
         DuplicateSpec(counts=[1], edit_unit=self.edit_unit)  # checks the unit
+        self.dedup.validate("dedup")
 
 
 def cells(cfg: Config) -> list[tuple[int, float]]:
@@ -83,11 +91,17 @@ def cells(cfg: Config) -> list[tuple[int, float]]:
     return out
 
 
+def goldfish_of(strategy: str) -> str | None:
+    """The goldfish strategy of a grid strategy (none, dedup: None)."""
+    s = strategy.removeprefix("dedup").removeprefix("+")
+    return None if s in ("", "none") else s
+
+
 def cell_config(cfg: Config, strategy: str, n: int, rate: float) -> RunConfig:
-    """The RunConfig of one cell: the base with this strategy (none: standard loss), all rows kept."""
+    """The RunConfig of one cell: the base with this strategy (none, dedup: standard loss), all rows kept."""
     b = cfg.base
-    gold = replace(b.goldfish, enabled=strategy != "none", strategy=b.goldfish.strategy if strategy == "none"
-                   else strategy, token_budget=False)
+    g = goldfish_of(strategy)
+    gold = replace(b.goldfish, enabled=g is not None, strategy=g or b.goldfish.strategy, token_budget=False)
     return replace(b, name=f"{strategy}-x{n}-r{rate:g}", goldfish=gold, data=replace(b.data, min_tokens=1),
                    eval=replace(b.eval, extraction=False))
 
@@ -122,7 +136,13 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         data = prepare_documents(keep_all, injected, held, tokenizer=tok)
         clusters = clusters_from_manifest(injected, manifest, tok, max_tokens=b.data.block_len)
         corpora[(n, r)] = (data, clusters, spec)
-    exp.check(run_configs(cfg), [corpora[(n, r)][0] for n, r in cells(cfg) for _ in cfg.strategies])
+        if any(x.startswith("dedup") for x in cfg.strategies):  # the same corpus after cfg.dedup
+            ddata, dman = prepare_deduplicated(data, injected, cfg.dedup, b.data.block_len)
+            corpora[(n, r, "dedup")] = (ddata, _surviving(clusters, ddata), dman)
+    exp.check(run_configs(cfg), [_corpus(corpora, s, n, r)[0] for n, r in cells(cfg) for s in cfg.strategies])
+    for (n, r, *dedup), (_, _, dman) in corpora.items():
+        if dedup and exp.is_main:  # what the dedup strategies' cells lost, per corpus
+            dman.save(exp.out / f"dedup-x{n}-r{r:g}.json", overwrite=True)
     gold = b.goldfish
     schemes = run_schemes(b)  # (n, p) extraction of the originals beside greedy (evals/probabilistic.py)
     # the originals and the held-out documents are the same in every cell (one seeded choice)
@@ -160,16 +180,22 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                          **_scores(values), "suffix_coverage": None, "coverage": None,
                          "single_copy_suffix": None, "fully_covered": "", "train_seconds": None, "rows": 0})
     for n, r in cells(cfg):
-        data, clusters, spec = corpora[(n, r)]
+        spec = corpora[(n, r)][2]
         for strategy in cfg.strategies:
+            data, clusters, dman = _corpus(corpora, strategy, n, r)
             rc = cell_config(cfg, strategy, n, r)
-            summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb,
-                              extra_key={"duplicates": vars(spec), "seed": b.seed}, eval_key=eval_key)
+            extra = {"duplicates": vars(spec), "seed": b.seed}
+            if strategy.startswith("dedup"):
+                extra["dedup"] = to_dict(cfg.dedup)
+            summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb, extra_key=extra,
+                              eval_key=eval_key)
             if not exp.is_main:
                 continue
-            cov = audit(clusters, [strategy], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
-                        seed=rc.goldfish.seed)["strategies"][strategy]
+            g = goldfish_of(strategy) or "none"
+            cov = audit(clusters, [g], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
+                        seed=rc.goldfish.seed)["strategies"][g]
             rows.append({"name": rc.name, "strategy": strategy, "copies": n, "edit_rate": r,
+                         "copies_trained": sum(len(c.copies) for c in clusters) / len(clusters),
                          **_scores(summary),
                          "suffix_coverage": cov["suffix_coverage"], "coverage": cov["coverage"],
                          "single_copy_suffix": cov["single_copy_suffix"],
@@ -207,11 +233,23 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     plot = _plot(table, cfg, exp.out / "goldfish-near-duplicates.png")
     title = "Goldfish under near-duplicates: extraction and mask coverage vs copies and edit rate"
     columns = COLUMNS
+    if any(x.startswith("dedup") for x in cfg.strategies):
+        d = cfg.dedup
+        columns = (*COLUMNS[:2], ("copies_trained", "copies trained", "{:.1f}"), *COLUMNS[2:])
+        near = (f"near documents (Jaccard >= {d.near_threshold:g} of {d.near_ngram}-token windows, MinHash "
+                f"LSH, {d.near_perms} permutations)")
+        spans = f"repeated spans of >= {d.min_repeat_tokens} tokens"
+        passes = [name for name, on in (("exact documents", d.exact_documents), (near, d.near_documents),
+                                        (spans, d.repeated_spans)) if on]
+        notes.append(f"dedup: the cell's corpus after deduplication ({'; '.join(passes) or 'no pass'}; the "
+                     "earliest copy in corpus order stays, which may be an edited one; OUT/dedup-xN-rR.json "
+                     "lists every removal); dedup+S: goldfish strategy S on it. 'copies trained': copies "
+                     "per original left (coverage counts only those).")
     if b.eval.near_verbatim:  # after the (n, p) column
-        at = [c[0] for c in COLUMNS].index("np_best") + 1
+        at = [c[0] for c in columns].index("np_best") + 1
         word, phrase = change_words(b.eval.nv_distance)
-        columns = (*COLUMNS[:at], ("near_best", f"within {b.eval.near_verbatim} {word}, best scheme",
-                                   "{:.0%}"), *COLUMNS[at:])
+        columns = (*columns[:at], ("near_best", f"within {b.eval.near_verbatim} {word}, best scheme",
+                                   "{:.0%}"), *columns[at:])
         notes.append(f"Within {b.eval.near_verbatim} {word}: the share of originals whose lower bound of "
                      f"P(a sample lies within {b.eval.near_verbatim} {phrase} of the suffix) passes the same "
                      "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
@@ -228,6 +266,18 @@ def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
             for s in cfg.strategies:
                 out.append({**by[(s, n, 0.0 if n == 1 else float(r))], "edit_rate": float(r)})
     return out
+
+
+def _surviving(clusters: list[Cluster], data: PreparedData) -> list[Cluster]:
+    """Each cluster with only the copies the deduplicated corpus still trains on."""
+    kept = set(data.train_doc_ids)
+    return [Cluster(c.id, c.original, [t for t, i in zip(c.copies, c.member_ids) if i in kept],
+                    [i for i in c.member_ids if i in kept]) for c in clusters]
+
+
+def _corpus(corpora: dict, strategy: str, n: int, r: float) -> tuple:
+    """(prepared data, clusters, dedup manifest or spec) a strategy's cell trains on."""
+    return corpora[(n, r, "dedup")] if strategy.startswith("dedup") else corpora[(n, r)]
 
 
 def _scores(s: dict[str, Any]) -> dict[str, Any]:

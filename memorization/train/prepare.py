@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_pipelines import (
+    DedupConfig,
+    DedupManifest,
     chat_blocks,
     check_responses,
+    deduplicate,
     extraction_pairs,
     is_chat_spec,
     load_chat,
@@ -119,6 +122,19 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
                         held_out_docs=[list(t) for t in held_tokens] if held_tokens else None,
                         held_out_doc_ids=[held_docs[i].id for i in held_tokens.kept] if held_tokens else None,
                         audit=audit)
+
+
+def prepare_deduplicated(data: PreparedData, docs: list, dedup: DedupConfig,
+                         block_len: int) -> tuple[PreparedData, DedupManifest]:
+    """The documents `data` was prepared from (`docs`, in its order) after deduplication, as per-document
+    rows cut to `block_len` with `data`'s tokenizer, held-out set and audit; and the dedup manifest."""
+    tok = data.tokenizer
+    kept, manifest = deduplicate(docs, tokenize_documents(docs, tok), dedup)
+    cut = [t[:block_len] for t in kept]
+    rows = per_document(cut, block_len, tok.eos_token_id)
+    return PreparedData(tok, rows, cut, [docs[i].id for i in kept.kept], data.held_out,
+                        held_out_docs=data.held_out_docs, held_out_doc_ids=data.held_out_doc_ids,
+                        audit=data.audit), manifest
 
 
 def is_chat_data(cfg: RunConfig) -> bool:
