@@ -84,6 +84,18 @@ class DedupConfig:
                 raise fail(f"{prefix}.{name}", value, f"use an integer >= 1 {example}")
 
 
+    def describe(self) -> str:
+        """The passes that run, in words (report notes)."""
+        if not self.enabled:
+            return "off"
+        near = (f"near documents (Jaccard >= {self.near_threshold:g} of {self.near_ngram}-token windows, "
+                f"MinHash LSH, {self.near_perms} permutations)")
+        spans = f"repeated spans of >= {self.min_repeat_tokens} tokens"
+        passes = [name for name, on in (("exact documents", self.exact_documents),
+                                        (near, self.near_documents), (spans, self.repeated_spans)) if on]
+        return " + ".join(passes) + ", keep-first" if passes else "no pass"
+
+
 @dataclass
 class Removal:
     """Tokens [start, end) of one document that were removed, and where the kept copy lies."""

@@ -111,3 +111,12 @@ def test_bad_near_settings_name_the_field(field, value):
     with pytest.raises(ConfigError) as info:
         DedupConfig(enabled=True, **{field: value}).validate()
     assert str(info.value).startswith(f"dedup.{field}=") and "\n" not in str(info.value)
+
+
+def test_the_report_says_which_passes_ran():
+    assert DedupConfig().describe() == "off"
+    lee = DedupConfig(enabled=True)
+    assert lee.describe() == "exact documents + repeated spans of >= 50 tokens, keep-first"
+    on = DedupConfig(enabled=True, repeated_spans=False, near_documents=True, near_threshold=0.3)
+    assert on.describe() == ("exact documents + near documents (Jaccard >= 0.3 of 5-token windows, MinHash "
+                             "LSH, 256 permutations), keep-first")

@@ -374,7 +374,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         "EM: greedy 32-token suffix from the 32-token prefix. "
         "MIA on the leads seen once vs the held-out leads; "
         f"95% CIs from {cfg.bootstrap} bootstrap resamples.",
-        f"Dedup: exact documents + repeated spans of >= {cfg.dedup.min_repeat_tokens} tokens, keep-first"
+        f"Dedup: {cfg.dedup.describe()}"
         + (f" ({n_rows} -> {n_dedup} rows; manifest dedup.json)." if n_dedup else "."),
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
         "while the arm trained; trainable parameters (LoRA: adapters only).",

@@ -234,14 +234,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     title = "Goldfish under near-duplicates: extraction and mask coverage vs copies and edit rate"
     columns = COLUMNS
     if any(x.startswith("dedup") for x in cfg.strategies):
-        d = cfg.dedup
         columns = (*COLUMNS[:2], ("copies_trained", "copies trained", "{:.1f}"), *COLUMNS[2:])
-        near = (f"near documents (Jaccard >= {d.near_threshold:g} of {d.near_ngram}-token windows, MinHash "
-                f"LSH, {d.near_perms} permutations)")
-        spans = f"repeated spans of >= {d.min_repeat_tokens} tokens"
-        passes = [name for name, on in (("exact documents", d.exact_documents), (near, d.near_documents),
-                                        (spans, d.repeated_spans)) if on]
-        notes.append(f"dedup: the cell's corpus after deduplication ({'; '.join(passes) or 'no pass'}; the "
+        notes.append(f"dedup: the cell's corpus after deduplication ({cfg.dedup.describe()}: the "
                      "earliest copy in corpus order stays, which may be an edited one; OUT/dedup-xN-rR.json "
                      "lists every removal); dedup+S: goldfish strategy S on it. 'copies trained': copies "
                      "per original left (coverage counts only those).")
