@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from axonn.config import TrainerConfig, apply_overrides, build, load_yaml
-from data_pipelines import is_chat_spec
+from data_pipelines import DedupConfig, is_chat_spec
 from memorization.mitigations.goldfish import GoldfishConfig
 from memorization.mitigations.peft_lora import LoraSettings
 from memorization.outputs import check_name
@@ -113,9 +113,13 @@ class DataConfig:
     held_out: str = "lee-news"  # corpus for validation loss; "" = split held_out_fraction off corpus
     held_out_fraction: float = 0.0
     held_out_limit: int = 100
+    # deduplicate the training documents before they become rows (data_pipelines.dedup: exact documents,
+    # near documents with near_documents, repeated spans); off by default; OUT/dedup.json lists removals
+    dedup: DedupConfig = field(default_factory=DedupConfig)
 
     def validate(self, prefix: str = "data") -> None:
         """Range checks."""
+        self.dedup.validate(f"{prefix}.dedup")
         if self.format not in FORMATS:
             raise fail(f"{prefix}.format", self.format, f"choose one of {', '.join(FORMATS)}")
         if self.packing not in PACKING:

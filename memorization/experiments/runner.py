@@ -65,6 +65,8 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
         d["model"].pop("lora", None)
     if not cfg.trainer.dp.enabled:
         d["trainer"].pop("dp", None)
+    if not cfg.data.dedup.enabled:
+        d["data"].pop("dedup", None)
     # near-verbatim settings only where the run bounds near-copies itself (an experiment that does keys
     # them in its eval_key), as EvalConfig.near_key keys them
     for name in ("near_verbatim", "nv_beams", "nv_distance"):

@@ -268,11 +268,18 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         summary["audit"] = run_audit(trainer.model, run.data.audit, epsilon=summary.get("epsilon"),
                                      delta=summary.get("delta") or 0.0, batch_size=cfg.eval.batch_size,
                                      grid=run.grid)
+    if run.data.dedup is not None:
+        m = run.data.dedup
+        summary["dedup"] = {"documents": m.num_documents, "kept_documents": m.num_kept_documents,
+                            "tokens": m.num_tokens, "kept_tokens": m.num_kept_tokens,
+                            "removed": {k: v["documents"] for k, v in m.counts.items() if v["spans"]}}
     summary.update(extra or {})
     if run.is_main:
         record = {"summary": summary, "config": to_dict(cfg), "documents": documents_record(cfg, run.data)}
         if run.data.audit is not None:
             record["audit"] = run.data.audit.record()
+        if run.data.dedup is not None:  # data.dedup: every removal, the kept copy it duplicated
+            run.data.dedup.save(run.out_dir / "dedup.json", overwrite=True)
         (run.out_dir / "run.json").write_text(json.dumps(record, indent=2))
         # per document, as memorize eval writes them: log p_z per scheme and offset; each attack's score
         row_files = {n: rows for n, rows in (("sampled.jsonl", sampled_rows),

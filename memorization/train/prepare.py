@@ -48,6 +48,7 @@ class PreparedData:
     held_out_docs: list[list[int]] | None = None
     held_out_doc_ids: list[str] | None = None  # their ids (a split of data.corpus, or data.held_out's)
     audit: AuditSet | None = None  # eval.audit's canaries (the included ones are among the rows)
+    dedup: DedupManifest | None = None  # data.dedup's removals (None: dedup off)
 
     @property
     def member_docs(self) -> list[list[int]]:
@@ -97,6 +98,11 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=d.min_tokens)
     if not tokens:
         raise fail("data.min_tokens", d.min_tokens, f"no document of '{d.corpus}' is that long; lower it")
+    dedup = None
+    if d.dedup.enabled:  # on the tokens the rows are cut from (before the audit's canaries join)
+        tokens, dedup = deduplicate(docs, tokens, d.dedup)
+        if not tokens:
+            raise fail("data.dedup", d.dedup.describe(), "removed every document; check the corpus")
     audit = None
     if cfg.eval.audit:  # after the tokenizer (it never sees a canary) and after min_tokens (never cut)
         audit = tokenize_audit(audit_set(cfg.eval.audit_canaries, cfg.seed), tok, max_tokens=d.block_len)
@@ -121,7 +127,7 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     return PreparedData(tok, rows, tokens, [docs[i].id for i in kept], held,
                         held_out_docs=[list(t) for t in held_tokens] if held_tokens else None,
                         held_out_doc_ids=[held_docs[i].id for i in held_tokens.kept] if held_tokens else None,
-                        audit=audit)
+                        audit=audit, dedup=dedup)
 
 
 def prepare_deduplicated(data: PreparedData, docs: list, dedup: DedupConfig,
@@ -146,6 +152,9 @@ def is_chat_data(cfg: RunConfig) -> bool:
 def prepare_chat(cfg: RunConfig) -> PreparedData:
     """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
     d = cfg.data
+    if d.dedup.enabled:
+        raise fail("data.dedup.enabled", True, "deduplication works on plain documents, not conversations; "
+                   "set it false for a chat corpus")
     examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
     check_responses(examples)  # before a tokenizer is trained and cached for this corpus
     held_examples = None

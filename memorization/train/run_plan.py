@@ -82,7 +82,7 @@ from memorization.train.prepare import mia_sets
 from memorize_core import ConfigError, fail
 
 RESULT_FILES = ("metrics.jsonl", "run.json", "extraction.jsonl", "sampled.jsonl", "near_verbatim.jsonl",
-                "mia.jsonl", "model", "report.json", "report.md", "report.png", "checkpoints")
+                "mia.jsonl", "dedup.json", "model", "report.json", "report.md", "report.png", "checkpoints")
 CHECKPOINTS = "checkpoints"
 # model-config fields a checkpoint must agree on before any work starts
 _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -125,7 +125,7 @@ def run_files(cfg: RunConfig) -> tuple[str, ...]:
     """The entries a run writes under OUT (what --overwrite replaces)."""
     optional = (("extraction.jsonl", cfg.eval.extraction), ("sampled.jsonl", cfg.eval.extraction),
                 ("near_verbatim.jsonl", cfg.eval.extraction and cfg.eval.near_verbatim > 0),
-                ("mia.jsonl", cfg.eval.mia))
+                ("mia.jsonl", cfg.eval.mia), ("dedup.json", cfg.data.dedup.enabled))
     skip = {name for name, on in optional if not on}
     return tuple(name for name in RESULT_FILES if name not in skip)
 
