@@ -92,6 +92,35 @@ def test_ghost_norms_and_update_equal_per_row_backward_and_opacus_per_sample(gol
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * scale)
 
 
+@pytest.mark.parametrize("path", ["direct", "gram"])
+def test_either_way_of_forming_a_linears_norm_gives_per_row_backward_norms(monkeypatch, path):
+    """Every Linear's norm formed as G^T A, or every one from Gram matrices (the cached A A^T of q, k, v
+    and gate, up included): both give the per-row backward norms, whichever the rule would pick."""
+    import axonn.layers.per_example as per_example
+
+    monkeypatch.setattr(per_example, "direct_norm", lambda *a, **k: path == "direct")
+    data = rows()
+    batch = data[torch.arange(8)]
+    ref = row_norms(batch["labels"], batch["input_ids"])
+    _, hook = stepped(GhostPrivacy, tcfg(max_grad_norm=float(ref[ref > 0].median())), data, batch)
+    torch.testing.assert_close(hook.last_norms, ref, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("seq,out,inp,held,direct", [
+    (16, 32, 32, False, False),  # the tiny test model's q: T^2 (2 + 1/32) x 32 < 17 x 1024 multiply-adds
+    (2048, 2048, 2048, False, True),  # llama-1b's q at T = 2,048: T * in * out is half of T^2 * (in + out)
+    (1024, 1024, 2048, True, False),  # beside a held A A^T: T^2 * out is half of T * in * out
+    (64, 16, 576, False, True),  # a LoRA A [16, 576] at T = 64: 4x fewer multiply-adds directly
+    (64, 576, 576, False, False),  # SmolLM2's q at T = 64
+    (512, 49152, 576, False, False),  # a head's block is 54x the Gram pair: Grams, whatever flops say
+    (512, 16, 16, True, True),  # the Gram pair would be 2,048x the [16, 16] block: directly
+])
+def test_the_choice_of_path_by_flops_within_twice_the_smaller_memory(seq, out, inp, held, direct):
+    from axonn.plan.compute import direct_norm
+
+    assert direct_norm(seq, out, inp, input_gram=held) is direct
+
+
 def _steps(model, cfg, data, grid=None, steps=2):
     """Train `steps` fixed batches of 8 rows; (per step: this rank's rows' norms), the trainer."""
     hook = GhostPrivacy(cfg, len(data), grid=grid)

@@ -10,7 +10,8 @@ towards the embeddings' outputs, graph retained) and returns sum_params ||d loss
 How each kind of module's gradient is seen (example i, A_i its inputs [T, in], G_i the gradients of
 its outputs [T, out]; the weight gradient is G_i^T A_i):
 - linear (nn.Linear, GPT-2 Conv1D, ParallelLinear): ||G_i^T A_i||^2 = <A_i A_i^T, G_i G_i^T> (two
-  [T, T] Gram matrices), or G_i^T A_i formed directly when T^2 > in*out; bias ||sum_t G_i[t]||^2.
+  [T, T] Gram matrices), or G_i^T A_i formed directly, whichever costs fewer flops among the two whose
+  transient memory is within twice the other's (`direct_norm`); bias ||sum_t G_i[t]||^2.
 - embedding (nn.Embedding, ParallelEmbedding): the weight gradient is onehot(ids_i)^T dE_i, so its
   norm is <dE_i dE_i^T, [ids_s == ids_t]> (the token-id equality trick); padding_idx rows excluded.
 - a parameter used by an embedding and a linear layer (tied input/output embeddings): the two
@@ -38,6 +39,7 @@ from transformers.pytorch_utils import Conv1D
 from axonn.grid import ProcessGrid
 from axonn.layers.layout import ParamSpec
 from axonn.layers.modules import ParallelEmbedding, ParallelLinear
+from axonn.plan.compute import direct_norm  # the planner prices the same choice
 
 _LINEAR = (nn.Linear, Conv1D, ParallelLinear)
 _EMBEDDING = (nn.Embedding, ParallelEmbedding)
@@ -243,25 +245,29 @@ class ExampleNorms:
         a = a.reshape(a.shape[0], -1, a.shape[-1])
         gl = gl.reshape(gl.shape[0], -1, gl.shape[-1])
         t = a.shape[1]
-        if t * t <= a.shape[-1] * gl.shape[-1]:
-            sq = (self._input_gram(a) * _gram(gl, gl)).sum((1, 2))
-        else:
+        if direct_norm(t, gl.shape[-1], a.shape[-1], input_gram=self._holds_gram(a)):
             sq = torch.bmm(gl.transpose(1, 2), a).pow(2).sum((1, 2))
+        else:
+            sq = (self._input_gram(a) * _gram(gl, gl)).sum((1, 2))
         self._add(m.weight, sq, m)
         if len(self._owners.get(id(m.weight), ())) > 1:  # tied to an embedding, which runs its backward later
             local, mask = self._ids[id(m.weight)]
             at_ids = gl.gather(2, local.reshape(local.shape[0], 1, -1).expand(-1, t, -1))
             self._tied[id(m.weight)] = _Tied(a, at_ids * mask.reshape(mask.shape[0], 1, -1))
 
+    def _holds_gram(self, a: torch.Tensor) -> bool:
+        """Whether the cached A A^T (_input_gram) is this input's."""
+        last = self._gram
+        return last is not None and last[0].data_ptr() == a.data_ptr() and last[0].shape == a.shape \
+            and last[0].stride() == a.stride() and last[0].dtype == a.dtype
+
     def _input_gram(self, a: torch.Tensor) -> torch.Tensor:
         """A A^T of a linear layer's input, computed once for consecutive layers that read the same
         tensor (q, k and v read one normed stream, gate and up another; their backward hooks run one
         after another). The last input is held with its Gram, so its memory cannot be reused by
         another tensor while the cache names it."""
-        last = self._gram
-        if last is not None and last[0].data_ptr() == a.data_ptr() and last[0].shape == a.shape \
-                and last[0].stride() == a.stride() and last[0].dtype == a.dtype:
-            return last[1]
+        if self._holds_gram(a):
+            return self._gram[1]
         gram = _gram(a, a)
         self._gram = (a, gram)
         return gram

@@ -84,22 +84,38 @@ def elementwise_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
     return fwd + loss_f, bwd + loss_b
 
 
+def direct_norm(seq: int, out: int, inp: int, input_gram: bool) -> bool:
+    """Whether a Linear's per-example weight-gradient norm is formed directly (G^T A: T*in*out
+    multiply-adds and an [out, in] block per example) rather than from Gram matrices (G G^T, plus A A^T
+    unless `input_gram` says a layer reading the same input formed it: T^2 * (out [+ in]), and a
+    [T, T] pair per example): the one with fewer multiply-adds, among those whose per-example block
+    is at most twice the other's (memory stays near the smaller). The kernel (axonn/layers/per_example.py)
+    and example_norm_time both decide by it."""
+    t2 = seq * seq
+    gram = t2 * (out + (0 if input_gram else inp) + 1)
+    direct = (seq + 1) * inp * out
+    gram_fits, direct_fits = 2 * t2 <= 2 * inp * out, inp * out <= 2 * (2 * t2)
+    if gram_fits and direct_fits:
+        return direct < gram
+    return direct_fits
+
+
 def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, hw: Hardware,
                       mode: str = "paired", adapters: Any = None) -> float:
     """Seconds of the per-example gradient-norm work of ghost-norm clipping for one micro-batch
     (axonn/layers/per_example.py), beside the backward it rides on: per example and trained Linear
     [out, in] (this rank's slice, T = seq tokens), the Gram matrices G G^T (2 T^2 out flops) and A A^T
-    (2 T^2 in, formed once for the Linears that read one input: q, k, v and gate, up) or, where
-    T^2 > in * out, the per-example weight gradient G^T A itself; the LM head likewise, and the
+    (2 T^2 in, formed once for the Linears that read one input: q, k, v and gate, up) or the
+    per-example weight gradient G^T A itself, as `direct_norm` chooses; the LM head likewise, and the
     embedding's dE dE^T against the token-equality matrix. With `adapters` (a memory.Adapters, which
     imports this module) only the rank-r adapters are trained: A [r, in] and B [out, r] of each
     targeted Linear, nothing else."""
     products = 3.0 * 4 * seq * seq / hw.hbm_bw  # the [T, T] Grams multiplied and summed, fp32
 
-    def norm(out: int, inp: int, input_gram: bool = True) -> float:
-        if seq * seq > out * inp:
+    def norm(out: int, inp: int, cached: bool = False) -> float:
+        if direct_norm(seq, out, inp, input_gram=cached):
             return gemm_time(out, inp, seq, hw)
-        return (gemm_time(seq, seq, inp, hw) if input_gram else 0.0) + gemm_time(seq, seq, out, hw) + products
+        return (0.0 if cached else gemm_time(seq, seq, inp, hw)) + gemm_time(seq, seq, out, hw) + products
 
     transposed = [tr for _, _, _, tr in shape.block_linears()]
     blocks = [(lin.name, lin.out // grid.dim(lin.out_axis), lin.inp // grid.dim(lin.in_axis))
@@ -110,9 +126,9 @@ def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
                                                 if not adapters.targets or name in adapters.targets)
     per_block, last = 0.0, None  # the previous Linear: input width, transposed, formed its A A^T
     for (_, out, inp), tr in zip(blocks, transposed):
-        gram = seq * seq <= out * inp
-        cached = gram and not tr and last == (inp, False, True)
-        per_block += norm(out, inp, input_gram=not cached)
+        held = not tr and last == (inp, False, True)  # the previous Linear formed this input's A A^T
+        gram = not direct_norm(seq, out, inp, input_gram=held)
+        per_block += norm(out, inp, cached=held and gram)
         last = (inp, tr, gram)
     per_example = shape.layers * per_block
     per_example += norm(shape.vocab // grid.y, shape.hidden // grid.x)  # the LM head (a tied table too)

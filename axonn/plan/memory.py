@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from axonn.plan.compute import head_split
+from axonn.plan.compute import direct_norm, head_split
 from axonn.plan.shapes import ModelShape
 from axonn.plan.volumes import Grid, block_linears, default_mode, replicated_params, z_block
 from memorize_core import fail
@@ -167,16 +167,17 @@ def example_norm_bytes(shape: ModelShape, grid: Grid, seq: int, micro_batch: int
                        mode: str | None = None) -> float:
     """Per-example gradient norm buffers (axonn/layers/per_example.py, for per-example clipping)
     of one micro-batch on one rank: the largest layer's transient per-row pair of fp32 [T, T] Gram
-    matrices (or its [out, in] per-row gradient block when smaller), plus a tied table's [T, T] cross
+    matrices or its [out, in] per-row gradient block, as `compute.direct_norm` chooses (a layer whose
+    input's A A^T is not held yet), plus a tied table's [T, T] cross
     term and one more [T, T] token-equality matrix held to the embedding's backward.  The captured
     inputs are tensors autograd saves anyway; the graph kept for the second backward is the
     activations already counted."""
     mode = mode or default_mode(shape)
     t2 = float(seq) * seq
-    blocks = [(lin.out // grid.dim(lin.out_axis)) * (lin.inp // grid.dim(lin.in_axis))
+    blocks = [(lin.out // grid.dim(lin.out_axis), lin.inp // grid.dim(lin.in_axis))
               for lin in block_linears(shape, grid, mode)]
-    blocks.append((shape.vocab // grid.y) * (shape.hidden // grid.x))
-    largest = max(min(2 * t2, float(b)) for b in blocks)
+    blocks.append((shape.vocab // grid.y, shape.hidden // grid.x))
+    largest = max(float(o * i) if direct_norm(seq, o, i, input_gram=False) else 2 * t2 for o, i in blocks)
     return 4.0 * micro_batch * (largest + 2 * t2)
 
 

