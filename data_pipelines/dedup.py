@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from data_pipelines.corpora import Document
-from data_pipelines.near_dedup import near_duplicate_clusters
+from data_pipelines.near_dedup import MISS, bands, min_perms, near_duplicate_clusters
 from data_pipelines.packing import TokenLists
 from memorize_core import fail
 
@@ -82,7 +82,18 @@ class DedupConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(f"{prefix}.{name}", value, f"use an integer >= 1 {example}")
+        if self.near_documents and bands(t, self.near_perms) == (0, 0):
+            raise fail(f"{prefix}.near_perms", self.near_perms, f"too few for near_threshold={t:g}: LSH "
+                       f"would miss more than {MISS:g} of the pairs at the threshold; use >= {min_perms(t)}")
 
+    def key(self) -> dict:
+        """The settings a deduplicated corpus depends on, for run keys: the near pass's only when it
+        runs (a key from before it existed stays valid)."""
+        out = dataclasses.asdict(self)
+        if not self.near_documents:
+            for name in ("near_documents", "near_threshold", "near_ngram", "near_perms"):
+                out.pop(name)
+        return out
 
     def describe(self) -> str:
         """The passes that run, in words (report notes)."""

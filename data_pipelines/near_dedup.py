@@ -5,7 +5,8 @@ Two documents are near-duplicates when the Jaccard similarity of their sets of n
 al. 2022's NearDup (5-grams, 0.8, there on words; here on the tokenizer's ids, like the exact passes).
 Candidate pairs come from MinHash locality-sensitive hashing (datasketch's MinHash and MinHashLSH,
 `perms` permutations in b bands of r rows: the largest r for which a pair at the threshold is
-proposed with probability >= 1 - 1e-3, `bands`); every candidate's similarity is then computed
+proposed with probability >= 1 - 1e-3, `bands`; DedupConfig refuses fewer permutations than that
+needs, `min_perms`); every candidate's similarity is then computed
 exactly on the two shingle sets, so a pair that is kept always passes the threshold, and a pair that
 passes is missed only when LSH never proposed it (at most 1e-3 at the threshold, less above it).
 Near-duplicates form clusters (connected components, as NearDup does: a chain of near-copies is one
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MISS", "NearCluster", "bands", "near_duplicate_clusters", "shingles"]
+__all__ = ["MISS", "NearCluster", "bands", "min_perms", "near_duplicate_clusters", "shingles"]
 
 MISS = 1e-3  # the largest chance that LSH never proposes a pair at the threshold (bands)
 
@@ -49,13 +50,26 @@ def jaccard(a: set[bytes], b: set[bytes]) -> float:
 
 
 def bands(threshold: float, perms: int) -> tuple[int, int]:
-    """(b, r): the LSH bands for `perms` permutations, r as large as keeps the chance of never proposing a
-    pair of similarity `threshold`, (1 - threshold^r)^b with b = perms // r, at most MISS (a larger r
-    proposes fewer dissimilar pairs); r = 1 when none does."""
-    for r in range(perms, 0, -1):
+    """(b, r): the LSH bands for `perms` permutations (b >= 2, as MinHashLSH needs), r as large as keeps
+    the chance of never proposing a pair of similarity `threshold`, (1 - threshold^r)^b with
+    b = perms // r, at most MISS (a larger r proposes fewer dissimilar pairs); None-like (0, 0) when no r
+    does (too few permutations: `min_perms`)."""
+    for r in range(perms // 2, 0, -1):
         if (1 - threshold ** r) ** (perms // r) <= MISS:
             return perms // r, r
-    return perms, 1
+    return 0, 0
+
+
+def min_perms(threshold: float) -> int:
+    """The fewest permutations for which `bands` finds bands at `threshold`."""
+    perms = 2
+    while bands(threshold, perms) == (0, 0):
+        perms *= 2
+    lo = perms // 2
+    while lo + 1 < perms:  # the least in (perms / 2, perms]
+        mid = (lo + perms) // 2
+        lo, perms = (lo, mid) if bands(threshold, mid) != (0, 0) else (mid, perms)
+    return perms
 
 
 def near_duplicate_clusters(token_lists: Sequence[Sequence[int]], threshold: float, ngram: int,

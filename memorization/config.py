@@ -120,6 +120,10 @@ class DataConfig:
     def validate(self, prefix: str = "data") -> None:
         """Range checks."""
         self.dedup.validate(f"{prefix}.dedup")
+        if self.dedup.enabled and (self.format == "chat"
+                                   or (self.format == "auto" and is_chat_spec(self.corpus))):
+            raise fail(f"{prefix}.dedup.enabled", True, "deduplication works on plain documents, not "
+                       "conversations; set it false for a chat corpus")
         if self.format not in FORMATS:
             raise fail(f"{prefix}.format", self.format, f"choose one of {', '.join(FORMATS)}")
         if self.packing not in PACKING:

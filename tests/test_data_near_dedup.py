@@ -106,11 +106,33 @@ def test_near_copies_of_real_text_go_where_exact_spans_stay(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("near_threshold", 0), ("near_threshold", 1.5),
                                          ("near_threshold", True), ("near_ngram", 0), ("near_perms", 0),
-                                         ("near_documents", "yes")])
+                                         ("near_documents", "yes"), ("near_perms", 16)])
 def test_bad_near_settings_name_the_field(field, value):
     with pytest.raises(ConfigError) as info:
-        DedupConfig(enabled=True, **{field: value}).validate()
+        settings = {"enabled": True, "near_documents": True, "near_threshold": 0.3, field: value}
+        DedupConfig(**settings).validate()
     assert str(info.value).startswith(f"dedup.{field}=") and "\n" not in str(info.value)
+
+
+def test_too_few_permutations_are_refused_with_the_number_that_works():
+    """LSH at 16 permutations would miss more than 1e-3 of the pairs at Jaccard 0.3: refused, naming the
+    least count that does not (20: 20 bands of one row miss 0.7^20 < 1e-3, 19 miss 0.7^19 > 1e-3); a
+    threshold of 1 works."""
+    with pytest.raises(ConfigError, match="use >= 20$"):
+        DedupConfig(enabled=True, near_documents=True, near_threshold=0.3, near_perms=16).validate()
+    assert bands(0.3, 20) == (20, 1) and bands(0.3, 19) == (0, 0)
+    DedupConfig(enabled=True, near_documents=True, near_threshold=0.3, near_perms=20).validate()
+    lists = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 8]]
+    assert [(c.kept, c.removed) for c in near_duplicate_clusters(lists, 1.0, 5, 8)] == [(0, [(1, 1.0)])]
+
+
+def test_a_run_key_holds_the_near_pass_only_when_it_runs():
+    """Runs and experiments keyed before the near pass existed stay reusable: its settings enter a key
+    only with near_documents on."""
+    before = {"enabled": True, "exact_documents": True, "repeated_spans": True, "min_repeat_tokens": 50,
+              "min_doc_tokens": 1}  # what a mitigations run's dedup arm stored in its inputs.json
+    assert DedupConfig(enabled=True).key() == before
+    assert DedupConfig(enabled=True, near_documents=True).key()["near_threshold"] == 0.8
 
 
 def test_the_report_says_which_passes_ran():

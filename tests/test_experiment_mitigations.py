@@ -103,6 +103,7 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
 @pytest.mark.parametrize("arms,needle", [
     ("[{name: a, overrides: [trainer.nope=1]}]", "arms[0].overrides"),
     ("[{name: a}, {name: a}]", "arms"),
+    ("[{name: a, overrides: [data.dedup.enabled=true]}]", "arms[0].overrides"),  # one corpus for every arm
     ("[]", "arms"),
 ])
 def test_bad_arms_are_refused_before_anything_is_written(pretrained, tmp_path, cache_dir, capsys, arms,

@@ -30,10 +30,12 @@ def test_default_grid_trains_each_corpus_once():
                                             ("strategies=[hash,md5]", "strategies[1]"),
                                             ("copies=[0]", "copies[0]"), ("clusters=0", "clusters[0]"),
                                             ("dedup.near_threshold=2", "dedup.near_threshold"),
-                                            ("strategies=[dedup+md5]", "strategies[0]")])
+                                            ("strategies=[dedup+md5]", "strategies[0]"),
+                                            ("base.data.dedup.enabled=true", "base.data.dedup.enabled"),
+                                            ("strategies=[none,dedup] dedup.enabled=false", "dedup.enabled")])
 def test_bad_grid_names_the_field(override, field):
     with pytest.raises(ConfigError) as info:
-        load_experiment(CONFIG, [override])
+        load_experiment(CONFIG, override.split(" "))
     assert str(info.value).startswith(f"{field}=")
 
 
@@ -89,8 +91,8 @@ def test_a_pretrained_base_is_asked_before_fine_tuning(pretrained, tmp_path, mon
              f"base.model.name={pretrained}", "base.model.overrides={}", "base.data.block_len=40",
              "base.data.min_tokens=40", "base.trainer.epochs=1", "base.trainer.warmup_steps=1",
              "base.trainer.lr=1.0e-12", "base.eval.prefix=16", "base.eval.suffix=16"]
-    rows = run_experiment(CONFIG, out=tmp_path, overrides=small)["runs"]
-    base, cells_ = rows[0], rows[1:]
+    report = run_experiment(CONFIG, out=tmp_path, overrides=small)
+    base, cells_ = report["baseline"], report["runs"]
     assert base["strategy"] == "base model" and base["copies"] == 0 and len(cells_) == 2
     for r in cells_:
         for key in ("exact_match_rate", "rougeL", "np_best"):
@@ -104,11 +106,11 @@ def test_a_pretrained_base_is_asked_before_fine_tuning(pretrained, tmp_path, mon
         raise AssertionError("the cached baseline loaded the model")
 
     monkeypatch.setattr(nd, "reference_model", no_model)
-    assert run_experiment(CONFIG, out=tmp_path, overrides=small)["runs"][0] == base
+    assert run_experiment(CONFIG, out=tmp_path, overrides=small)["baseline"] == base
     with pytest.raises(AssertionError, match="cached baseline"):  # another suffix: evaluated again
         run_experiment(CONFIG, out=tmp_path, overrides=small + ["base.eval.suffix=12"])
-    rows = run_experiment(CONFIG, out=tmp_path, overrides=small + ["baseline=false"])["runs"]
-    assert [r["copies"] for r in rows] == [1, 3]
+    report = run_experiment(CONFIG, out=tmp_path, overrides=small + ["baseline=false"])
+    assert [r["copies"] for r in report["runs"]] == [1, 3] and report["baseline"] is None
 
 
 def test_dedup_strategies_train_on_the_deduplicated_corpus(tmp_path):

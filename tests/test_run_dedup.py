@@ -43,3 +43,24 @@ def test_dedup_of_a_chat_corpus_is_refused_before_anything_is_written(tmp_path, 
                  "data.dedup.enabled=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: data.dedup.enabled=True") and not out.exists()
+
+
+def test_the_audit_canaries_join_the_deduplicated_tokens_and_the_key_stays_when_off(tmp_path):
+    """eval.audit's canaries are added after dedup without tokenizing the documents again: the spans the
+    span pass cut stay cut. With dedup off the run key holds no dedup settings (older runs reusable)."""
+    from memorization.config import load_run_config
+    from memorization.experiments.runner import run_key
+    from memorization.train.prepare import prepare_data
+
+    path, _ = _corpus(tmp_path)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(tiny_base_yaml(max_steps=1).replace("corpus: wiki-leads, limit: 20",
+                                                            f"corpus: {path}"))
+    over = ["data.dedup.enabled=true", "data.dedup.min_repeat_tokens=8", "data.block_len=200"]
+    plain = prepare_data(load_run_config(cfg_file, over))
+    audited = prepare_data(load_run_config(cfg_file, over + ["eval.audit=true", "eval.audit_canaries=4"]))
+    assert plain.dedup.counts["repeated-span"]["tokens"] > 0  # the span pass cut something
+    assert audited.member_docs == plain.train_docs and audited.member_doc_ids == plain.train_doc_ids
+    assert len(audited.train_docs) > len(plain.train_docs)  # the included canaries
+    assert "dedup" not in run_key(load_run_config(cfg_file))["data"]
+    assert run_key(load_run_config(cfg_file, over))["data"]["dedup"]["min_repeat_tokens"] == 8

@@ -21,7 +21,7 @@ from memorization.experiments.exposure import canary_scores
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
-from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
+from memorization.experiments.spec import ExperimentConfig, check_losses, int_list, refuse_data_dedup
 from memorization.mitigations.goldfish import goldfish_mask
 from memorization.models import run_tokenizer
 from memorization.train.prepare import prepare_documents
@@ -73,6 +73,7 @@ class InjectionConfig(ExperimentConfig):
         if self.canaries.candidates < 0:
             raise fail("canaries.candidates", self.canaries.candidates, "must be >= 0 (0 = the whole space)")
         self.canary_spec()
+        refuse_data_dedup(self.base, "compare deduplication as a mitigations arm (dedup: true)")
 
     def canary_spec(self):
         """The data_pipelines CanarySpec: per_count canaries for every count."""

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from axonn.config import to_dict
 from data_pipelines import DedupConfig, tokenize_documents
 from evals import extract, summarize
 from evals.near_verbatim import near_verbatim
@@ -89,7 +88,11 @@ class Config(InjectionConfig, MiaSettings):
         names = [a.name for a in self.arms]
         for i, a in enumerate(self.arms):
             check_name(f"arms[{i}].name", a.name)  # it names its run folder, OUT/runs/NAME
-            arm_config(self, a, f"arms[{i}].overrides")  # every override parses into a valid run config
+            rc = arm_config(self, a, f"arms[{i}].overrides")  # every override parses into a valid run config
+            if rc.data.dedup != self.base.data.dedup:  # the arms share one prepared corpus
+                raise fail(f"arms[{i}].overrides", a.overrides, "data.dedup cannot differ per arm here: "
+                           "the arms train on one prepared corpus; set dedup: true on the arm (and the "
+                           "experiment's dedup settings) instead")
         if len(set(names)) != len(names):
             raise fail("arms", names, "arm names must be distinct")
 
@@ -172,6 +175,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 "sampled": beyond, "near_verbatim": near, **questions(model, downstream=True)}
 
     eval_key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap, **b.eval.near_key(),
+                "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
                 "candidates": cfg.canaries.candidates,
                 "other": [cfg.other_held_out, cfg.other_held_out_limit],
                 "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot]}
@@ -183,9 +187,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                   "injected": [[it.id, it.text, it.count, it.secret] for it in manifest.items]}
         values = exp.baseline({"model": b.model.name, "overrides": b.model.overrides, "seed": b.seed,
                                "inputs": digest(inputs), "eval": eval_key, "prefix": b.eval.prefix,
-                               "suffix": b.eval.suffix, "schemes": b.eval.sampling,
-                               "np": [b.eval.np_ns, b.eval.np_p]}, lambda r=reference: r, evaluate)
+                               "suffix": b.eval.suffix}, lambda r=reference: r, evaluate)
         baseline = _arm_record(Arm(BASELINE_ROW, "not fine-tuned"), values, cfg.counts)
+        baseline["mia"].pop("ref_ratio", None)  # against itself: 0 for every row, chance by construction
         base_downstream = values.get("downstream")
     else:
         base_downstream = questions.downstream(reference)  # what fine-tuning starts from (None: no tasks)
@@ -204,7 +208,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 _annotate(run_dir, {"peak_rss_bytes": peak.peak})
             return summary
 
-        extra = {**key, "dedup": to_dict(cfg.dedup) if arm.dedup else None}
+        extra = {**key, "dedup": cfg.dedup.key() if arm.dedup else None}
         summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
                           eval_key=eval_key, per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:
@@ -395,7 +399,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     if baseline:
         notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning, asked the same questions "
                      "(OUT/baseline/evals.json): a lead or secret it already reproduces, or a membership "
-                     "signal it already shows, was not learnt from this corpus.")
+                     "signal it already shows, was not learnt from this corpus (no ref_ratio: its reference "
+                     "is itself).")
     if cfg.downstream:
         notes.append(f"Downstream: accuracy ± standard error (lm-eval) on {', '.join(cfg.downstream)} "
                      f"({limit_words(cfg)}); the un-fine-tuned base model scores "

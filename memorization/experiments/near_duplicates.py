@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from axonn.config import to_dict
 from data_pipelines import DedupConfig, DuplicateSpec, inject, tokenize_documents
 from evals import extract
 from evals.near_verbatim import near_verbatim
@@ -27,7 +26,7 @@ from memorization.config import RunConfig, change_words
 from memorization.experiments.questions import reference_model
 from memorization.experiments.reporting import Outputs, Table, save
 from memorization.experiments.runner import Experiment, digest, load_documents, say
-from memorization.experiments.spec import ExperimentConfig, choice_list, int_list
+from memorization.experiments.spec import ExperimentConfig, choice_list, int_list, refuse_data_dedup
 from memorization.mitigations.coverage import Cluster, audit, clusters_from_manifest
 from memorization.mitigations.goldfish import STRATEGIES
 from memorization.models import is_pretrained, run_tokenizer
@@ -78,6 +77,10 @@ class Config(ExperimentConfig):
         int_list("clusters", [self.clusters], minimum=1)
         DuplicateSpec(counts=[1], edit_unit=self.edit_unit)  # checks the unit
         self.dedup.validate("dedup")
+        refuse_data_dedup(self.base, "use the dedup or dedup+S strategies (the experiment's dedup settings)")
+        if any(x.startswith("dedup") for x in self.strategies) and not self.dedup.enabled:
+            raise fail("dedup.enabled", False, "the dedup strategies train on the deduplicated corpus: set "
+                       "it true, or drop them from strategies")
 
 
 def cells(cfg: Config) -> list[tuple[int, float]]:
@@ -166,13 +169,15 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 "np": np_rates(beyond) if beyond else {},
                 "near_np": _near_rates(near, b.eval.near_verbatim) if near else {}, "held_out_loss": held}
 
-    eval_key = {"prefix": b.eval.prefix, "suffix": b.eval.suffix, "held_out_loss": True, **b.eval.near_key()}
+    # everything evaluate reads beside the model (the cells run with eval.extraction off, so their run key
+    # holds no sampling settings: they are here)
+    eval_key = {"prefix": b.eval.prefix, "suffix": b.eval.suffix, "held_out_loss": True,
+                "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p], **b.eval.near_key()}
     rows = []
     pretrained = is_pretrained(b.model.name) and not b.model.random_init
     if cfg.baseline and pretrained:
         key = {"model": b.model.name, "overrides": b.model.overrides, "originals": digest(originals),
-               "held_out": digest(held_docs), "eval": eval_key, "schemes": b.eval.sampling,
-               "np": [b.eval.np_ns, b.eval.np_p], "seed": b.seed}
+               "held_out": digest(held_docs), "eval": eval_key, "seed": b.seed}
         say("base model: evaluating before fine-tuning")
         values = exp.baseline(key, lambda: reference_model(b, exp.grid_spec), evaluate)
         if exp.is_main:
@@ -186,7 +191,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             rc = cell_config(cfg, strategy, n, r)
             extra = {"duplicates": vars(spec), "seed": b.seed}
             if strategy.startswith("dedup"):
-                extra["dedup"] = to_dict(cfg.dedup)
+                extra["dedup"] = cfg.dedup.key()
             summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb, extra_key=extra,
                               eval_key=eval_key)
             if not exp.is_main:
@@ -247,8 +252,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         notes.append(f"Within {b.eval.near_verbatim} {word}: the share of originals whose lower bound of "
                      f"P(a sample lies within {b.eval.near_verbatim} {phrase} of the suffix) passes the same "
                      "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
-    return Outputs(title=title, kind=cfg.kind, runs=table, tables=[Table("Cells", table, columns)],
-                   notes=notes, plots=[plot])
+    return Outputs(title=title, kind=cfg.kind, runs=table[len(base):], notes=notes, plots=[plot],
+                   tables=[Table("Cells", table, columns)], extra={"baseline": base[0] if base else None})
 
 
 def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
@@ -263,9 +268,10 @@ def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
 
 
 def _surviving(clusters: list[Cluster], data: PreparedData) -> list[Cluster]:
-    """Each cluster with only the copies the deduplicated corpus still trains on."""
-    kept = set(data.train_doc_ids)
-    return [Cluster(c.id, c.original, [t for t, i in zip(c.copies, c.member_ids) if i in kept],
+    """Each cluster with only the copies the deduplicated corpus still trains on, as it trains on them
+    (the span pass may have cut a kept copy)."""
+    kept = dict(zip(data.train_doc_ids, data.train_docs))
+    return [Cluster(c.id, c.original, [list(kept[i]) for i in c.member_ids if i in kept],
                     [i for i in c.member_ids if i in kept]) for c in clusters]
 
 

@@ -65,7 +65,9 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
         d["model"].pop("lora", None)
     if not cfg.trainer.dp.enabled:
         d["trainer"].pop("dp", None)
-    if not cfg.data.dedup.enabled:
+    if cfg.data.dedup.enabled:
+        d["data"]["dedup"] = cfg.data.dedup.key()
+    else:
         d["data"].pop("dedup", None)
     # near-verbatim settings only where the run bounds near-copies itself (an experiment that does keys
     # them in its eval_key), as EvalConfig.near_key keys them
@@ -124,8 +126,8 @@ class Experiment:
             self.prepared = True
             return
         if self.overwrite and self.out.is_dir():
-            remove_entries(self.out, ["runs", BASELINE, *REPORT_FILES,
-                                      *(p.name for p in self.out.glob("*.png"))])
+            written = [*self.out.glob("*.png"), *self.out.glob("dedup*.json")]  # plots, dedup manifests
+            remove_entries(self.out, ["runs", BASELINE, *REPORT_FILES, *(p.name for p in written)])
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
         self.prepared = True
 

@@ -42,6 +42,14 @@ class ExperimentConfig:
             raise fail("samples", self.samples, "must be >= 0")
 
 
+def refuse_data_dedup(base: RunConfig, instead: str) -> None:
+    """An experiment that injects copies and counts them prepares its corpus itself: base.data.dedup
+    would remove the copies behind its back (ConfigError naming what to use `instead`)."""
+    if base.data.dedup.enabled:
+        raise fail("base.data.dedup.enabled", True,
+                   f"this experiment injects copies and counts them; {instead}")
+
+
 @dataclass
 class Arm:
     """One mitigation: a name, what it is, the run-config overrides that switch it on, dedup or not."""

@@ -12,6 +12,7 @@ from typing import Any
 from data_pipelines import (
     DedupConfig,
     DedupManifest,
+    TokenLists,
     chat_blocks,
     check_responses,
     deduplicate,
@@ -102,12 +103,16 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     if d.dedup.enabled:  # on the tokens the rows are cut from (before the audit's canaries join)
         tokens, dedup = deduplicate(docs, tokens, d.dedup)
         if not tokens:
-            raise fail("data.dedup", d.dedup.describe(), "removed every document; check the corpus")
+            raise fail("data.dedup", d.dedup.describe(), "removed every document: raise near_threshold or "
+                       "min_repeat_tokens, or turn passes off")
     audit = None
     if cfg.eval.audit:  # after the tokenizer (it never sees a canary) and after min_tokens (never cut)
         audit = tokenize_audit(audit_set(cfg.eval.audit_canaries, cfg.seed), tok, max_tokens=d.block_len)
-        docs = [docs[i] for i in tokens.kept] + audit.documents()
-        tokens = tokenize_documents(docs, tok, max_tokens=cut, min_tokens=1)
+        canaries = audit.documents()
+        extra = tokenize_documents(canaries, tok, max_tokens=cut, min_tokens=1)
+        # the documents' tokens as they are (data.dedup may have cut spans), the canaries' after them
+        docs = [docs[i] for i in tokens.kept] + [canaries[i] for i in extra.kept]
+        tokens = TokenLists(list(tokens) + list(extra), list(range(len(docs))))
     kept = tokens.kept
     if check_lengths and cfg.eval.extraction:
         need = cfg.eval.prefix + cfg.eval.suffix
@@ -152,9 +157,6 @@ def is_chat_data(cfg: RunConfig) -> bool:
 def prepare_chat(cfg: RunConfig) -> PreparedData:
     """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
     d = cfg.data
-    if d.dedup.enabled:
-        raise fail("data.dedup.enabled", True, "deduplication works on plain documents, not conversations; "
-                   "set it false for a chat corpus")
     examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
     check_responses(examples)  # before a tokenizer is trained and cached for this corpus
     held_examples = None
