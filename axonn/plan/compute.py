@@ -86,18 +86,21 @@ def elementwise_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, 
 
 def direct_norm(seq: int, out: int, inp: int, input_gram: bool) -> bool:
     """Whether a Linear's per-example weight-gradient norm is formed directly (G^T A: T*in*out
-    multiply-adds and an [out, in] block per example) rather than from Gram matrices (G G^T, plus A A^T
-    unless `input_gram` says a layer reading the same input formed it: T^2 * (out [+ in]), and a
-    [T, T] pair per example): the one with fewer multiply-adds, among those whose per-example block
-    is at most twice the other's (memory stays near the smaller). The kernel (axonn/layers/per_example.py)
-    and example_norm_time both decide by it."""
+    multiply-adds and an [out, in] block per example, written, squared and summed) rather than from Gram
+    matrices (G G^T, plus A A^T unless `input_gram` says a layer reading the same input formed it:
+    T^2 * (out [+ in]), and a [T, T] pair per example). Where each fits beside the other (the block no
+    larger than the Gram pair, the pair no larger than twice the block) the one with fewer multiply-adds;
+    else the one that fits. A block larger than the pair loses on its memory passes even with fewer
+    multiply-adds (SmolLM2's gate at T = 512: 0.82x the multiply-adds, 1.17x the time on a CPU;
+    llama-1b's at T = 2,048 on an H100 by the planner's prices: benchmarks/bench_ghost_norms.py,
+    docs/benchmarks.md). The kernel (axonn/layers/per_example.py) and example_norm_time both decide by it."""
     t2 = seq * seq
     gram = t2 * (out + (0 if input_gram else inp) + 1)
     direct = (seq + 1) * inp * out
-    gram_fits, direct_fits = 2 * t2 <= 2 * inp * out, inp * out <= 2 * (2 * t2)
-    if gram_fits and direct_fits:
+    block_fits, pair_fits = inp * out <= 2 * t2, t2 <= inp * out
+    if block_fits and pair_fits:
         return direct < gram
-    return direct_fits
+    return block_fits
 
 
 def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, hw: Hardware,
@@ -113,8 +116,8 @@ def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
     products = 3.0 * 4 * seq * seq / hw.hbm_bw  # the [T, T] Grams multiplied and summed, fp32
 
     def norm(out: int, inp: int, cached: bool = False) -> float:
-        if direct_norm(seq, out, inp, input_gram=cached):
-            return gemm_time(out, inp, seq, hw)
+        if direct_norm(seq, out, inp, input_gram=cached):  # G^T A written, squared and summed, fp32
+            return gemm_time(out, inp, seq, hw) + 3.0 * 4 * out * inp / hw.hbm_bw
         return (0.0 if cached else gemm_time(seq, seq, inp, hw)) + gemm_time(seq, seq, out, hw) + products
 
     transposed = [tr for _, _, _, tr in shape.block_linears()]
