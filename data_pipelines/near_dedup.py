@@ -20,9 +20,37 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MISS", "NearCluster", "bands", "min_perms", "near_duplicate_clusters", "shingles"]
+__all__ = ["MISS", "EarliestUnion", "NearCluster", "bands", "min_perms", "near_duplicate_clusters",
+           "shingles"]
 
 MISS = 1e-3  # the largest chance that LSH never proposes a pair at the threshold (bands)
+
+
+class EarliestUnion:
+    """Union-find over 0..n-1 whose root is each set's smallest member (the earliest document)."""
+
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+
+    def root(self, i: int) -> int:
+        """The smallest member of i's set."""
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def join(self, i: int, j: int) -> None:
+        """Merge the sets of i and j."""
+        a, b = self.root(i), self.root(j)
+        if a != b:
+            self.parent[max(a, b)] = min(a, b)
+
+    def groups(self, members: Sequence[int] | None = None) -> dict[int, list[int]]:
+        """root -> its members (of `members`, default all), in index order."""
+        out: dict[int, list[int]] = {}
+        for i in range(len(self.parent)) if members is None else members:
+            out.setdefault(self.root(i), []).append(i)
+        return out
 
 
 @dataclass
@@ -84,23 +112,11 @@ def near_duplicate_clusters(token_lists: Sequence[Sequence[int]], threshold: flo
         return []
     hashes = MinHash.bulk([sets[i] for i in live], num_perm=perms, seed=seed)
     lsh = MinHashLSH(num_perm=perms, params=bands(threshold, perms))
-    parent = list(range(len(sets)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    union = EarliestUnion(len(sets))
     for i, h in zip(live, hashes):
         for j in lsh.query(h):  # earlier documents only: each pair once
             if jaccard(sets[i], sets[j]) >= threshold:
-                a, b = root(i), root(j)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)  # the root is the cluster's earliest document
+                union.join(i, j)
         lsh.insert(i, h)
-    members: dict[int, list[int]] = {}
-    for i in live:
-        members.setdefault(root(i), []).append(i)
     return [NearCluster(r, [(i, jaccard(sets[r], sets[i])) for i in ms if i != r])
-            for r, ms in sorted(members.items()) if len(ms) > 1]
+            for r, ms in sorted(union.groups(live).items()) if len(ms) > 1]

@@ -31,6 +31,7 @@ import torch
 from data_pipelines import DuplicateSpec, inject, load_corpus, load_tokenizer, tokenize_documents
 from data_pipelines.dedup import repeated_spans
 from data_pipelines.inject import Manifest
+from data_pipelines.near_dedup import EarliestUnion
 from memorization.mitigations.goldfish import STRATEGIES, check_params, goldfish_mask, special_token_ids
 from memorize_core import fail
 
@@ -165,21 +166,11 @@ def find_clusters(ids: Sequence[str], token_lists: Sequence[Sequence[int]], *, n
     shared: dict[tuple[int, int], int] = {}
     for doc, start, end, first, _ in repeated_spans(token_lists, ngram):
         shared[(doc, first)] = shared.get((doc, first), 0) + end - start
-    parent = list(range(len(token_lists)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    union = EarliestUnion(len(token_lists))  # the earliest document roots its cluster
     for (doc, first), n in shared.items():
         if doc != first and n >= min_shared * max(1, len(token_lists[doc])):
-            a, b = root(doc), root(first)
-            parent[max(a, b)] = min(a, b)  # the earliest document roots its cluster
-    groups: dict[int, list[int]] = {}
-    for i in range(len(token_lists)):
-        groups.setdefault(root(i), []).append(i)
+            union.join(doc, first)
+    groups = union.groups()
     return [Cluster(ids[r], list(token_lists[r]), [list(token_lists[j]) for j in m], [ids[j] for j in m])
             for r, m in sorted(groups.items()) if len(m) > 1]
 
