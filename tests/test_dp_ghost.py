@@ -123,6 +123,38 @@ def test_the_choice_of_path_by_flops_where_both_fit(seq, out, inp, held, direct)
     assert direct_norm(seq, out, inp, input_gram=held) is direct
 
 
+def test_the_planner_prices_the_paths_the_kernel_takes(monkeypatch):
+    """A GQA Llama at T = 24 where the cache decides (k and v: G^T A, as nothing is cached when the
+    backward reaches them; q: Grams): the norm pass's own choices, in the order its hooks run, equal
+    axonn.plan.compute.norm_paths for the same shape (a forward-order walk priced k and v as cached
+    Grams)."""
+    import axonn.layers.per_example as per_example
+    from axonn.plan.compute import norm_paths
+    from axonn.plan.shapes import shape_from_config
+    from axonn.plan.volumes import Grid
+
+    seen = []
+    rule = per_example.direct_norm
+
+    def recorded(seq, out, inp, input_gram):
+        seen.append((out, inp, input_gram, rule(seq, out, inp, input_gram)))
+        return seen[-1][-1]
+
+    monkeypatch.setattr(per_example, "direct_norm", recorded)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=1, num_attention_heads=6,
+                                         num_key_value_heads=2)).double()
+    ids = torch.randint(0, V, (8, 24), generator=torch.Generator().manual_seed(0))
+    cfg = tcfg(max_grad_norm=1.0)
+    trainer = Trainer(model, cfg, Rows(ids), gradient_hook=GhostPrivacy(cfg, 8))
+    trainer.train_step(Rows(ids)[torch.arange(8)])
+    planned = norm_paths(shape_from_config(model.config.to_dict()), Grid(1, 1, 1, 1), 24)
+    block = seen[1:1 + len(planned)]  # the LM head's first, then the block's, last Linear first
+    assert [(o, i, c, d) for (_, o, i), c, d in planned] == block
+    assert [d for *_, d in block] == [False, False, False, False, True, True, False]  # down..o, v, k, q
+
+
 def _steps(model, cfg, data, grid=None, steps=2):
     """Train `steps` fixed batches of 8 rows; (per step: this rank's rows' norms), the trainer."""
     hook = GhostPrivacy(cfg, len(data), grid=grid)

@@ -103,6 +103,29 @@ def direct_norm(seq: int, out: int, inp: int, input_gram: bool) -> bool:
     return block_fits
 
 
+def norm_paths(shape: ModelShape, grid: Grid, seq: int,
+               mode: str = "paired") -> list[tuple[tuple[str, int, int], bool, bool]]:
+    """One block's Linears in the order the norm pass's hooks see them (backward: the block's last
+    Linear first) as ((name, out, in) of this rank's slice, whether the hooks' cache holds its input's
+    A A^T, whether `direct_norm` forms G^T A). The cache holds the input of the last Linear that took
+    the Gram path: the Linears that read one stream (q, k, v; gate, up: consecutive, not transposed)
+    share it, whatever direct Linears come between."""
+    linears = [(lin.name, lin.out // grid.dim(lin.out_axis), lin.inp // grid.dim(lin.in_axis))
+               for lin in block_linears(shape, grid, mode)]
+    transposed = [tr for _, _, _, tr in shape.block_linears()]
+    streams, n = [], -1  # which input each Linear reads
+    for i, tr in enumerate(transposed):
+        n += 1 if tr or i == 0 or transposed[i - 1] else 0
+        streams.append(n)
+    out, held = [], None
+    for lin, stream in reversed(list(zip(linears, streams))):
+        direct = direct_norm(seq, lin[1], lin[2], input_gram=held == stream)
+        out.append((lin, held == stream, direct))
+        if not direct:
+            held = stream
+    return out
+
+
 def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int, hw: Hardware,
                       mode: str = "paired", adapters: Any = None) -> float:
     """Seconds of the per-example gradient-norm work of ghost-norm clipping for one micro-batch
@@ -120,19 +143,15 @@ def example_norm_time(shape: ModelShape, grid: Grid, seq: int, micro_batch: int,
             return gemm_time(out, inp, seq, hw) + 3.0 * 4 * out * inp / hw.hbm_bw
         return (0.0 if cached else gemm_time(seq, seq, inp, hw)) + gemm_time(seq, seq, out, hw) + products
 
-    transposed = [tr for _, _, _, tr in shape.block_linears()]
     blocks = [(lin.name, lin.out // grid.dim(lin.out_axis), lin.inp // grid.dim(lin.in_axis))
               for lin in block_linears(shape, grid, mode)]
     if adapters is not None:
         r = adapters.rank
         return micro_batch * shape.layers * sum(norm(r, inp) + norm(out, r) for name, out, inp in blocks
                                                 if not adapters.targets or name in adapters.targets)
-    per_block, last = 0.0, None  # the previous Linear: input width, transposed, formed its A A^T
-    for (_, out, inp), tr in zip(blocks, transposed):
-        held = not tr and last == (inp, False, True)  # the previous Linear formed this input's A A^T
-        gram = not direct_norm(seq, out, inp, input_gram=held)
-        per_block += norm(out, inp, cached=held and gram)
-        last = (inp, tr, gram)
+    per_block = 0.0
+    for (_, out, inp), cached, direct in norm_paths(shape, grid, seq, mode):
+        per_block += norm(out, inp, cached=cached and not direct)
     per_example = shape.layers * per_block
     per_example += norm(shape.vocab // grid.y, shape.hidden // grid.x)  # the LM head (a tied table too)
     per_example += gemm_time(seq, seq, shape.hidden // grid.x, hw) + products
