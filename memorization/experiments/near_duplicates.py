@@ -37,6 +37,11 @@ from memorize_core import fail
 # none: standard loss; dedup: standard loss on the corpus after `dedup` (near-document dedup by default);
 # dedup+S: goldfish strategy S on that corpus
 CHOICES = ("none",) + STRATEGIES + ("dedup",) + tuple(f"dedup+{s}" for s in STRATEGIES)
+
+
+def is_dedup(strategy: str) -> bool:
+    """Whether a grid strategy trains on the deduplicated corpus (dedup, dedup+S)."""
+    return strategy.startswith("dedup")
 COLUMNS = (
     ("strategy", "strategy", "{}"), ("copies", "copies", "{}"), ("edit_rate", "edit rate", "{:.0%}"),
     ("exact_match_rate", "EM", "{:.0%}"), ("rougeL", "RougeL", "{:.3f}"),
@@ -78,7 +83,7 @@ class Config(ExperimentConfig):
         DuplicateSpec(counts=[1], edit_unit=self.edit_unit)  # checks the unit
         self.dedup.validate("dedup")
         refuse_data_dedup(self.base, "use the dedup or dedup+S strategies (the experiment's dedup settings)")
-        if any(x.startswith("dedup") for x in self.strategies) and not self.dedup.enabled:
+        if any(map(is_dedup, self.strategies)) and not self.dedup.enabled:
             raise fail("dedup.enabled", False, "the dedup strategies train on the deduplicated corpus: set "
                        "it true, or drop them from strategies")
 
@@ -139,7 +144,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         data = prepare_documents(keep_all, injected, held, tokenizer=tok)
         clusters = clusters_from_manifest(injected, manifest, tok, max_tokens=b.data.block_len)
         corpora[(n, r)] = (data, clusters, spec)
-        if any(x.startswith("dedup") for x in cfg.strategies):  # the same corpus after cfg.dedup
+        if any(map(is_dedup, cfg.strategies)):  # the same corpus after cfg.dedup
             ddata, dman = prepare_deduplicated(data, injected, cfg.dedup, b.data.block_len)
             corpora[(n, r, "dedup")] = (ddata, _surviving(clusters, ddata), dman)
     exp.check(run_configs(cfg), [_corpus(corpora, s, n, r)[0] for n, r in cells(cfg) for s in cfg.strategies])
@@ -173,24 +178,24 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     # holds no sampling settings: they are here)
     eval_key = {"prefix": b.eval.prefix, "suffix": b.eval.suffix, "held_out_loss": True,
                 "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p], **b.eval.near_key()}
-    rows = []
+    rows, base = [], None  # the cells; the base model's row
     pretrained = is_pretrained(b.model.name) and not b.model.random_init
     if cfg.baseline and pretrained:
         key = {"model": b.model.name, "overrides": b.model.overrides, "originals": digest(originals),
                "held_out": digest(held_docs), "eval": eval_key, "seed": b.seed}
-        say("base model: evaluating before fine-tuning")
+        say("base model: its evaluation before fine-tuning")
         values = exp.baseline(key, lambda: reference_model(b, exp.grid_spec), evaluate)
         if exp.is_main:
-            rows.append({"name": "base-model", "strategy": "base model", "copies": 0, "edit_rate": None,
-                         **_scores(values), "suffix_coverage": None, "coverage": None,
-                         "single_copy_suffix": None, "fully_covered": "", "train_seconds": None, "rows": 0})
+            base = {"name": "base-model", "strategy": "base model", "copies": 0, "edit_rate": None,
+                    **_scores(values), "suffix_coverage": None, "coverage": None, "single_copy_suffix": None,
+                    "fully_covered": "", "train_seconds": None, "rows": 0}
     for n, r in cells(cfg):
         spec = corpora[(n, r)][2]
         for strategy in cfg.strategies:
             data, clusters, dman = _corpus(corpora, strategy, n, r)
             rc = cell_config(cfg, strategy, n, r)
             extra = {"duplicates": vars(spec), "seed": b.seed}
-            if strategy.startswith("dedup"):
+            if is_dedup(strategy):
                 extra["dedup"] = cfg.dedup.key()
             summary = exp.run(rc, data, evaluate=evaluate, per_run_wandb=cfg.per_run_wandb, extra_key=extra,
                               eval_key=eval_key)
@@ -210,8 +215,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 f"{rows[-1]['suffix_coverage']:.0%}")
     if not exp.is_main:
         return None
-    base = [x for x in rows if x["copies"] == 0]
-    table = base + _expand([x for x in rows if x["copies"]], cfg)
+    grid = _expand(rows, cfg)
+    table = ([base] if base else []) + grid
     notes = [
         f"Corpus: {b.data.corpus} (limit {b.data.limit}), {len(docs)} base documents of >= "
         f"{b.data.min_tokens} tokens; {cfg.clusters} of them are copied n times per cell (copy 0 verbatim, "
@@ -238,7 +243,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     plot = _plot(table, cfg, exp.out / "goldfish-near-duplicates.png")
     title = "Goldfish under near-duplicates: extraction and mask coverage vs copies and edit rate"
     columns = COLUMNS
-    if any(x.startswith("dedup") for x in cfg.strategies):
+    if any(map(is_dedup, cfg.strategies)):
         columns = (*COLUMNS[:2], ("copies_trained", "copies trained", "{:.1f}"), *COLUMNS[2:])
         notes.append(f"dedup: the cell's corpus after deduplication ({cfg.dedup.describe()}: the "
                      "earliest copy in corpus order stays, which may be an edited one; OUT/dedup-xN-rR.json "
@@ -252,8 +257,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         notes.append(f"Within {b.eval.near_verbatim} {word}: the share of originals whose lower bound of "
                      f"P(a sample lies within {b.eval.near_verbatim} {phrase} of the suffix) passes the same "
                      "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
-    return Outputs(title=title, kind=cfg.kind, runs=table[len(base):], notes=notes, plots=[plot],
-                   tables=[Table("Cells", table, columns)], extra={"baseline": base[0] if base else None})
+    return Outputs(title=title, kind=cfg.kind, runs=grid, notes=notes, plots=[plot],
+                   tables=[Table("Cells", table, columns)], extra={"baseline": base})
 
 
 def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
@@ -277,7 +282,7 @@ def _surviving(clusters: list[Cluster], data: PreparedData) -> list[Cluster]:
 
 def _corpus(corpora: dict, strategy: str, n: int, r: float) -> tuple:
     """(prepared data, clusters, dedup manifest or spec) a strategy's cell trains on."""
-    return corpora[(n, r, "dedup")] if strategy.startswith("dedup") else corpora[(n, r)]
+    return corpora[(n, r, "dedup")] if is_dedup(strategy) else corpora[(n, r)]
 
 
 def _scores(s: dict[str, Any]) -> dict[str, Any]:
