@@ -181,7 +181,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot]}
     baseline = None
     if cfg.baseline:  # the model every arm starts from, asked the same questions (cached in OUT/baseline)
-        say("base model: evaluating before fine-tuning")
+        say("base model: its evaluation before fine-tuning")
         inputs = {"members": members, "nonmembers": nonmembers, "duplicated": dup_docs,
                   "other": questions.other,
                   "injected": [[it.id, it.text, it.count, it.secret] for it in manifest.items]}
