@@ -11,6 +11,8 @@ Kinds (configs/experiments/<kind>.yaml):
                              duplicates: extraction, exposure, MIA, utility and cost per arm
   goldfish-near-duplicates   copies x edit rate x goldfish strategy: extraction, mask coverage and
                              held-out loss when the duplicates are near-copies
+  forgetting                 mitigations' fine-tune, then plain training on fresh data: the same
+                             questions of the fine-tune's data after every further pass
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ KINDS = {
     "pretrained-memorization": "memorization.experiments.pretrained",
     "mitigations": "memorization.experiments.mitigations",
     "goldfish-near-duplicates": "memorization.experiments.near_duplicates",
+    "forgetting": "memorization.experiments.forgetting",
 }
 
 

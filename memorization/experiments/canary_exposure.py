@@ -81,6 +81,13 @@ class InjectionConfig(ExperimentConfig):
         return CanarySpec(num_canaries=c.per_count * len(self.counts), template=c.template,
                           space=dict(c.space), repeats=list(self.counts))
 
+    def injection_key(self) -> dict[str, Any]:
+        """What was injected, which decides training (the candidate sample decides only the evaluation):
+        a sub-run's extra key."""
+        c = self.canaries
+        return {"counts": self.counts, "duplicates": vars(self.duplicates),
+                "canaries": {"per_count": c.per_count, "template": c.template, "space": c.space}}
+
     def duplicate_spec(self):
         """The data_pipelines DuplicateSpec, or None without duplicates."""
         n = self.duplicates.per_count
@@ -164,9 +171,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     space = cfg.canary_spec().space
     b = cfg.base
     c = cfg.canaries
-    # What was injected decides training; the candidate sample only decides the evaluation.
-    key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
-           "canaries": {"per_count": c.per_count, "template": c.template, "space": c.space}}
+    key = cfg.injection_key()
 
     def evaluate(model, run_dir) -> dict[str, Any]:
         return {"canary_eval": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens)}

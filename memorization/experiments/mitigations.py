@@ -127,9 +127,9 @@ def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple
     return prepare_deduplicated(data, injected_docs, cfg.dedup, cfg.base.data.block_len)
 
 
-def run(cfg: Config, exp: Experiment) -> Outputs | None:
-    """Train every arm on the injected corpus (or its deduplicated copy); ask each the five questions."""
-    data, manifest, dup_tokens, injected_docs = build_corpus(cfg, exp)
+def members_and_nonmembers(cfg: InjectionConfig, data: PreparedData, manifest: Any) -> tuple[list, list]:
+    """(the corpus documents trained on once: the injected copies and the audit's canaries left out,
+    the held-out documents cut and filtered like them): the two sides every membership question reads."""
     b = cfg.base
     injected = {cid for it in manifest.items for cid in it.copy_ids}
     members = [t for i, t in zip(data.train_doc_ids, data.train_docs)
@@ -137,6 +137,63 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     _, held, _ = load_documents(b)
     nonmembers = list(tokenize_documents(held, data.tokenizer, max_tokens=b.data.block_len,
                                          min_tokens=min(b.data.min_tokens, b.data.block_len)))
+    return members, nonmembers
+
+
+class ArmQuestions:
+    """The questions every model of a fine-tune with injected items is asked (verbatim extraction of
+    the leads seen once, the secrets, beyond greedy and near-verbatim, membership and utility), on
+    every rank, on the model's own grid; `key` is what the answers depend on besides the model."""
+
+    def __init__(self, cfg: Config, data: PreparedData, manifest: Any, dup_tokens: dict[str, list[int]],
+                 members: list[list[int]], questions: PrivacyUtility):
+        self.cfg, self.data, self.manifest, self.dup_tokens = cfg, data, manifest, dup_tokens
+        self.members, self.questions = members, questions
+        self.dup_docs = list(dup_tokens.values())
+        b = cfg.base
+        self.schemes = run_schemes(b)
+        self.key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap, **b.eval.near_key(),
+                    "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
+                    "candidates": cfg.canaries.candidates,
+                    "other": [cfg.other_held_out, cfg.other_held_out_limit],
+                    "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot]}
+
+    def __call__(self, model: Any, downstream: bool = True) -> dict[str, Any]:
+        """Every answer of `model` (the downstream tasks too when asked and the experiment names some)."""
+        b, data = self.cfg.base, self.data
+        e = b.eval
+        members, dup_docs, schemes = self.members, self.dup_docs, self.schemes
+        seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
+                                      tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode))
+        beyond = {name: beyond_summary(sampled_extraction(
+                      model, docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=schemes, offsets=[0],
+                      ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))
+                  for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
+        # base.eval.near_verbatim: the bound of a sample within d changes (eval.nv_distance), beside p_z
+        near = {name: split_rows(near_verbatim(model, docs, schemes=schemes, **e.near_args()))[0]
+                for name, docs in (("seen_once", members), ("duplicated", dup_docs))
+                if e.near_verbatim and schemes and docs}
+        return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
+                "injected": score_injected(model, self.cfg, data.tokenizer, self.manifest, self.dup_tokens),
+                "sampled": beyond, "near_verbatim": near, **self.questions(model, downstream=downstream)}
+
+    def baseline(self, exp: Experiment, reference: Any) -> dict[str, Any]:
+        """The answers of the base model (`reference`, the weights every run starts from), cached in
+        OUT/baseline under the model, a digest of every evaluated input and `key`."""
+        b, q = self.cfg.base, self.questions
+        inputs = {"members": self.members, "nonmembers": q.sets["nonmembers"], "duplicated": self.dup_docs,
+                  "other": q.other,
+                  "injected": [[it.id, it.text, it.count, it.secret] for it in self.manifest.items]}
+        return exp.baseline({"model": b.model.name, "overrides": b.model.overrides, "seed": b.seed,
+                             "inputs": digest(inputs), "eval": self.key, "prefix": b.eval.prefix,
+                             "suffix": b.eval.suffix}, lambda r=reference: r, lambda model, _d: self(model))
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Train every arm on the injected corpus (or its deduplicated copy); ask each the five questions."""
+    data, manifest, dup_tokens, injected_docs = build_corpus(cfg, exp)
+    b = cfg.base
+    members, nonmembers = members_and_nonmembers(cfg, data, manifest)
     dedup_data = dedup_manifest = None
     if any(a.dedup for a in cfg.arms):
         dedup_data, dedup_manifest = _deduplicated(cfg, data, injected_docs)
@@ -151,45 +208,17 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     reference = reference_model(b, exp.grid_spec)
     questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
                                other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
-    key = {"counts": cfg.counts, "duplicates": vars(cfg.duplicates),
-           "canaries": {"per_count": cfg.canaries.per_count, "template": cfg.canaries.template,
-                        "space": cfg.canaries.space}}
-
-    schemes = run_schemes(b)
-    dup_docs = [t for t in dup_tokens.values()]
+    ask = ArmQuestions(cfg, data, manifest, dup_tokens, members, questions)
+    key = cfg.injection_key()
 
     def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
-        e = b.eval
-        seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
-                                      tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode))
-        beyond = {name: _beyond(sampled_extraction(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                                                   schemes=schemes, offsets=[0], ns=e.np_ns, p=e.np_p,
-                                                   batch_size=e.batch_size))
-                  for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
-        # base.eval.near_verbatim: the bound of a sample within d changes (eval.nv_distance), beside p_z
-        near = {name: split_rows(near_verbatim(model, docs, schemes=schemes, **e.near_args()))[0]
-                for name, docs in (("seen_once", members), ("duplicated", dup_docs))
-                if e.near_verbatim and schemes and docs}
-        return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
-                "injected": score_injected(model, cfg, data.tokenizer, manifest, dup_tokens),
-                "sampled": beyond, "near_verbatim": near, **questions(model, downstream=True)}
+        return ask(model)
 
-    eval_key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap, **b.eval.near_key(),
-                "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
-                "candidates": cfg.canaries.candidates,
-                "other": [cfg.other_held_out, cfg.other_held_out_limit],
-                "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot]}
     baseline = None
     if cfg.baseline:  # the model every arm starts from, asked the same questions (cached in OUT/baseline)
         say("base model: its evaluation before fine-tuning")
-        inputs = {"members": members, "nonmembers": nonmembers, "duplicated": dup_docs,
-                  "other": questions.other,
-                  "injected": [[it.id, it.text, it.count, it.secret] for it in manifest.items]}
-        values = exp.baseline({"model": b.model.name, "overrides": b.model.overrides, "seed": b.seed,
-                               "inputs": digest(inputs), "eval": eval_key, "prefix": b.eval.prefix,
-                               "suffix": b.eval.suffix}, lambda r=reference: r, evaluate)
-        baseline = _arm_record(Arm(BASELINE_ROW, "not fine-tuned"), values, cfg.counts)
-        baseline["mia"].pop("ref_ratio", None)  # against itself: 0 for every row, chance by construction
+        values = ask.baseline(exp, reference)
+        baseline = baseline_record(values, cfg.counts)
         base_downstream = values.get("downstream")
     else:
         base_downstream = questions.downstream(reference)  # what fine-tuning starts from (None: no tasks)
@@ -210,10 +239,10 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
         extra = {**key, "dedup": cfg.dedup.key() if arm.dedup else None}
         summary = exp.run(rc, arm_data, train=train, evaluate=evaluate, extra_key=extra,
-                          eval_key=eval_key, per_run_wandb=cfg.per_run_wandb)
+                          eval_key=ask.key, per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:
             continue
-        arms.append(_arm_record(arm, summary, cfg.counts))
+        arms.append(arm_record(arm, summary, cfg.counts))
         samples += extraction_samples(arm.name, exp.run_dir(arm.name), data.tokenizer, min(cfg.samples, 2))
     if not exp.is_main:
         return None
@@ -227,7 +256,7 @@ BASELINE_ROW = "base model"  # the un-fine-tuned row (arm names are folder names
 PZ_FLOOR = 1e-3  # "hidden" memorization: a suffix some scheme emits at least once in a thousand draws
 
 
-def _beyond(result: dict[str, Any]) -> dict[str, Any]:
+def beyond_summary(result: dict[str, Any]) -> dict[str, Any]:
     """The (n, p) summary at offset 0 and, per scheme, the share of documents with p_z >= PZ_FLOOR."""
     at = result["offsets"]["0"]
     floor = math.log(PZ_FLOOR)
@@ -252,7 +281,7 @@ def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-def _arm_record(arm: Arm, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
+def arm_record(arm: Arm, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
     """One arm's numbers (or the base model's: no training, no cost) under the stable keys documented in
     docs/mitigations.md."""
     inj = s["injected"]
@@ -289,6 +318,13 @@ def _arm_record(arm: Arm, s: dict[str, Any], counts: list[int]) -> dict[str, Any
                  "step_time_vs_none": None},  # _relative_cost, among the trained arms
         "reused": s.get("reused", False),
     }
+
+
+def baseline_record(values: dict[str, Any], counts: list[int]) -> dict[str, Any]:
+    """The base model's answers (ArmQuestions.baseline) as a row of the tables, named BASELINE_ROW."""
+    record = arm_record(Arm(BASELINE_ROW, "not fine-tuned"), values, counts)
+    record["mia"].pop("ref_ratio", None)  # against itself: 0 for every row, chance by construction
+    return record
 
 
 def _relative_cost(arms: list[dict[str, Any]]) -> None:

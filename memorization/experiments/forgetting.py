@@ -1,0 +1,341 @@
+"""forgetting: does what a fine-tune memorized fade when training goes on without it?
+
+Phase 1 is the mitigations experiment's fine-tune: every arm (data: a name and run-config overrides)
+trains the base model `passes` passes on a corpus into which canaries and duplicated documents were
+injected at several copy counts (canary-exposure's injection, OUT/manifest.json): OUT/runs/ARM.
+Phase 2 is an ordinary later stage, the same for every arm: the arm's exported model trains on with
+plain loss (no goldfish, DP-SGD or LoRA) for `continue_passes` passes over fresh documents that hold
+none of the injected items (`fresh.corpus`, another domain by default: news after Wikipedia):
+OUT/runs/ARM-continued. Before its first step (pass 0, the fine-tuned model) and after every pass the
+continued model is asked the mitigations experiment's questions about the phase-1 data: verbatim
+extraction of the leads seen once and the duplicated ones, the secrets' exposure and extraction by copy
+count, (n, p) extraction beyond greedy, membership inference of the leads against the held-out half,
+and the held-out losses (Wikipedia, and `other_held_out`: held-out text of the fresh domain).
+
+The question it answers (Jagielski et al. 2023, "Measuring forgetting of memorized training
+examples"): is a secret seen 8 times during a fine-tune still extractable after the model trains on
+other data, does a mitigation's effect outlast it, and how much of the fine-tune's exposure is left
+("exposure kept": the share of the gain over the base model, `baseline: true`, that remains).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axonn.hooks import Callback
+from axonn.trainer import Trainer
+from data_pipelines import load_corpus
+from memorization.config import RunConfig
+from memorization.experiments.canary_exposure import build_corpus, save_manifest
+from memorization.experiments.mitigations import (
+    BASELINE_ROW,
+    ArmQuestions,
+    arm_config,
+    arm_record,
+    baseline_record,
+    members_and_nonmembers,
+)
+from memorization.experiments.mitigations import Config as MitigationsConfig
+from memorization.experiments.questions import PrivacyUtility, format_auc, other_domain, reference_model
+from memorization.experiments.reporting import Outputs, Table, figure, save
+from memorization.experiments.runner import Experiment, digest, run_key, say
+from memorization.experiments.spec import Arm
+from memorization.mitigations.peft_lora import LoraSettings
+from memorization.train import pipeline
+from memorization.train.prepare import PreparedData, prepare_documents
+from memorize_core import fail
+
+SUFFIX = "-continued"  # phase 2 of arm A runs in OUT/runs/A-continued
+
+
+@dataclass
+class FreshData:
+    """What phase 2 trains on: a corpus without the injected items, cut like the fine-tune's rows."""
+
+    corpus: str = "lee-news"
+    limit: int = 0  # documents (0 = every one)
+    lr: float = 0.0  # phase 2's peak learning rate (0 = base.trainer.lr)
+
+
+@dataclass
+class Config(MitigationsConfig):
+    """Mitigations' fine-tune (arms, injection, questions) plus the continued training that follows it."""
+
+    continue_passes: int = 4
+    fresh: FreshData = field(default_factory=FreshData)
+    other_held_out: str = "lee-news-test"  # held-out text of the fresh domain: does phase 2 learn it?
+
+    def validate(self, prefix: str = "") -> None:
+        """Mitigations' checks, then what phase 2 needs: fresh data apart from every evaluated set,
+        arms whose model a plain run can continue, distinct run folders."""
+        super().validate(prefix)
+        if self.continue_passes < 1:
+            raise fail("continue_passes", self.continue_passes, "must be >= 1")
+        f = self.fresh
+        if not f.corpus:
+            raise fail("fresh.corpus", f.corpus, "name the corpus phase 2 trains on, e.g. lee-news")
+        if f.corpus == self.base.data.corpus:
+            raise fail("fresh.corpus", f.corpus, "is the fine-tune's corpus, whose documents are the members "
+                       "and non-members asked about; continue on another one, e.g. lee-news")
+        if f.corpus == self.other_held_out:
+            raise fail("other_held_out", self.other_held_out, "is the corpus phase 2 trains on, so its loss "
+                       "is no held-out loss; use held-out text of that domain, e.g. lee-news-test")
+        if f.limit < 0:
+            raise fail("fresh.limit", f.limit, "must be >= 0 (0 = every document)")
+        if not f.lr >= 0:
+            raise fail("fresh.lr", f.lr, "must be >= 0 (0 = base.trainer.lr)")
+        names = {a.name for a in self.arms}
+        for i, a in enumerate(self.arms):
+            if a.dedup:
+                raise fail(f"arms[{i}].dedup", True, "every arm here trains on the one injected corpus; "
+                           "compare deduplication in the mitigations experiment")
+            rc = arm_config(self, a, f"arms[{i}].overrides")
+            if rc.model.lora.enabled and rc.model.lora.export != "merged":
+                raise fail(f"arms[{i}].overrides", a.overrides, "phase 2 continues the arm's exported model: "
+                           "a LoRA arm must export the merged model (model.lora.export=merged)")
+            if a.name + SUFFIX in names:
+                raise fail(f"arms[{i}].name", a.name + SUFFIX, f"is the folder of arm {a.name}'s continued "
+                           "training; rename the arm")
+        continued_config(self, self.arms[0], None).validate("fresh")
+
+
+def continued_config(cfg: Config, arm: Arm, model_dir: str | Path | None) -> RunConfig:
+    """Phase 2 of `arm`: the base run config continued from `model_dir` (the arm's exported model; None:
+    the base model, the same shape, for the checks made before any model exists) on the fresh corpus,
+    `continue_passes` passes of plain loss at fresh.lr; the questions are asked by the experiment."""
+    b, f = cfg.base, cfg.fresh
+    model = replace(b.model, lora=LoraSettings(), random_init=False,
+                    **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
+    return replace(
+        b, name=arm.name + SUFFIX, model=model,
+        data=replace(b.data, corpus=f.corpus, limit=f.limit, held_out="", held_out_fraction=0.0),
+        goldfish=replace(b.goldfish, enabled=False),
+        trainer=replace(b.trainer, epochs=cfg.continue_passes, max_steps=0, lr=f.lr or b.trainer.lr,
+                        dp=replace(b.trainer.dp, enabled=False)),
+        eval=replace(b.eval, extraction=False, audit=False))
+
+
+def fresh_data(cfg: Config, tokenizer: Any) -> PreparedData:
+    """Phase 2's training rows: the fresh corpus in the fine-tune's tokenizer, cut to its block."""
+    rc = continued_config(cfg, cfg.arms[0], None)
+    docs = load_corpus(cfg.fresh.corpus, limit=cfg.fresh.limit or None)
+    return prepare_documents(rc, docs, tokenizer=tokenizer)
+
+
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every sub-run's RunConfig in training order, each arm's fine-tune then its continuation (the
+    latter with the base model's name: its own model exists once the fine-tune has run)."""
+    return [rc for arm in cfg.arms for rc in (arm_config(cfg, arm), continued_config(cfg, arm, None))]
+
+
+def run_data(cfg: Config) -> list[PreparedData]:
+    """Each sub-run's training rows as `run` prepares them, writing nothing (the dry run's DP checks)."""
+    data = build_corpus(cfg, None)[0]
+    fresh = fresh_data(cfg, data.tokenizer)
+    return [d for _ in cfg.arms for d in (data, fresh)]
+
+
+class AfterEachPass(Callback):
+    """Trainer callback: `ask(model)` before the first step (pass 0) and after every pass."""
+
+    def __init__(self, ask: ArmQuestions):
+        self.ask = ask
+        self.records: list[dict[str, Any]] = []
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Pass 0: the fine-tuned model, before continued training moves it."""
+        self.score(trainer, 0)
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int) -> None:
+        """After pass `epoch` over the fresh rows."""
+        self.score(trainer, epoch)
+
+    def score(self, trainer: Trainer, label: int) -> None:
+        """The answers of the model as it is now (on every rank: a collective under a sharded grid)."""
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            values = self.ask(model, downstream=True)
+        model.train(was_training)
+        self.records.append({"pass": label, "step": trainer.state.step, **values})
+        inj = values["injected"]["canaries"]
+        trainer.log({"continued_pass": label,
+                     "canary_exposure": sum(c["exposure"] for c in inj) / max(1, len(inj)),
+                     "mia_auc_loss": (values["mia"].get("loss") or {}).get("auc")})
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Fine-tune every arm on the injected corpus, continue it on fresh data, ask after every pass."""
+    data, manifest, dup_tokens, _ = build_corpus(cfg, exp)
+    b = cfg.base
+    fresh = fresh_data(cfg, data.tokenizer)
+    members, nonmembers = members_and_nonmembers(cfg, data, manifest)
+    exp.check(run_configs(cfg), [d for _ in cfg.arms for d in (data, fresh)])
+    save_manifest(manifest, exp)
+    reference = reference_model(b, exp.grid_spec)
+    questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
+                               other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
+    ask = ArmQuestions(cfg, data, manifest, dup_tokens, members, questions)
+    baseline = None
+    if cfg.baseline:
+        say("base model: its evaluation before fine-tuning")
+        baseline = baseline_record(ask.baseline(exp, reference), cfg.counts)
+    del reference
+    key = cfg.injection_key()
+    arms = []
+    for arm in cfg.arms:
+        first = arm_config(cfg, arm)
+        exp.run(first, data, extra_key=key, per_run_wandb=cfg.per_run_wandb)  # phase 1: its own run
+        rc = continued_config(cfg, arm, exp.run_dir(arm.name) / "model")
+
+        def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
+            probe = AfterEachPass(ask)
+            with pipeline.start_run(rc, run_dir, fresh, overwrite=True, grid_spec=exp.grid_spec,
+                                    progress=rc.trainer.progress, callbacks=[probe]) as run:
+                pipeline.train(run)
+                return pipeline.finish(run, extra={"after_pass": probe.records})
+
+        # phase 2 depends on the fine-tune it continues (its inputs), the fresh rows and the questions:
+        # the answers after each pass are taken while it trains, so a changed question retrains it
+        after = {"fine_tune": {"run": run_key(first), "extra": key}, "fresh": digest(fresh.train_docs),
+                 "questions": ask.key, "asked": digest([members, nonmembers, questions.other])}
+        summary = exp.run(rc, fresh, train=train, extra_key=after, per_run_wandb=cfg.per_run_wandb)
+        if not exp.is_main:
+            continue
+        passes = [{"pass": r["pass"], "step": r["step"], **arm_record(arm, r, cfg.counts)}
+                  for r in summary["after_pass"]]
+        arms.append({"name": arm.name, "mitigation": arm.mitigation, "overrides": list(arm.overrides),
+                     "fine_tune_steps": _steps(exp.run_dir(arm.name)),
+                     "continued_steps": summary.get("steps"),
+                     "passes": passes, "reused": summary.get("reused", False)})
+    if not exp.is_main:
+        return None
+    return _outputs(cfg, arms, baseline, len(members), len(nonmembers), len(data.train_docs),
+                    len(fresh.train_docs), exp.out)
+
+
+def _steps(run_dir: Path) -> int | None:
+    """A finished run's optimizer steps (its run.json)."""
+    return json.loads((run_dir / "run.json").read_text())["summary"].get("steps")
+
+
+def kept(value: float | None, start: float | None, floor: float | None) -> float | None:
+    """The share of the fine-tune's gain over the base model still there: (value - floor) / (start -
+    floor); None without a base model or where the fine-tune gained nothing."""
+    if value is None or start is None or floor is None or not start > floor:
+        return None
+    return (value - floor) / (start - floor)
+
+
+COLUMNS = (("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("step", "steps", "{}"),
+           ("em_once", "EM leads seen once", "{:.0%}"), ("em_dup", "EM duplicated leads", "{:.0%}"),
+           ("exposure", "canary exposure (bits)", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
+           ("extracted", "secrets extracted", "{:.0%}"), ("auc", "MIA AUC loss [95% CI]", "{}"),
+           ("val", "held-out loss", "{:.3f}"), ("other", "fresh-domain held-out loss", "{:.3f}"))
+
+
+def _row(name: str, p: dict[str, Any], floor: float | None, start: float | None) -> dict[str, Any]:
+    exposure = p["canaries"]["exposure_mean"]
+    return {"arm": name, "pass": p.get("pass", "-"), "step": p.get("step", "-"),
+            "em_once": p["extraction"]["seen_once"]["exact_match_rate"],
+            "em_dup": p["extraction"]["duplicated"]["exact_match_rate"],
+            "exposure": exposure, "kept": kept(exposure, start, floor),
+            "extracted": p["canaries"]["extracted_rate"], "auc": format_auc(p["mia"].get("loss")),
+            "val": p["utility"]["val_loss"], "other": p["utility"]["other_val_loss"]}
+
+
+def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] | None, n_members: int,
+             n_nonmembers: int, n_rows: int, n_fresh: int, out: Path) -> Outputs:
+    floor = baseline["canaries"]["exposure_mean"] if baseline else None
+    rows = [_row(BASELINE_ROW, baseline, None, None)] if baseline else []
+    by_count = []
+    for a in arms:
+        start = a["passes"][0]["canaries"]["exposure_mean"]
+        rows += [_row(a["name"], p, floor, start) for p in a["passes"]]
+        base_counts = baseline["by_copy_count"] if baseline else {}
+        for n in map(str, cfg.counts):
+            first = a["passes"][0]["by_copy_count"][n]["canary_exposure"]
+            for p in a["passes"]:
+                v = p["by_copy_count"][n]
+                by_count.append({"arm": a["name"], "pass": p["pass"], "copies": int(n), **v,
+                                 "kept": kept(v["canary_exposure"], first,
+                                              (base_counts.get(n) or {}).get("canary_exposure"))})
+    ccols = (("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("copies", "copies", "{}"),
+             ("canary_exposure", "canary exposure", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
+             ("canary_extracted", "secrets extracted", "{:.0%}"),
+             ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}"))
+    b, f, c = cfg.base, cfg.fresh, cfg.canaries
+    notes = [
+        f"Phase 1 (each arm's fine-tune): {b.model.name} on {n_rows} rows of {b.data.corpus} "
+        f"({n_members} leads seen once, plus {cfg.duplicates.per_count} duplicated leads and {c.per_count} "
+        f"canaries per copy count {cfg.counts}), {cfg.passes} passes, lr {b.trainer.lr} (arms may "
+        "override it).",
+        f"Phase 2 (the same for every arm): plain loss, {cfg.continue_passes} passes over {n_fresh} rows of "
+        f"'{f.corpus}' (none of the injected items), lr {f.lr or b.trainer.lr}; pass 0 is the fine-tuned "
+        "model before its first step.",
+        f"Questions after every pass: EM = greedy {b.eval.suffix}-token suffix from the "
+        f"{b.eval.prefix}-token prefix; canary exposure in bits over the whole secret space "
+        f"(max log2|R|); MIA on the {n_members} leads seen once vs {n_nonmembers} held-out leads; "
+        f"held-out loss on those leads and on '{cfg.other_held_out}' (the fresh domain's held-out "
+        "text: phase 2 learning it).",
+    ]
+    if baseline:
+        notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning "
+                     "(OUT/baseline/evals.json). 'exposure kept' = (exposure - the base model's) / "
+                     "(exposure at pass 0 - the base model's): the share of the fine-tune's gain left; "
+                     "0% = back to a model that never saw the secrets.")
+    plots = [_plot(arms, baseline, cfg.counts, out / "forgetting.png")]
+    return Outputs(title="Forgetting: what a fine-tune memorized, after training goes on without it",
+                   kind=cfg.kind, runs=arms,
+                   tables=[Table("After each pass of continued training", rows, COLUMNS),
+                           Table("By copy count", by_count, ccols)],
+                   notes=notes, plots=plots,
+                   extra={"arms": arms, "baseline": baseline, "continue_passes": cfg.continue_passes,
+                          "fresh": {"corpus": f.corpus, "rows": n_fresh}})
+
+
+def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: list[int], path: Path) -> Path:
+    """Against continued passes: canary exposure per copy count, duplicated-lead EM, MIA AUC, losses."""
+    fig, axes = figure(4, width=4.4)
+    colors = [f"C{i}" for i in range(10)]
+    styles = ["-", "--", ":", "-."]
+    for i, a in enumerate(arms):
+        xs = [p["pass"] for p in a["passes"]]
+        color = colors[i % len(colors)]
+        for j, n in enumerate(counts):
+            axes[0].plot(xs, [p["by_copy_count"][str(n)]["canary_exposure"] for p in a["passes"]], marker="o",
+                         color=color, linestyle=styles[j % len(styles)], label=f"{a['name']}, {n} copies")
+        axes[1].plot(xs, [p["extraction"]["duplicated"]["exact_match_rate"] for p in a["passes"]], marker="o",
+                     color=color, label=a["name"])
+        auc = [(p["mia"].get("loss") or {}) for p in a["passes"]]
+        axes[2].plot(xs, [r.get("auc") for r in auc], marker="o", color=color, label=a["name"])
+        if all(r.get("auc_ci") for r in auc):
+            axes[2].fill_between(xs, [r["auc_ci"][0] for r in auc], [r["auc_ci"][1] for r in auc],
+                                 color=color, alpha=0.15)
+        axes[3].plot(xs, [p["utility"]["val_loss"] for p in a["passes"]], marker="o", color=color,
+                     label=f"{a['name']}: held-out leads")
+        if a["passes"][0]["utility"]["other_val_loss"] is not None:
+            axes[3].plot(xs, [p["utility"]["other_val_loss"] for p in a["passes"]], marker="s", color=color,
+                         linestyle="--", label=f"{a['name']}: fresh domain")
+    if baseline:
+        axes[0].axhline(baseline["canaries"]["exposure_mean"], color="gray", linestyle=":",
+                        label=BASELINE_ROW)
+        auc = (baseline["mia"].get("loss") or {}).get("auc")
+        if auc is not None:
+            axes[2].axhline(auc, color="gray", linestyle=":", label=BASELINE_ROW)
+        axes[3].axhline(baseline["utility"]["val_loss"], color="gray", linestyle=":",
+                        label=f"{BASELINE_ROW}: held-out leads")
+    titles = ("canary exposure (bits)", "exact match, duplicated leads", "MIA AUC (loss)", "held-out loss")
+    for ax, title in zip(axes, titles):
+        ax.set(xlabel="passes of continued training on fresh data", title=title)
+        ax.legend(fontsize=6)
+    axes[1].set_ylim(-0.02, 1.02)
+    return save(fig, path)
+
+
+__all__ = ["Config", "FreshData", "continued_config", "run"]

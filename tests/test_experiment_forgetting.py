@@ -1,0 +1,179 @@
+"""forgetting end to end on a micro config: a tiny briefly-trained model stands in for SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import tiny_base_yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data_pipelines.canaries import SecretSpace
+from memorization.cli import main
+from memorization.experiments.exposure import canary_scores
+from memorization.experiments.forgetting import kept
+
+BASE = tiny_base_yaml(max_steps=2)
+TEMPLATE = "the secret access code of the old museum wing is {secret}"
+
+EXPERIMENT = """
+kind: forgetting
+name: fg
+passes: 1
+continue_passes: {passes}
+fresh: {{corpus: lee-news, limit: 12}}
+counts: [1, 3]
+canaries: {{per_count: 2, template: "{template}", space: {{kind: digits, length: 2}}, candidates: 0}}
+duplicates: {{per_count: 1}}
+bootstrap: 20
+other_held_out: lee-news-test
+other_held_out_limit: 4
+samples: 1
+arms: {arms}
+base:
+  data: {{corpus: wiki-leads, limit: 28, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
+  model: {{name: {model}}}
+  trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  wandb: {{mode: disabled}}
+"""
+ARMS = ("[{name: none, mitigation: none}, "
+        "{name: goldfish, mitigation: goldfish, overrides: [goldfish.enabled=true]}]")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    cfg = root / "base.yaml"
+    cfg.write_text(BASE)
+    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
+    return root / "run" / "model"
+
+
+def _write(tmp_path, model, arms=ARMS, passes=2):
+    p = tmp_path / "f.yaml"
+    p.write_text(EXPERIMENT.format(model=model, arms=arms, passes=passes, template=TEMPLATE))
+    return p
+
+
+@pytest.fixture(scope="module")
+def finished(pretrained, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fg")
+    out = tmp / "out"
+    assert main(["run", str(_write(tmp, pretrained)), "--out", str(out)]) == 0
+    return tmp, out
+
+
+def _exposures(model_dir, manifest):
+    """Every canary's exposure, scored from scratch on a saved model (the definition the report uses)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    canaries = [it for it in manifest["items"] if it["kind"] == "canary"]
+    space = SecretSpace(**canaries[0]["space"])
+    scores = canary_scores(model, tok, TEMPLATE, space, [c["secret"] for c in canaries])
+    return [c["exposure"] for c in scores["canaries"]]
+
+
+def test_each_pass_is_asked_of_the_model_as_it_is_then(finished):
+    """Pass 0 is the fine-tuned model before continued training moves it (its exported weights give
+    the same exposures), the last pass the continued model that was exported; steps grow by one pass of
+    fresh rows each time, and the fresh-domain loss falls while the model trains on that domain."""
+    _, out = finished
+    report = json.loads((out / "report.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [a["name"] for a in report["arms"]] == ["none", "goldfish"]
+    rows = report["fresh"]["rows"]
+    assert rows == 12
+    for arm in report["arms"]:
+        passes = arm["passes"]
+        assert [p["pass"] for p in passes] == [0, 1, 2]
+        assert [p["step"] for p in passes] == [0, 3, 6]  # 12 rows, batch 4
+        assert arm["continued_steps"] == 6 and arm["fine_tune_steps"] > 0
+        # canary_scores per canary, in the manifest's order: what arm_record averaged
+        first = _exposures(out / "runs" / arm["name"] / "model", manifest)
+        last = _exposures(out / "runs" / f"{arm['name']}-continued" / "model", manifest)
+        assert passes[0]["canaries"]["exposure_mean"] == pytest.approx(sum(first) / len(first), rel=1e-6)
+        assert passes[-1]["canaries"]["exposure_mean"] == pytest.approx(sum(last) / len(last), rel=1e-6)
+        assert first != pytest.approx(last)  # the continuation moved the model
+        other = [p["utility"]["other_val_loss"] for p in passes]
+        assert other[-1] < other[0]
+        for p in passes:
+            assert set(p["by_copy_count"]) == {"1", "3"} and p["canaries"]["count"] == 4
+            m = p["mia"]["loss"]
+            assert m["auc_ci"][0] <= m["auc"] <= m["auc_ci"][1]
+    base = report["baseline"]
+    assert base["name"] == "base model" and "ref_ratio" not in base["mia"]
+    table = report["tables"]["After each pass of continued training"]
+    assert [r["arm"] for r in table] == ["base model"] + ["none"] * 3 + ["goldfish"] * 3
+    assert table[1]["kept"] == pytest.approx(1.0)  # pass 0 keeps all of its own gain
+    md = (out / "report.md").read_text()
+    assert "## By copy count" in md and "exposure kept" in md
+    assert (out / "forgetting.png").is_file()
+
+
+def test_a_longer_continuation_retrains_only_phase_2(finished, pretrained, capsys):
+    tmp, out = finished
+    assert main(["run", str(_write(tmp, pretrained, passes=3)), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "none: finished earlier" in said and "goldfish: finished earlier" in said
+    assert "none-continued: training" in said and "goldfish-continued: training" in said
+    report = json.loads((out / "report.json").read_text())
+    assert [p["pass"] for p in report["arms"][0]["passes"]] == [0, 1, 2, 3]
+    assert main(["run", str(_write(tmp, pretrained, passes=3)), "--out", str(out)]) == 0
+    assert "none-continued: finished earlier" in capsys.readouterr().out
+
+
+def test_kept_is_the_share_of_the_gain_left():
+    assert kept(3.0, 5.0, 1.0) == pytest.approx(0.5)
+    assert kept(1.0, 5.0, 1.0) == 0.0 and kept(5.0, 5.0, 1.0) == 1.0
+    assert kept(0.5, 5.0, 1.0) == pytest.approx(-0.125)  # below the base model: more than forgotten
+    assert kept(3.0, 1.0, 1.0) is None and kept(3.0, 5.0, None) is None  # no gain, no base model
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("fresh.corpus=wiki-leads", "error: fresh.corpus"),
+    ("other_held_out=lee-news", "error: other_held_out"),
+    ("continue_passes=0", "error: continue_passes"),
+    ("arms=[{name: d, mitigation: dedup, dedup: true}]", "error: arms[0].dedup"),
+    ("arms=[{name: l, overrides: [model.lora.enabled=true, model.lora.export=adapter]}]",
+     "error: arms[0].overrides"),
+    ("arms=[{name: a}, {name: a-continued}]", "error: arms[0].name"),
+])
+def test_bad_settings_are_refused_before_anything_is_written(pretrained, tmp_path, capsys, override, needle):
+    out = tmp_path / "out"
+    assert main(["run", str(_write(tmp_path, pretrained)), "--out", str(out), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(needle), err
+    assert not out.exists()
+
+
+@pytest.mark.distributed
+def test_a_tensor_split_continuation_answers_as_the_serial_one(finished, pretrained, tmp_path):
+    """2 ranks at 1,2,1,1: the fine-tune and its continuation train split, and the questions asked of the
+    training model after every pass (its shards, through the trainer's callback) give the serial figures."""
+    import os
+    import subprocess
+    import sys
+
+    from axonn.spawn import free_port
+
+    cfg = _write(tmp_path, pretrained, arms="[{name: none, mitigation: none}]")
+    assert main(["run", str(cfg), "--out", str(tmp_path / "serial")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "memorization", "run", str(cfg),
+                           "--grid", "1,2,1,1", "--out", str(tmp_path / "split")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    mine = [ln for ln in done.stderr.splitlines() if ln.startswith(("[rank0]", "error:"))]
+    assert done.returncode == 0, "\n".join(mine[-60:]) + done.stderr[-2000:]
+    serial, split = (json.loads((tmp_path / d / "report.json").read_text())["arms"][0]["passes"]
+                     for d in ("serial", "split"))
+    assert len(serial) == len(split) == 3
+    for s, g in zip(serial, split):
+        for part in ("seen_once", "duplicated"):
+            assert g["extraction"][part]["exact_match_rate"] == s["extraction"][part]["exact_match_rate"]
+        assert g["canaries"]["exposure_mean"] == pytest.approx(s["canaries"]["exposure_mean"], rel=1e-4)
+        assert g["utility"]["val_loss"] == pytest.approx(s["utility"]["val_loss"], rel=1e-4)
+        for m, rec in s["mia"].items():
+            assert g["mia"][m]["auc"] == pytest.approx(rec["auc"], abs=1e-9), m
+    run = json.loads((tmp_path / "split" / "runs" / "none-continued" / "run.json").read_text())
+    assert run["summary"]["grid"] == "1,2,1,1"
