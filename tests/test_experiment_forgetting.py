@@ -33,7 +33,7 @@ base:
   data: {{corpus: wiki-leads, limit: 28, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
   model: {{name: {model}}}
   trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
-  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8, near_verbatim: 1, nv_beams: 2}}
   wandb: {{mode: disabled}}
 """
 ARMS = ("[{name: none, mitigation: none}, "
@@ -107,6 +107,13 @@ def test_each_pass_is_asked_of_the_model_as_it_is_then(finished):
     assert table[1]["kept"] == pytest.approx(1.0)  # pass 0 keeps all of its own gain
     md = (out / "report.md").read_text()
     assert "## By copy count" in md and "exposure kept" in md
+    # beyond greedy and near-verbatim after every pass, on the leads seen once and the duplicated ones
+    beyond = report["tables"]["Beyond greedy"]
+    assert {r["arm"] for r in beyond} == {"base model"} | {f"{a}, pass {k}" for a in ("none", "goldfish")
+                                                           for k in range(3)}
+    assert {r["docs"].split(" (")[0] for r in beyond} == {"seen_once", "duplicated"}
+    assert len(report["arms"][0]["passes"][2]["near_verbatim"]["duplicated"]["offsets"]["0"]["np"]) == 3
+    assert "Near-verbatim: (n=1000, p=0.5)-extractable within d changed tokens" in md
     assert (out / "forgetting.png").is_file()
 
 

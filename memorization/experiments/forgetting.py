@@ -29,14 +29,17 @@ import torch
 from axonn.hooks import Callback
 from axonn.trainer import Trainer
 from data_pipelines import load_corpus
-from memorization.config import RunConfig
+from memorization.config import RunConfig, change_words
+from memorization.experiments.beyond_greedy import near_table
 from memorization.experiments.canary_exposure import build_corpus, save_manifest
 from memorization.experiments.mitigations import (
     BASELINE_ROW,
+    PZ_FLOOR,
     ArmQuestions,
     arm_config,
     arm_record,
     baseline_record,
+    beyond_table,
     members_and_nonmembers,
 )
 from memorization.experiments.mitigations import Config as MitigationsConfig
@@ -289,12 +292,28 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
                      "(OUT/baseline/evals.json). 'exposure kept' = (exposure - the base model's) / "
                      "(exposure at pass 0 - the base model's): the share of the fine-tune's gain left; "
                      "0% = back to a model that never saw the secrets.")
+    # beyond greedy and near-verbatim, one row per (arm and pass, documents, scheme)
+    records = ([{**baseline, "name": BASELINE_ROW}] if baseline else []) + [
+        {**p, "name": f"{a['name']}, pass {p['pass']}"} for a in arms for p in a["passes"]]
+    tables = [Table("After each pass of continued training", rows, COLUMNS),
+              Table("By copy count", by_count, ccols)]
+    beyond_rows, beyond_cols = beyond_table(records)
+    if beyond_rows:
+        tables.append(Table("Beyond greedy", beyond_rows, beyond_cols))
+        notes.append("Beyond greedy: p_z = the probability that a decoding scheme emits the exact "
+                     "suffix (one teacher-forced forward); (n, p) = the share of documents n samples give "
+                     f"up with probability >= p; 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
+                     "emits at least once in a thousand draws (memorization greedy decoding may not show).")
+    near = near_table([{"name": r["name"] + f" ({part})", "near_verbatim": v}
+                       for r in records for part, v in r["near_verbatim"].items()])
+    if near is not None:
+        tables.append(near)
+        notes.append("Near-verbatim (base.eval.near_verbatim): a lower bound of the probability that one "
+                     f"sample lies within d {change_words(b.eval.nv_distance)[1]} of the suffix "
+                     "(evals/near_verbatim.py).")
     plots = [_plot(arms, baseline, cfg.counts, out / "forgetting.png")]
     return Outputs(title="Forgetting: what a fine-tune memorized, after training goes on without it",
-                   kind=cfg.kind, runs=arms,
-                   tables=[Table("After each pass of continued training", rows, COLUMNS),
-                           Table("By copy count", by_count, ccols)],
-                   notes=notes, plots=plots,
+                   kind=cfg.kind, runs=arms, tables=tables, notes=notes, plots=plots,
                    extra={"arms": arms, "baseline": baseline, "continue_passes": cfg.continue_passes,
                           "fresh": {"corpus": f.corpus, "rows": n_fresh}})
 

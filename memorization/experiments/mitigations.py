@@ -335,7 +335,7 @@ def _relative_cost(arms: list[dict[str, Any]]) -> None:
         a["cost"]["step_time_vs_none"] = st / ref if ref and st else None
 
 
-def _beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tuple]:
+def beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tuple]:
     """One row per (arm, documents, scheme): (n, p) fractions and the share with p_z >= PZ_FLOOR."""
     rows, ns, p = [], [], None
     for a in arms:
@@ -443,7 +443,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                      f"{format_acc(base_downstream) or 'n/a'}.")
     plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"),
              _plot_bars(arms, methods, out / "mitigations-bars.png")]
-    beyond_rows, beyond_cols = _beyond_table(arms)
+    beyond_rows, beyond_cols = beyond_table(arms)
     extra_tables = [Table("Beyond greedy", beyond_rows, beyond_cols)] if beyond_rows else []
     if beyond_rows:
         notes.append(NP_NOTE.format(passes=cfg.passes) + f" 'p_z >= {PZ_FLOOR:g}': the share of documents "
