@@ -138,6 +138,7 @@ def test_kept_is_the_share_of_the_gain_left():
 
 @pytest.mark.parametrize("override,needle", [
     ("fresh.corpus=wiki-leads", "error: fresh.corpus"),
+    ("fresh.corpus=no-such-corpus", "error: fresh.corpus"),
     ("other_held_out=lee-news", "error: other_held_out"),
     ("continue_passes=0", "error: continue_passes"),
     ("arms=[{name: d, mitigation: dedup, dedup: true}]", "error: arms[0].dedup"),

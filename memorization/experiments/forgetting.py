@@ -50,7 +50,7 @@ from memorization.experiments.spec import Arm
 from memorization.mitigations.peft_lora import LoraSettings
 from memorization.train import pipeline
 from memorization.train.prepare import PreparedData, prepare_documents
-from memorize_core import fail
+from memorize_core import ConfigError, fail
 
 SUFFIX = "-continued"  # phase 2 of arm A runs in OUT/runs/A-continued
 
@@ -125,7 +125,10 @@ def continued_config(cfg: Config, arm: Arm, model_dir: str | Path | None) -> Run
 def fresh_data(cfg: Config, tokenizer: Any) -> PreparedData:
     """Phase 2's training rows: the fresh corpus in the fine-tune's tokenizer, cut to its block."""
     rc = continued_config(cfg, cfg.arms[0], None)
-    docs = load_corpus(cfg.fresh.corpus, limit=cfg.fresh.limit or None)
+    try:
+        docs = load_corpus(cfg.fresh.corpus, limit=cfg.fresh.limit or None)
+    except ConfigError as e:  # its message names `corpus`: say which key the name came from
+        raise fail("fresh.corpus", cfg.fresh.corpus, str(e).split(": ", 1)[-1]) from None
     return prepare_documents(rc, docs, tokenizer=tokenizer)
 
 
