@@ -247,7 +247,7 @@ COLUMNS = (("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("step", "s
 
 def _row(name: str, p: dict[str, Any], floor: float | None, start: float | None) -> dict[str, Any]:
     exposure = p["canaries"]["exposure_mean"]
-    return {"arm": name, "pass": p.get("pass", "-"), "step": p.get("step", "-"),
+    return {"arm": name, "pass": p.get("pass"), "step": p.get("step"),  # the base model: None, shown "-"
             "em_once": p["extraction"]["seen_once"]["exact_match_rate"],
             "em_dup": p["extraction"]["duplicated"]["exact_match_rate"],
             "exposure": exposure, "kept": kept(exposure, start, floor),
