@@ -321,6 +321,17 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
                           "fresh": {"corpus": f.corpus, "rows": n_fresh}})
 
 
+def _np_series(passes: list[dict[str, Any]]) -> list[tuple[str, list[float | None]]]:
+    """Per decoding scheme, the (n, p)-extractable share of the leads seen once at the largest n, one
+    value per pass ([] when the run measured nothing beyond greedy)."""
+    at = [(p.get("sampled") or {}).get("seen_once") for p in passes]
+    if not all(at):
+        return []
+    n, prob = at[0]["np"]["ns"][-1], at[0]["np"]["p"]
+    return [(f"(n={n}, p={prob}) {scheme}", [x["np"]["schemes"][scheme][f"n={n}"]["fraction"] for x in at])
+            for scheme in at[0]["np"]["schemes"] if scheme != "greedy"]  # greedy: the EM line
+
+
 def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: list[int], path: Path) -> Path:
     """Against continued passes: canary exposure per copy count, duplicated-lead EM, MIA AUC, losses."""
     fig, axes = figure(4, width=4.4)
@@ -332,8 +343,11 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: l
         for j, n in enumerate(counts):
             axes[0].plot(xs, [p["by_copy_count"][str(n)]["canary_exposure"] for p in a["passes"]], marker="o",
                          color=color, linestyle=styles[j % len(styles)], label=f"{a['name']}, {n} copies")
-        axes[1].plot(xs, [p["extraction"]["duplicated"]["exact_match_rate"] for p in a["passes"]], marker="o",
-                     color=color, label=a["name"])
+        axes[1].plot(xs, [p["extraction"]["seen_once"]["exact_match_rate"] for p in a["passes"]], marker="o",
+                     color=color, label=f"{a['name']}: greedy")
+        for j, (scheme, ns) in enumerate(_np_series(a["passes"])):  # beyond greedy: memorization greedy hides
+            axes[1].plot(xs, ns, marker=".", color=color, linestyle=styles[1 + j % 3],
+                         label=f"{a['name']}: {scheme}")
         auc = [(p["mia"].get("loss") or {}) for p in a["passes"]]
         axes[2].plot(xs, [r.get("auc") for r in auc], marker="o", color=color, label=a["name"])
         if all(r.get("auc_ci") for r in auc):
@@ -352,7 +366,7 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: l
             axes[2].axhline(auc, color="gray", linestyle=":", label=BASELINE_ROW)
         axes[3].axhline(baseline["utility"]["val_loss"], color="gray", linestyle=":",
                         label=f"{BASELINE_ROW}: held-out leads")
-    titles = ("canary exposure (bits)", "exact match, duplicated leads", "MIA AUC (loss)", "held-out loss")
+    titles = ("canary exposure (bits)", "leads seen once: extractable", "MIA AUC (loss)", "held-out loss")
     for ax, title in zip(axes, titles):
         ax.set(xlabel="passes of continued training on fresh data", title=title)
         ax.legend(fontsize=6)
