@@ -104,7 +104,10 @@ def test_each_pass_is_asked_of_the_model_as_it_is_then(finished):
     assert base["name"] == "base model" and "ref_ratio" not in base["mia"]
     table = report["tables"]["After each pass of continued training"]
     assert [r["arm"] for r in table] == ["base model"] + ["none"] * 3 + ["goldfish"] * 3
-    assert table[1]["kept"] == pytest.approx(1.0)  # pass 0 keeps all of its own gain
+    for row in table[1:]:  # pass 0 keeps all of its own gain, where there is a gain to keep
+        gain = table[1 if row["arm"] == "none" else 4]["exposure"] - table[0]["exposure"]
+        if row["pass"] == 0:
+            assert row["kept"] == (pytest.approx(1.0) if gain >= 1 else None)
     md = (out / "report.md").read_text()
     assert "## By copy count" in md and "exposure kept" in md
     # beyond greedy and near-verbatim after every pass, on the leads seen once and the duplicated ones
@@ -117,7 +120,12 @@ def test_each_pass_is_asked_of_the_model_as_it_is_then(finished):
     assert (out / "forgetting.png").is_file()
 
 
-def test_a_longer_continuation_retrains_only_phase_2(finished, pretrained, capsys):
+def test_phase_2_retrains_exactly_when_its_inputs_change(finished, pretrained, capsys):
+    """A longer continuation retrains phase 2 only; a moved OUT reuses everything (phase 2 is keyed by
+    the fine-tune it continues, not by the folder it reads it from); a retrained fine-tune retrains its
+    continuation."""
+    import shutil
+
     tmp, out = finished
     assert main(["run", str(_write(tmp, pretrained, passes=3)), "--out", str(out)]) == 0
     said = capsys.readouterr().out
@@ -125,8 +133,24 @@ def test_a_longer_continuation_retrains_only_phase_2(finished, pretrained, capsy
     assert "none-continued: training" in said and "goldfish-continued: training" in said
     report = json.loads((out / "report.json").read_text())
     assert [p["pass"] for p in report["arms"][0]["passes"]] == [0, 1, 2, 3]
-    assert main(["run", str(_write(tmp, pretrained, passes=3)), "--out", str(out)]) == 0
-    assert "none-continued: finished earlier" in capsys.readouterr().out
+    moved = tmp / "moved"
+    shutil.copytree(out, moved)
+    assert main(["run", str(_write(tmp, pretrained, passes=3)), "--out", str(moved)]) == 0
+    said = capsys.readouterr().out
+    assert "none-continued: finished earlier" in said and "training" not in said
+    cfg = _write(tmp, pretrained, arms="[{name: none, mitigation: none}]", passes=3)
+    assert main(["run", str(cfg), "--out", str(moved), "passes=2"]) == 0
+    said = capsys.readouterr().out
+    assert "none: training" in said and "none-continued: training" in said
+
+
+def test_the_fine_tunes_own_settings_pass(pretrained, tmp_path):
+    """base.eval.mia belongs to the fine-tune; the continuation, whose questions the experiment asks,
+    does not inherit it (its plain run has no held-out split to take non-members from)."""
+    from memorization.experiments import load_experiment
+
+    _, cfg = load_experiment(_write(tmp_path, pretrained), ["base.eval.mia=true"])
+    assert cfg.base.eval.mia
 
 
 def test_kept_is_the_share_of_the_gain_left():
@@ -134,6 +158,7 @@ def test_kept_is_the_share_of_the_gain_left():
     assert kept(1.0, 5.0, 1.0) == 0.0 and kept(5.0, 5.0, 1.0) == 1.0
     assert kept(0.5, 5.0, 1.0) == pytest.approx(-0.125)  # below the base model: more than forgotten
     assert kept(3.0, 1.0, 1.0) is None and kept(3.0, 5.0, None) is None  # no gain, no base model
+    assert kept(1.2, 1.5, 1.0) is None  # half a bit gained: within a few secrets' noise, no share of it
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -43,9 +43,16 @@ from memorization.experiments.mitigations import (
     members_and_nonmembers,
 )
 from memorization.experiments.mitigations import Config as MitigationsConfig
-from memorization.experiments.questions import PrivacyUtility, format_auc, other_domain, reference_model
+from memorization.experiments.questions import (
+    PrivacyUtility,
+    format_acc,
+    format_auc,
+    other_domain,
+    reference_model,
+    task_label,
+)
 from memorization.experiments.reporting import Outputs, Table, figure, save
-from memorization.experiments.runner import Experiment, digest, run_key, say
+from memorization.experiments.runner import Experiment, digest, say
 from memorization.experiments.spec import Arm
 from memorization.mitigations.peft_lora import LoraSettings
 from memorization.train import pipeline
@@ -86,7 +93,8 @@ class Config(MitigationsConfig):
                        "and non-members asked about; continue on another one, e.g. lee-news")
         if f.corpus == self.other_held_out:
             raise fail("other_held_out", self.other_held_out, "is the corpus phase 2 trains on, so its loss "
-                       "is no held-out loss; use held-out text of that domain, e.g. lee-news-test")
+                       "is no held-out loss; name held-out text of that domain (lee-news-test for lee-news) "
+                       "or '' for none")
         if f.limit < 0:
             raise fail("fresh.limit", f.limit, "must be >= 0 (0 = every document)")
         if not f.lr >= 0:
@@ -119,7 +127,7 @@ def continued_config(cfg: Config, arm: Arm, model_dir: str | Path | None) -> Run
         goldfish=replace(b.goldfish, enabled=False),
         trainer=replace(b.trainer, epochs=cfg.continue_passes, max_steps=0, lr=f.lr or b.trainer.lr,
                         dp=replace(b.trainer.dp, enabled=False)),
-        eval=replace(b.eval, extraction=False, audit=False))
+        eval=replace(b.eval, extraction=False, audit=False, mia=False))  # the experiment asks its own
 
 
 def fresh_data(cfg: Config, tokenizer: Any) -> PreparedData:
@@ -196,7 +204,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     arms = []
     for arm in cfg.arms:
         first = arm_config(cfg, arm)
-        exp.run(first, data, extra_key=key, per_run_wandb=cfg.per_run_wandb)  # phase 1: its own run
+        tuned = exp.run(first, data, extra_key=key, per_run_wandb=cfg.per_run_wandb)  # phase 1: its own run
+        tuned.pop("reused", None)
         rc = continued_config(cfg, arm, exp.run_dir(arm.name) / "model")
 
         def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
@@ -206,11 +215,14 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                 pipeline.train(run)
                 return pipeline.finish(run, extra={"after_pass": probe.records})
 
-        # phase 2 depends on the fine-tune it continues (its inputs), the fresh rows and the questions:
-        # the answers after each pass are taken while it trains, so a changed question retrains it
-        after = {"fine_tune": {"run": run_key(first), "extra": key}, "fresh": digest(fresh.train_docs),
+        # phase 2 depends on the fine-tune it continues (that training itself: its summary, which a
+        # retrained fine-tune never repeats, so phase 2 retrains with it), the fresh rows and the
+        # questions (the answers after each pass are taken while it trains: a changed question retrains
+        # it); keyed by the base model's name, not the folder it reads the fine-tune from
+        after = {"fine_tune": digest(tuned), "fresh": digest(fresh.train_docs),
                  "questions": ask.key, "asked": digest([members, nonmembers, questions.other])}
-        summary = exp.run(rc, fresh, train=train, extra_key=after, per_run_wandb=cfg.per_run_wandb)
+        summary = exp.run(rc, fresh, train=train, extra_key=after, per_run_wandb=cfg.per_run_wandb,
+                          key_config=continued_config(cfg, arm, None))
         if not exp.is_main:
             continue
         passes = [{"pass": r["pass"], "step": r["step"], **arm_record(arm, r, cfg.counts)}
@@ -230,39 +242,54 @@ def _steps(run_dir: Path) -> int | None:
     return json.loads((run_dir / "run.json").read_text())["summary"].get("steps")
 
 
+MIN_GAIN = 1.0  # bits: below this the fine-tune's exposure gain is within a few secrets' noise (a secret
+# nobody trained on scores 0-3 bits), and a share of it would be noise over noise
+
+
 def kept(value: float | None, start: float | None, floor: float | None) -> float | None:
-    """The share of the fine-tune's gain over the base model still there: (value - floor) / (start -
-    floor); None without a base model or where the fine-tune gained nothing."""
-    if value is None or start is None or floor is None or not start > floor:
+    """The share of the fine-tune's exposure gain over the base model still there: (value - floor) /
+    (start - floor); None without a base model or where the fine-tune gained under MIN_GAIN bits."""
+    if value is None or start is None or floor is None or not start - floor >= MIN_GAIN:
         return None
     return (value - floor) / (start - floor)
 
 
-COLUMNS = (("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("step", "steps", "{}"),
-           ("em_once", "EM leads seen once", "{:.0%}"), ("em_dup", "EM duplicated leads", "{:.0%}"),
-           ("exposure", "canary exposure (bits)", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
-           ("extracted", "secrets extracted", "{:.0%}"), ("auc", "MIA AUC loss [95% CI]", "{}"),
-           ("val", "held-out loss", "{:.3f}"), ("other", "fresh-domain held-out loss", "{:.3f}"))
+def _columns(cfg: Config) -> tuple:
+    """The per-pass table's columns: the first MIA method, the other held-out corpus and the downstream
+    tasks where the experiment has them."""
+    cols = [("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("step", "steps", "{}"),
+            ("em_once", "EM leads seen once", "{:.0%}"), ("em_dup", "EM duplicated leads", "{:.0%}"),
+            ("exposure", "canary exposure (bits)", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
+            ("extracted", "secrets extracted", "{:.0%}"),
+            ("auc", f"MIA AUC {cfg.mia_methods[0]} [95% CI]", "{}"), ("val", "held-out loss", "{:.3f}")]
+    if cfg.other_held_out:
+        cols.append(("other", f"{cfg.other_held_out} loss", "{:.3f}"))
+    if cfg.downstream:
+        cols.append(("ds", f"{task_label(cfg)} ± SE", "{}"))
+    return tuple(cols)
 
 
-def _row(name: str, p: dict[str, Any], floor: float | None, start: float | None) -> dict[str, Any]:
+def _row(name: str, p: dict[str, Any], floor: float | None, start: float | None,
+         method: str) -> dict[str, Any]:
     exposure = p["canaries"]["exposure_mean"]
     return {"arm": name, "pass": p.get("pass"), "step": p.get("step"),  # the base model: None, shown "-"
             "em_once": p["extraction"]["seen_once"]["exact_match_rate"],
             "em_dup": p["extraction"]["duplicated"]["exact_match_rate"],
             "exposure": exposure, "kept": kept(exposure, start, floor),
-            "extracted": p["canaries"]["extracted_rate"], "auc": format_auc(p["mia"].get("loss")),
-            "val": p["utility"]["val_loss"], "other": p["utility"]["other_val_loss"]}
+            "extracted": p["canaries"]["extracted_rate"], "auc": format_auc(p["mia"].get(method)),
+            "val": p["utility"]["val_loss"], "other": p["utility"]["other_val_loss"],
+            "ds": format_acc(p["utility"].get("downstream"))}
 
 
 def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] | None, n_members: int,
              n_nonmembers: int, n_rows: int, n_fresh: int, out: Path) -> Outputs:
     floor = baseline["canaries"]["exposure_mean"] if baseline else None
-    rows = [_row(BASELINE_ROW, baseline, None, None)] if baseline else []
+    method = cfg.mia_methods[0]
+    rows = [_row(BASELINE_ROW, baseline, None, None, method)] if baseline else []
     by_count = []
     for a in arms:
         start = a["passes"][0]["canaries"]["exposure_mean"]
-        rows += [_row(a["name"], p, floor, start) for p in a["passes"]]
+        rows += [_row(a["name"], p, floor, start, method) for p in a["passes"]]
         base_counts = baseline["by_copy_count"] if baseline else {}
         for n in map(str, cfg.counts):
             first = a["passes"][0]["by_copy_count"][n]["canary_exposure"]
@@ -287,8 +314,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
         f"Questions after every pass: EM = greedy {b.eval.suffix}-token suffix from the "
         f"{b.eval.prefix}-token prefix; canary exposure in bits over the whole secret space "
         f"(max log2|R|); MIA on the {n_members} leads seen once vs {n_nonmembers} held-out leads; "
-        f"held-out loss on those leads and on '{cfg.other_held_out}' (the fresh domain's held-out "
-        "text: phase 2 learning it).",
+        "held-out loss on those leads" + (f" and on '{cfg.other_held_out}' (held-out text of the fresh "
+                                          "domain: phase 2 learning it)." if cfg.other_held_out else "."),
     ]
     if baseline:
         notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning "
@@ -298,7 +325,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
     # beyond greedy and near-verbatim, one row per (arm and pass, documents, scheme)
     records = ([{**baseline, "name": BASELINE_ROW}] if baseline else []) + [
         {**p, "name": f"{a['name']}, pass {p['pass']}"} for a in arms for p in a["passes"]]
-    tables = [Table("After each pass of continued training", rows, COLUMNS),
+    tables = [Table("After each pass of continued training", rows, _columns(cfg)),
               Table("By copy count", by_count, ccols)]
     beyond_rows, beyond_cols = beyond_table(records)
     if beyond_rows:
@@ -314,7 +341,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
         notes.append("Near-verbatim (base.eval.near_verbatim): a lower bound of the probability that one "
                      f"sample lies within d {change_words(b.eval.nv_distance)[1]} of the suffix "
                      "(evals/near_verbatim.py).")
-    plots = [_plot(arms, baseline, cfg.counts, out / "forgetting.png")]
+    plots = [_plot(arms, baseline, cfg, out / "forgetting.png")]
     return Outputs(title="Forgetting: what a fine-tune memorized, after training goes on without it",
                    kind=cfg.kind, runs=arms, tables=tables, notes=notes, plots=plots,
                    extra={"arms": arms, "baseline": baseline, "continue_passes": cfg.continue_passes,
@@ -332,15 +359,16 @@ def _np_series(passes: list[dict[str, Any]]) -> list[tuple[str, list[float | Non
             for scheme in at[0]["np"]["schemes"] if scheme != "greedy"]  # greedy: the EM line
 
 
-def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: list[int], path: Path) -> Path:
+def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, cfg: Config, path: Path) -> Path:
     """Against continued passes: canary exposure per copy count, duplicated-lead EM, MIA AUC, losses."""
     fig, axes = figure(4, width=4.4)
+    method = cfg.mia_methods[0]
     colors = [f"C{i}" for i in range(10)]
     styles = ["-", "--", ":", "-."]
     for i, a in enumerate(arms):
         xs = [p["pass"] for p in a["passes"]]
         color = colors[i % len(colors)]
-        for j, n in enumerate(counts):
+        for j, n in enumerate(cfg.counts):
             axes[0].plot(xs, [p["by_copy_count"][str(n)]["canary_exposure"] for p in a["passes"]], marker="o",
                          color=color, linestyle=styles[j % len(styles)], label=f"{a['name']}, {n} copies")
         axes[1].plot(xs, [p["extraction"]["seen_once"]["exact_match_rate"] for p in a["passes"]], marker="o",
@@ -348,7 +376,7 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: l
         for j, (scheme, ns) in enumerate(_np_series(a["passes"])):  # beyond greedy: memorization greedy hides
             axes[1].plot(xs, ns, marker=".", color=color, linestyle=styles[1 + j % 3],
                          label=f"{a['name']}: {scheme}")
-        auc = [(p["mia"].get("loss") or {}) for p in a["passes"]]
+        auc = [(p["mia"].get(method) or {}) for p in a["passes"]]
         axes[2].plot(xs, [r.get("auc") for r in auc], marker="o", color=color, label=a["name"])
         if all(r.get("auc_ci") for r in auc):
             axes[2].fill_between(xs, [r["auc_ci"][0] for r in auc], [r["auc_ci"][1] for r in auc],
@@ -357,16 +385,17 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, counts: l
                      label=f"{a['name']}: held-out leads")
         if a["passes"][0]["utility"]["other_val_loss"] is not None:
             axes[3].plot(xs, [p["utility"]["other_val_loss"] for p in a["passes"]], marker="s", color=color,
-                         linestyle="--", label=f"{a['name']}: fresh domain")
+                         linestyle="--", label=f"{a['name']}: {cfg.other_held_out}")
     if baseline:
         axes[0].axhline(baseline["canaries"]["exposure_mean"], color="gray", linestyle=":",
                         label=BASELINE_ROW)
-        auc = (baseline["mia"].get("loss") or {}).get("auc")
+        auc = (baseline["mia"].get(method) or {}).get("auc")
         if auc is not None:
             axes[2].axhline(auc, color="gray", linestyle=":", label=BASELINE_ROW)
         axes[3].axhline(baseline["utility"]["val_loss"], color="gray", linestyle=":",
                         label=f"{BASELINE_ROW}: held-out leads")
-    titles = ("canary exposure (bits)", "leads seen once: extractable", "MIA AUC (loss)", "held-out loss")
+    titles = ("canary exposure (bits)", "leads seen once: extractable", f"MIA AUC ({method})",
+              "held-out loss")
     for ax, title in zip(axes, titles):
         ax.set(xlabel="passes of continued training on fresh data", title=title)
         ax.legend(fontsize=6)

@@ -170,10 +170,12 @@ class Experiment:
             evaluate: Callable[[torch.nn.Module, Path], dict[str, Any]] | None = None,
             eval_key: dict[str, Any] | None = None,
             train: Callable[[RunConfig, Path], dict[str, Any]] | None = None,
-            per_run_wandb: bool = False) -> dict[str, Any]:
+            per_run_wandb: bool = False, key_config: RunConfig | None = None) -> dict[str, Any]:
         """Train sub-run cfg.name (or reuse it), add `evaluate(model, run_dir)` metrics; return its summary.
 
-        `extra_key` names inputs outside cfg that change training (e.g. injected items);
+        `extra_key` names inputs outside cfg that change training (e.g. injected items); `key_config`
+        replaces cfg in the key where cfg names something by where it lies (a continuation reads the
+        model of another sub-run from its folder: keyed by what that model is, in extra_key, not where);
         `train(cfg, run_dir)` replaces the default `run_training` (e.g. to evaluate after every pass);
         `evaluate(model, run_dir)` runs on every rank with the exported model on the run's grid
         (`eval_model`); its result is cached in evals.json and recomputed (without retraining) when
@@ -183,7 +185,7 @@ class Experiment:
             cfg = replace(cfg, wandb=replace(cfg.wandb, mode="disabled"))
         self.prepare_out()
         d = self.run_dir(cfg.name)
-        key = {"run": run_key(cfg), "extra": extra_key or {}}
+        key = {"run": run_key(key_config or cfg), "extra": extra_key or {}}
         reused = self.finished(cfg.name, key)
         if reused:
             say(f"{cfg.name}: finished earlier, reusing {d}")
