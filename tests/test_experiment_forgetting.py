@@ -210,3 +210,24 @@ def test_a_tensor_split_continuation_answers_as_the_serial_one(finished, pretrai
             assert g["mia"][m]["auc"] == pytest.approx(rec["auc"], abs=1e-9), m
     run = json.loads((tmp_path / "split" / "runs" / "none-continued" / "run.json").read_text())
     assert run["summary"]["grid"] == "1,2,1,1"
+
+
+def test_the_report_takes_what_an_experiment_left_out(finished, pretrained, tmp_path):
+    """No base model, no other held-out corpus, no confidence intervals, MIA without the loss attack: the
+    tables and the plot are still made (empty cells, no 'exposure kept', the first method's AUC)."""
+    from memorization.experiments import load_experiment
+    from memorization.experiments.forgetting import _outputs
+
+    _, out = finished
+    arms = json.loads((out / "report.json").read_text())["arms"]
+    for a in arms:
+        for p in a["passes"]:
+            p["utility"]["other_val_loss"] = None
+            p["mia"] = {"zlib": {k: v for k, v in p["mia"]["zlib"].items() if not k.endswith("_ci")}}
+    _, cfg = load_experiment(_write(tmp_path, pretrained), ["other_held_out=", "mia_methods=[zlib]",
+                                                            "baseline=false", "bootstrap=0"])
+    o = _outputs(cfg, arms, None, 10, 10, 40, 12, tmp_path)
+    table = o.tables[0]
+    assert [c[1] for c in table.columns][-2:] == ["MIA AUC zlib [95% CI]", "held-out loss"]
+    assert all(r["kept"] is None and r["auc"] is not None for r in table.rows)
+    assert (tmp_path / "forgetting.png").stat().st_size > 0
