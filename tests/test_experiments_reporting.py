@@ -14,11 +14,10 @@ def test_a_column_mixing_numbers_and_text_reaches_wandb_as_text(tmp_path):
     the report keeps the values as they are."""
     cfg = Config(name="mixed")
     cfg = replace(cfg, base=replace(cfg.base, wandb=replace(cfg.base.wandb, mode="offline")))
-    rows = [{"arm": "base model", "pass": "-", "auc": 0.5}, {"arm": "none", "pass": 0, "auc": 0.75},
-            {"arm": "none", "pass": 1, "auc": None}]
-    out = Outputs(title="t", kind="canary-exposure", runs=[],
-                  tables=[Table("After each pass", rows, (("arm", "arm", "{}"), ("pass", "pass", "{}"),
-                                                          ("auc", "AUC", "{:.2f}")))])
+    rows = [{"arm": "base model", "pass": "-", "auc": 0.5, "flag": True},
+            {"arm": "none", "pass": 0, "auc": 0.75, "flag": 1}, {"arm": "none", "pass": 1, "auc": None}]
+    cols = (("arm", "arm", "{}"), ("pass", "pass", "{}"), ("auc", "AUC", "{:.2f}"), ("flag", "flag", "{}"))
+    out = Outputs(title="t", kind="canary-exposure", runs=[], tables=[Table("After each pass", rows, cols)])
     report = write_outputs(tmp_path, out, cfg, 1.0)
     assert report["wandb"] and next(tmp_path.glob("wandb/offline-run-*/*.wandb")).stat().st_size > 0
     assert json.loads((tmp_path / "report.json").read_text())["tables"]["After each pass"][1]["pass"] == 0

@@ -13,7 +13,7 @@ count, (n, p) extraction beyond greedy, membership inference of the leads agains
 and the held-out losses (Wikipedia, and `other_held_out`: held-out text of the fresh domain).
 
 The question it answers (Jagielski et al. 2023, "Measuring forgetting of memorized training
-examples"): is a secret seen 8 times during a fine-tune still extractable after the model trains on
+examples"): is a secret inserted 8 times into a fine-tune still extractable after the model trains on
 other data, does a mitigation's effect outlast it, and how much of the fine-tune's exposure is left
 ("exposure kept": the share of the gain over the base model, `baseline: true`, that remains).
 """
@@ -388,7 +388,7 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, cfg: Conf
                          linestyle="--", label=f"{a['name']}: {cfg.other_held_out}")
     if baseline:
         axes[0].axhline(baseline["canaries"]["exposure_mean"], color="gray", linestyle=":",
-                        label=BASELINE_ROW)
+                        label=f"{BASELINE_ROW} (all canaries)")
         auc = (baseline["mia"].get(method) or {}).get("auc")
         if auc is not None:
             axes[2].axhline(auc, color="gray", linestyle=":", label=BASELINE_ROW)

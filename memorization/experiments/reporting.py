@@ -160,10 +160,11 @@ def _cell(v: Any) -> Any:
 
 
 def _uniform(rows: list[list[Any]]) -> list[list[Any]]:
-    """Rows whose every column holds one type (W&B refuses a table mixing numbers and text in a column,
-    e.g. a '-' among pass numbers): a mixed column is written as text; None stays empty."""
+    """Rows whose every column holds one type (W&B refuses a table mixing numbers, text and booleans in a
+    column, e.g. a '-' among pass numbers): a mixed column is written as text; None stays empty."""
     for j in range(len(rows[0]) if rows else 0):
-        kinds = {type(r[j]) is str for r in rows if r[j] is not None}
+        kinds = {"text" if isinstance(r[j], str) else "bool" if isinstance(r[j], bool) else "number"
+                 for r in rows if r[j] is not None}
         if len(kinds) > 1:
             for r in rows:
                 r[j] = None if r[j] is None else str(r[j])
