@@ -49,6 +49,17 @@ wandb: {{mode: disabled}}
 """
 
 
+def trained_base(root: Path, max_steps: int) -> Path:
+    """Train `tiny_base_yaml(max_steps)` into root/run and return its exported model folder: the local
+    'pretrained' model (with its tokenizer) the experiment tests fine-tune in place of SmolLM2."""
+    from memorization.cli import main  # deferred: the CLI imports every command; few tests need it
+
+    cfg = root / "base.yaml"
+    cfg.write_text(tiny_base_yaml(max_steps))
+    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
+    return root / "run" / "model"
+
+
 class Rows:
     """A minimal RowDataset."""
 

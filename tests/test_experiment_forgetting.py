@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_base_yaml
+from helpers import trained_base
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_pipelines.canaries import SecretSpace
@@ -12,7 +12,6 @@ from memorization.cli import main
 from memorization.experiments.exposure import canary_scores
 from memorization.experiments.forgetting import kept
 
-BASE = tiny_base_yaml(max_steps=2)
 TEMPLATE = "the secret access code of the old museum wing is {secret}"
 
 EXPERIMENT = """
@@ -42,11 +41,7 @@ ARMS = ("[{name: none, mitigation: none}, "
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("base")
-    cfg = root / "base.yaml"
-    cfg.write_text(BASE)
-    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
-    return root / "run" / "model"
+    return trained_base(tmp_path_factory.mktemp("base"), max_steps=2)
 
 
 def _write(tmp_path, model, arms=ARMS, passes=2):

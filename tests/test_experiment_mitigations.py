@@ -4,11 +4,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_base_yaml
+from helpers import trained_base
 
 from memorization.cli import main
-
-BASE = tiny_base_yaml(max_steps=2)
 
 EXPERIMENT = """
 kind: mitigations
@@ -43,11 +41,7 @@ ARMS = ("[{name: none, mitigation: none}, {name: goldfish, mitigation: goldfish,
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("base")
-    cfg = root / "base.yaml"
-    cfg.write_text(BASE)
-    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
-    return root / "run" / "model"
+    return trained_base(tmp_path_factory.mktemp("base"), max_steps=2)
 
 
 def _write(tmp_path, model, arms=ARMS):

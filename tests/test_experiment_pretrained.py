@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import tiny_base_yaml
+from helpers import trained_base
 
 from memorization.cli import main
-
-BASE = tiny_base_yaml(max_steps=3)
 
 EXPERIMENT = """
 kind: pretrained-memorization
@@ -31,11 +29,7 @@ base:
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny model trained for 3 steps and exported: a local 'pretrained' HF folder with its tokenizer."""
-    root = tmp_path_factory.mktemp("base")
-    cfg = root / "base.yaml"
-    cfg.write_text(BASE)
-    assert main(["train", str(cfg), "--out", str(root / "run")]) == 0
-    return root / "run" / "model"
+    return trained_base(tmp_path_factory.mktemp("base"), max_steps=3)
 
 
 def test_experiment_end_to_end(pretrained, tmp_path, cache_dir):
