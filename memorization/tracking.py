@@ -13,6 +13,19 @@ def _say(msg: str) -> None:
     print(f"[wandb] {msg}", file=sys.stderr)
 
 
+def uniform_columns(rows: list[list[Any]]) -> list[list[Any]]:
+    """The rows with every column of one type (W&B refuses a table mixing numbers, text and booleans in a
+    column, e.g. a '-' among pass numbers): a mixed column is written as text; None stays empty."""
+    rows = [list(r) for r in rows]
+    for j in range(len(rows[0]) if rows else 0):
+        kinds = {"text" if isinstance(r[j], str) else "bool" if isinstance(r[j], bool) else "number"
+                 for r in rows if r[j] is not None}
+        if len(kinds) > 1:
+            for r in rows:
+                r[j] = None if r[j] is None else str(r[j])
+    return rows
+
+
 class WandbSink:
     """An axonn.sinks.MetricSink writing to a W&B run (offline unless the user asked for online)."""
 
@@ -59,7 +72,7 @@ class WandbSink:
             return
         import wandb  # deferred: wandb +0.6 s, may be off
 
-        self.run.log({key: wandb.Table(columns=columns, data=rows)})
+        self.run.log({key: wandb.Table(columns=columns, data=uniform_columns(rows))})
 
     def log_image(self, key: str, path: str | Path) -> None:
         """Log a PNG plot."""

@@ -10,8 +10,8 @@ from memorization.experiments.reporting import Outputs, Table, write_outputs
 
 def test_a_column_mixing_numbers_and_text_reaches_wandb_as_text(tmp_path):
     """W&B refuses a table whose column mixes numbers and text (a base-model row's '-' among pass
-    numbers crashed a finished 33-minute experiment at its last line): such a column is logged as text,
-    the report keeps the values as they are."""
+    numbers crashed a finished 33-minute experiment at its last line): WandbSink.log_table, which every
+    W&B table goes through, logs such a column as text; the report keeps the values as they are."""
     cfg = Config(name="mixed")
     cfg = replace(cfg, base=replace(cfg.base, wandb=replace(cfg.base.wandb, mode="offline")))
     rows = [{"arm": "base model", "pass": "-", "auc": 0.5, "flag": True},

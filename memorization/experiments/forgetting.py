@@ -19,7 +19,6 @@ other data, does a mitigation's effect outlast it, and how much of the fine-tune
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -178,9 +177,10 @@ class AfterEachPass(Callback):
         model.train(was_training)
         self.records.append({"pass": label, "step": trainer.state.step, **values})
         inj = values["injected"]["canaries"]
+        method = self.ask.cfg.mia_methods[0]
         trainer.log({"continued_pass": label,
                      "canary_exposure": sum(c["exposure"] for c in inj) / max(1, len(inj)),
-                     "mia_auc_loss": (values["mia"].get("loss") or {}).get("auc")})
+                     f"mia_auc_{method}": (values["mia"].get(method) or {}).get("auc")})
 
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
@@ -205,7 +205,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     for arm in cfg.arms:
         first = arm_config(cfg, arm)
         tuned = exp.run(first, data, extra_key=key, per_run_wandb=cfg.per_run_wandb)  # phase 1: its own run
-        tuned.pop("reused", None)
+        tuned.pop("reused", None)  # the same fine-tune whether reused or not: not part of its identity
         rc = continued_config(cfg, arm, exp.run_dir(arm.name) / "model")
 
         def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
@@ -228,18 +228,13 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         passes = [{"pass": r["pass"], "step": r["step"], **arm_record(arm, r, cfg.counts)}
                   for r in summary["after_pass"]]
         arms.append({"name": arm.name, "mitigation": arm.mitigation, "overrides": list(arm.overrides),
-                     "fine_tune_steps": _steps(exp.run_dir(arm.name)),
+                     "fine_tune_steps": tuned.get("steps"),
                      "continued_steps": summary.get("steps"),
                      "passes": passes, "reused": summary.get("reused", False)})
     if not exp.is_main:
         return None
     return _outputs(cfg, arms, baseline, len(members), len(nonmembers), len(data.train_docs),
                     len(fresh.train_docs), exp.out)
-
-
-def _steps(run_dir: Path) -> int | None:
-    """A finished run's optimizer steps (its run.json)."""
-    return json.loads((run_dir / "run.json").read_text())["summary"].get("steps")
 
 
 MIN_GAIN = 1.0  # bits: below this the fine-tune's exposure gain is within a few secrets' noise (a secret

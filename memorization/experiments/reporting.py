@@ -143,7 +143,7 @@ def _log_wandb(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> str |
         return None
     for t in o.tables:
         keys = [k for k, _, _ in t.columns]
-        rows = _uniform([[_cell(r.get(k)) for k in keys] for r in t.rows])
+        rows = [[_cell(r.get(k)) for k in keys] for r in t.rows]
         sink.log_table(t.title.lower().replace(" ", "_"), keys, rows)
     if o.samples:
         sink.log_table("samples", o.sample_columns, o.samples)
@@ -158,14 +158,3 @@ def _log_wandb(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> str |
 def _cell(v: Any) -> Any:
     return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
 
-
-def _uniform(rows: list[list[Any]]) -> list[list[Any]]:
-    """Rows whose every column holds one type (W&B refuses a table mixing numbers, text and booleans in a
-    column, e.g. a '-' among pass numbers): a mixed column is written as text; None stays empty."""
-    for j in range(len(rows[0]) if rows else 0):
-        kinds = {"text" if isinstance(r[j], str) else "bool" if isinstance(r[j], bool) else "number"
-                 for r in rows if r[j] is not None}
-        if len(kinds) > 1:
-            for r in rows:
-                r[j] = None if r[j] is None else str(r[j])
-    return rows
