@@ -31,7 +31,9 @@ class GradientHook:
       fixed-size batch (the default). A drawn batch is padded with unsupervised copies of row 0 (zero
       gradient) to a multiple of the batch shards (z*data; at least one row per shard) and cut into
       micro-batches of at most batch_size/grad_accum rows, the last one ragged.
-    - per micro-batch: objective(loss_sum, denom, token_losses, targets) -> the tensor to backpropagate
+    - per micro-batch: micro_batch_rows(ids), the dataset indices of this rank's rows of it (padding: row
+      0, unsupervised; None when the caller handed train_step a batch without them), then
+      objective(loss_sum, denom, token_losses, targets) -> the tensor to backpropagate
       (default loss_sum / denom: the CE over this rank's supervised tokens over the global batch's
       supervised-token count); with `token_losses = True` the trainer also hands it each token's CE
       ([rows * T], 0 where unsupervised) and this rank's targets ([rows, T], -100 where unsupervised);
@@ -51,6 +53,10 @@ class GradientHook:
     def draw_rows(self, step: int, n: int) -> torch.Tensor | None:
         """The row indices (of `n`) of step `step`'s global batch; None: the shuffled fixed-size batch."""
         return None
+
+    def micro_batch_rows(self, ids: torch.Tensor | None) -> None:
+        """The dataset indices of this rank's rows of the coming micro-batch (an objective that weighs
+        rows by what they are reads them here)."""
 
     def objective(self, loss_sum: torch.Tensor, denom: int, token_losses: torch.Tensor | None,
                   targets: torch.Tensor) -> torch.Tensor:

@@ -147,8 +147,8 @@ class Trainer:
         return self.grid.rank == 0
 
     # -- batches -----------------------------------------------------------------------------
-    def _global_batches(self) -> Iterator[Batch]:
-        """Global batches from the current position on (every rank builds the same ones)."""
+    def _global_batches(self) -> Iterator[tuple[torch.Tensor, Batch]]:
+        """(dataset indices, global batch) from the current position on (every rank builds the same ones)."""
         n, bs = len(self.train_data), self.cfg.batch_size
         while True:
             order = epoch_order(n, self.cfg.seed, self.state.epoch)
@@ -158,20 +158,25 @@ class Trainer:
                 # checkpoint taken after this step must resume from)
                 self.state.batch_in_epoch += 1
                 drawn = self.gradient_hook.draw_rows(self.state.step, n)
-                yield self.train_data[order[start:start + bs]] if drawn is None else self._padded(drawn)
+                if drawn is None:
+                    idx = order[start:start + bs]
+                    yield idx, self.train_data[idx]
+                else:
+                    yield self._padded(drawn)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
-    def _padded(self, idx: torch.Tensor) -> Batch:
+    def _padded(self, idx: torch.Tensor) -> tuple[torch.Tensor, Batch]:
         """The rows `idx` plus unsupervised copies of row 0 up to a multiple of the batch shards (at
         least one row per shard), so every shard holds as many rows. Not up to whole micro-batches:
         a Poisson draw of 9 rows at batch_size 8 would then cost 16 rows of compute."""
         shards = self.grid.batch_shards
         pad = (-len(idx)) % shards if len(idx) else shards
-        batch = self.train_data[torch.cat([idx.long(), torch.zeros(pad, dtype=torch.long)])]
+        rows = torch.cat([idx.long(), torch.zeros(pad, dtype=torch.long)])
+        batch = self.train_data[rows]
         labels = batch.get("labels", batch["input_ids"]).clone()
         labels[len(idx):] = IGNORE_INDEX  # no supervised token: a zero gradient, clipped to zero
-        return {**batch, "labels": labels}
+        return rows, {**batch, "labels": labels}
 
     def _shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous slice of a (micro-)batch along rows."""
@@ -246,11 +251,12 @@ class Trainer:
         return no_sync(self.model) if active else contextlib.nullcontext()
 
     # -- one optimizer step ------------------------------------------------------------------
-    def train_step(self, batch: Batch) -> StepStats:
+    def train_step(self, batch: Batch, rows: torch.Tensor | None = None) -> StepStats:
         """One optimizer step over one global batch: labels (the transform's, e.g. goldfish) -> per
         micro-batch: this rank's rows, forward, loss, the gradient hook's objective, backward -> the
         gradients reduced over ranks -> clipped -> AdamW and the schedule (skipped on every rank alike
-        when the loss or the norm is not finite)."""
+        when the loss or the norm is not finite). `rows`: the batch's dataset indices, which the gradient
+        hook is told per micro-batch (GradientHook.micro_batch_rows)."""
         cfg, model, hook = self.cfg, self.model, self.gradient_hook
         model.train()
         base = batch["labels"] if "labels" in batch else batch["input_ids"]
@@ -264,10 +270,12 @@ class Trainer:
         # grad_accum micro-batches, unless the hook drew the batch's rows: then as many as its rows
         # need, the last one ragged (still a multiple of the shards: `_padded`)
         accum = -(-n // micro)
+        batch_rows = rows
         for m in range(accum):
             rows = slice(m * micro, min((m + 1) * micro, n))
             ids = self._shard(batch["input_ids"][rows]).to(self.device)
             tgt = self._shard(labels[rows])[:, 1:].to(self.device)
+            hook.micro_batch_rows(None if batch_rows is None else self._shard(batch_rows[rows]))
             # gradient all-reduces launched during backward wait for the last micro-batch
             with self._no_sync(m + 1 < accum):
                 with self._autocast():
@@ -348,9 +356,9 @@ class Trainer:
         batches = self._global_batches()
         t0, tokens0 = time.perf_counter(), self.state.tokens
         while self.state.step < self.total_steps:
-            batch = next(batches)
+            rows, batch = next(batches)
             lr = self.optimizer.param_groups[0]["lr"]
-            stats = self.train_step(batch)
+            stats = self.train_step(batch, rows)
             self.state.step += 1
             self.state.tokens += stats.tokens
             self._count_bad(stats)

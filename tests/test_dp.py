@@ -149,11 +149,12 @@ def test_per_row_gradients_are_clipped_to_max_grad_norm(goldfish, grad_accum):
 def test_noise_is_seeded_per_step_and_an_empty_poisson_batch_is_pure_noise():
     data = rows()
     trainer = dp_trainer(data, {"noise_multiplier": 1.0, "max_grad_norm": 0.5, "poisson_sampling": True})
-    empty = trainer._padded(torch.zeros(0, dtype=torch.long))
+    pad_rows, empty = trainer._padded(torch.zeros(0, dtype=torch.long))
+    assert pad_rows.tolist() == [0]  # the hook is told the padding row is row 0
     # an empty draw: one unsupervised row per batch shard (serial: one), not a whole micro-batch
     assert len(empty["labels"]) == trainer.grid.batch_shards == 1
     assert (empty["labels"] == IGNORE_INDEX).all()
-    nine = trainer._padded(torch.arange(9))  # 9 rows at batch_size 8: 9 rows of compute, not 16
+    _, nine = trainer._padded(torch.arange(9))  # 9 rows at batch_size 8: 9 rows of compute, not 16
     assert len(nine["labels"]) == 9 and torch.equal(nine["input_ids"], data[torch.arange(9)]["input_ids"])
     a = step_grads(trainer, empty)
     b = step_grads(dp_trainer(data, {"noise_multiplier": 1.0, "max_grad_norm": 0.5}), empty)
