@@ -23,7 +23,7 @@ import torch.distributed as dist
 from axonn.config import to_dict
 from axonn.engine import is_parallel
 from axonn.grid import ProcessGrid
-from axonn.hooks import Callback
+from axonn.hooks import Callback, GradientHook
 from axonn.plan.fits import check_shape
 from axonn.sinks import JsonlSink
 from axonn.state import load_pretrained
@@ -64,6 +64,7 @@ from memorization.train.run_plan import (  # noqa: F401 - RESULT_FILES, check_ou
     effective_trainer,
     plan_run,
 )
+from memorize_core import fail
 
 EXTRACTION_KEYS = ("docs", "exact_match_rate", "rougeL", "token_accuracy", "lcp_mean")  # in run.json
 
@@ -143,7 +144,7 @@ class Run:
 def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite: bool = False,
               grid: ProcessGrid | None = None, grid_spec: str | None = None, resume: str | None = None,
               progress: bool = True, progress_position: int = 0,
-              callbacks: list[Callback] | None = None) -> Run:
+              callbacks: list[Callback] | None = None, gradient_hook: GradientHook | None = None) -> Run:
     """Stage 2: check everything, build the model on its grid, open OUT and the sinks, make the Trainer.
 
     The run's decision is its plan (memorization.train.run_plan.plan_run, the one every entry point takes):
@@ -154,8 +155,13 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
     the ProcessGrid is made once the plan is made (memorization.train.parallel).
     `resume` is "auto" (newest checkpoint in OUT/checkpoints, if any) or a checkpoint folder.
     `callbacks` are Trainer callbacks (axonn.hooks.Callback: on_fit_start, on_step_end,
-    on_epoch_end), called on every rank: the hook for per-pass evaluation.
+    on_epoch_end), called on every rank: the hook for per-pass evaluation. `gradient_hook` is another
+    objective for the trainer (an unlearning method, memorization/mitigations/unlearning.py); DP-SGD's
+    is the config's own, so the two are refused together.
     """
+    if gradient_hook is not None and cfg.trainer.dp.enabled:
+        raise fail("trainer.dp.enabled", True, "this run trains with its own objective (a gradient hook); "
+                   "DP-SGD's clipping and noise are another: turn one off")
     is_main = is_main_process()
     lora = cfg.model.lora
     plan = plan_run(cfg, data, spec=grid_spec, grid=grid, out=out, overwrite=overwrite,
@@ -189,7 +195,8 @@ def start_run(cfg: RunConfig, out: str | Path, data: PreparedData, *, overwrite:
                       grid=grid, checkpoint_dir=out_dir / CHECKPOINTS,
                       checkpoint_files=lambda d: tok.save_pretrained(d / "tokenizer"),
                       name=cfg.name, progress_position=progress_position, callbacks=callbacks,
-                      gradient_hook=privacy, micro_batches=plan.micro_batches)
+                      gradient_hook=privacy if gradient_hook is None else gradient_hook,
+                      micro_batches=plan.micro_batches)
     # OUT is touched only now, after every constructor that can refuse (the plan made their refusals
     # already; this order keeps a refusal it missed from costing an earlier run its results)
     if grid.distributed:  # every rank has checked OUT (and the rest) before the main rank writes there
