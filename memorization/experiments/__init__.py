@@ -13,6 +13,9 @@ Kinds (configs/experiments/<kind>.yaml):
                              held-out loss when the duplicates are near-copies
   forgetting                 mitigations' fine-tune, then plain training on fresh data: the same
                              questions of the fine-tune's data after every further pass
+  unlearning                 mitigations' fine-tune, then retrain / gradient ascent / gradient
+                             difference / NPO on a forget set: forget vs retain after every pass, and
+                             the relearning attack
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ KINDS = {
     "mitigations": "memorization.experiments.mitigations",
     "goldfish-near-duplicates": "memorization.experiments.near_duplicates",
     "forgetting": "memorization.experiments.forgetting",
+    "unlearning": "memorization.experiments.unlearning",
 }
 
 

@@ -42,22 +42,23 @@ class UnlearnSettings:
 
     def validate(self, prefix: str = "unlearn") -> None:
         """Every field in range; names the field with `prefix`."""
+        prefix = f"{prefix}." if prefix else ""
         if self.method not in METHODS:
-            raise fail(f"{prefix}.method", self.method, f"choose one of {', '.join(METHODS)}")
+            raise fail(f"{prefix}method", self.method, f"choose one of {', '.join(METHODS)}")
         if not self.lr > 0:
-            raise fail(f"{prefix}.lr", self.lr, "must be > 0, e.g. 5.0e-5")
+            raise fail(f"{prefix}lr", self.lr, "must be > 0, e.g. 5.0e-5")
         for name in ("passes", "forget_batch"):
             if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 1:
-                raise fail(f"{prefix}.{name}", getattr(self, name), "must be an integer >= 1")
+                raise fail(f"{prefix}{name}", getattr(self, name), "must be an integer >= 1")
         if not self.retain_batch >= 0:
-            raise fail(f"{prefix}.retain_batch", self.retain_batch, "must be >= 0")
+            raise fail(f"{prefix}retain_batch", self.retain_batch, "must be >= 0")
         if self.method != "ga" and self.retain_batch == 0:
-            raise fail(f"{prefix}.retain_batch", 0, f"{self.method} trains on retain rows: give >= 1, or use "
+            raise fail(f"{prefix}retain_batch", 0, f"{self.method} trains on retain rows: give >= 1, or use "
                        "method ga")
         if not self.beta > 0:
-            raise fail(f"{prefix}.beta", self.beta, "must be > 0, e.g. 0.1")
+            raise fail(f"{prefix}beta", self.beta, "must be > 0, e.g. 0.1")
         if not self.retain_weight >= 0:
-            raise fail(f"{prefix}.retain_weight", self.retain_weight, "must be >= 0")
+            raise fail(f"{prefix}retain_weight", self.retain_weight, "must be >= 0")
 
     @property
     def uses_retain(self) -> bool:

@@ -1,0 +1,455 @@
+"""unlearning: can a fine-tune be made to forget chosen items after the fact, and does it stay forgotten?
+
+A pretrained model is fine-tuned (`passes` passes, OUT/runs/fine-tune) on half of a corpus into which
+canaries and duplicated documents were injected at several copy counts (canary-exposure's injection,
+OUT/manifest.json). A seeded `forget_fraction` of the injected items (per copy count) and of the leads
+seen once is then to be forgotten (OUT/forget.json); the rest is to be retained. Each method:
+  retrain   the gold standard: the fine-tune again from the base model without the forget rows
+  ga        gradient ascent on the forget rows
+  gdiff     gradient difference: ascent on the forget rows, descent on retain rows
+  npo       negative preference optimisation against the fine-tune, plus descent on retain rows
+(memorization/mitigations/unlearning.py), each unlearning method starting from the fine-tune's exported
+model and asked after every pass over the forget rows: verbatim extraction of the forget and the retain
+leads, the forget and retain secrets' exposure and extraction, the duplicated leads', (n, p) extraction
+beyond greedy of the forget documents, membership inference of the forget leads (and of the retain ones)
+against the held-out half, and held-out losses. Then the relearning attack (Hu et al. 2024, "Jogging the
+memory of unlearned LLMs"): each unlearned model trains `relearn.passes` passes of plain loss on half
+of the forget leads, and the other forget items (never relearned: the other leads, every forget secret
+and duplicated lead) are asked about again. Suppressed memorization comes back; a model that never
+learnt them (retrain) has nothing to bring back.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from axonn.config import apply_overrides, build, to_dict
+from axonn.hooks import Callback
+from axonn.trainer import Trainer
+from evals import extract, summarize
+from evals.probabilistic import sampled_extraction
+from memorization.config import RunConfig
+from memorization.experiments.canary_exposure import (
+    InjectionConfig,
+    build_corpus,
+    save_manifest,
+    score_injected,
+)
+from memorization.experiments.mitigations import arm_config, beyond_summary, members_and_nonmembers
+from memorization.experiments.pretrained import require_pretrained_split
+from memorization.experiments.questions import MiaSettings, PrivacyUtility, other_domain, reference_model
+from memorization.experiments.reporting import Outputs
+from memorization.experiments.runner import Experiment, digest, say
+from memorization.experiments.spec import Arm
+from memorization.experiments.unlearning_report import outputs
+from memorization.mitigations.peft_lora import LoraSettings
+from memorization.mitigations.unlearning import (
+    METHODS,
+    UnlearnObjective,
+    UnlearnSettings,
+    forget_first,
+    reference_logp,
+    select_rows,
+)
+from memorization.outputs import check_name
+from memorization.train import pipeline
+from memorization.train.prepare import PreparedData
+from memorization.train.run_plan import run_schemes
+from memorize_core import fail
+
+FINE_TUNE = "fine-tune"  # OUT/runs/fine-tune: the model every unlearning method starts from
+RELEARNED = "-relearned"  # the relearning attack on method M runs in OUT/runs/M-relearned
+KINDS = ("retrain",) + METHODS
+
+
+@dataclass
+class Method:
+    """One way to forget: a name (its run folder), retrain or an unlearning objective, and key=value
+    overrides of the `unlearn` settings for it (lr=1.0e-5, passes=2, beta=0.2; none for retrain)."""
+
+    name: str = ""
+    method: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Relearn:
+    """The relearning attack: plain loss on half of the forget leads, after unlearning."""
+
+    passes: int = 2  # 0 = no attack
+    lr: float = 0.0  # 0 = base.trainer.lr (the fine-tune's)
+
+
+def _default_methods() -> list[Method]:
+    return [Method("retrain", "retrain"), Method("ga", "ga"), Method("gdiff", "gdiff"), Method("npo", "npo")]
+
+
+@dataclass
+class Config(InjectionConfig, MiaSettings):
+    """The injected fine-tune, what to forget, the methods, and the relearning attack."""
+
+    passes: int = 3  # the fine-tune's passes (retrain's too)
+    forget_fraction: float = 0.5  # of the injected items per copy count, and of the leads seen once
+    unlearn: UnlearnSettings = field(default_factory=UnlearnSettings)  # shared by the methods
+    methods: list[Method] = field(default_factory=_default_methods)
+    relearn: Relearn = field(default_factory=Relearn)
+    baseline: bool = True  # ask the base model the same questions: the floor forgetting is read against
+
+    def validate(self, prefix: str = "") -> None:
+        """Injection and MIA checks, a pretrained base with a held-out split, valid methods and fractions."""
+        super().validate(prefix)
+        self.check()
+        require_pretrained_split(self.base)
+        if self.passes < 1:
+            raise fail("passes", self.passes, "must be >= 1")
+        if not 0 < self.forget_fraction < 1:
+            raise fail("forget_fraction", self.forget_fraction, "must be in (0, 1): some items to "
+                       "forget, some to retain")
+        if self.base.data.packing != "per-document":
+            raise fail("base.data.packing", self.base.data.packing, "forgetting a document needs it "
+                       "in rows of its own: use per-document")
+        if self.unlearn.method != UnlearnSettings.method:
+            raise fail("unlearn.method", self.unlearn.method, "each entry of `methods` names its method; "
+                       "set it there")
+        self.unlearn.validate("unlearn")
+        if self.relearn.passes < 0:
+            raise fail("relearn.passes", self.relearn.passes, "must be >= 0 (0 = no relearning attack)")
+        if not self.relearn.lr >= 0:
+            raise fail("relearn.lr", self.relearn.lr, "must be >= 0 (0 = base.trainer.lr)")
+        if not self.methods:
+            raise fail("methods", self.methods, "give at least one, e.g. [{name: npo, method: npo}]")
+        names = [m.name for m in self.methods]
+        for i, m in enumerate(self.methods):
+            check_name(f"methods[{i}].name", m.name)
+            if m.name == FINE_TUNE or m.name.endswith(RELEARNED):
+                raise fail(f"methods[{i}].name", m.name, f"is the name of another run folder ({FINE_TUNE}, "
+                           f"*{RELEARNED}); rename the method")
+            if m.method not in KINDS:
+                raise fail(f"methods[{i}].method", m.method, f"choose one of {', '.join(KINDS)}")
+            if m.method == "retrain" and m.overrides:
+                raise fail(f"methods[{i}].overrides", m.overrides, "retrain is the fine-tune "
+                           "without the forget rows: it takes no unlearning settings")
+            settings(self, m, f"methods[{i}].overrides")
+        if len(set(names)) != len(names):
+            raise fail("methods", names, "method names must be distinct")
+
+
+def settings(cfg: Config, m: Method, where: str = "overrides") -> UnlearnSettings:
+    """Method `m`'s unlearning settings: the shared `unlearn` block with its overrides, checked."""
+    try:
+        s = build(UnlearnSettings, apply_overrides({**to_dict(cfg.unlearn), "method": m.method
+                                                    if m.method in METHODS else "npo"}, list(m.overrides)))
+    except ValueError as e:  # ConfigError (an unknown key, a bad value): say which method it came from
+        raise fail(where, list(m.overrides), str(e).rstrip(".")) from None
+    return s
+
+
+@dataclass
+class ForgetSplit:
+    """What is forgotten: injected items (all their copies) and leads seen once; half of the forget leads
+    are the relearning attack's data, the other half are asked about (the `probe` leads)."""
+
+    canaries: list[str]  # manifest ids
+    duplicates: list[str]
+    relearn: list[int]  # indices into the members (the leads seen once)
+    probe: list[int]
+    retain: list[int]
+    rows: list[int]  # training rows to forget
+
+    def record(self, manifest: Any, member_ids: list[str]) -> dict[str, Any]:
+        """forget.json: the ids of everything forgotten and retained."""
+        items = {it.id: it for it in manifest.items}
+        kept = [i for i in items if items[i].kind in ("canary", "duplicate")
+                and i not in self.canaries and i not in self.duplicates]
+        return {"forget": {"canaries": self.canaries, "duplicates": self.duplicates,
+                           "leads_relearned": [member_ids[i] for i in self.relearn],
+                           "leads_probed": [member_ids[i] for i in self.probe]},
+                "retain": {"items": kept, "leads": [member_ids[i] for i in self.retain]},
+                "rows": len(self.rows)}
+
+
+def forget_split(cfg: Config, data: PreparedData, manifest: Any) -> tuple[ForgetSplit, list[str]]:
+    """The seeded forget set (forget_fraction of each copy count's canaries and duplicated leads, and of
+    the leads seen once) and the member leads' ids, in the order of members_and_nonmembers."""
+    rng = random.Random(cfg.base.seed * 7_919 + 1)
+    frac = cfg.forget_fraction
+
+    def pick(ids: list[str]) -> list[str]:
+        ids = sorted(ids)
+        rng.shuffle(ids)
+        return sorted(ids[:max(1, round(frac * len(ids)))]) if ids else []
+
+    canaries, dups = [], []
+    for n in cfg.counts:
+        canaries += pick([it.id for it in manifest.of_kind("canary") if it.count == n])
+        dups += pick([it.id for it in manifest.of_kind("duplicate") if it.count == n])
+    injected = {cid for it in manifest.items for cid in it.copy_ids}
+    member_ids = [i for i in data.train_doc_ids if i not in injected and not str(i).startswith("audit-")]
+    order = list(range(len(member_ids)))
+    rng.shuffle(order)
+    n_forget = round(frac * len(order))
+    if n_forget < 4 or len(order) - n_forget < 2:
+        raise fail("forget_fraction", frac, f"forgets {n_forget} of {len(order)} leads seen once: it "
+                   "needs >= 4 (half relearned, half probed) and >= 2 retained; use more documents "
+                   "(base.data.limit)")
+    forget = order[:n_forget]
+    relearn, probe = sorted(forget[:n_forget // 2]), sorted(forget[n_forget // 2:])
+    gone = {cid for it in manifest.items if it.id in set(canaries) | set(dups) for cid in it.copy_ids}
+    gone |= {member_ids[i] for i in forget}
+    doc_of_row = data.train.doc_ids[:, 0].tolist()
+    rows = [r for r, d in enumerate(doc_of_row) if data.train_doc_ids[d] in gone]
+    return ForgetSplit(canaries, dups, relearn, probe, sorted(order[n_forget:]), rows), member_ids
+
+
+def subset(data: PreparedData, rows: list[int]) -> PreparedData:
+    """`data` trained on the rows `rows` only (retrain's corpus, the relearning attack's)."""
+    docs = data.train.doc_ids[:, 0].tolist()
+    return replace(data, train=select_rows(data.train, rows),
+                   train_docs=[data.train_docs[docs[r]] for r in rows],
+                   train_doc_ids=[data.train_doc_ids[docs[r]] for r in rows], audit=None)
+
+
+def unlearn_config(cfg: Config, m: Method, s: UnlearnSettings, model_dir: str | Path | None,
+                   steps: int = 0) -> RunConfig:
+    """Method m's run: the fine-tune's exported model (`model_dir`; None: the base model, the same shape,
+    for the checks made before it exists) trained `steps` steps (0: `passes` epochs, the dry run's
+    stand-in) of s's objective at a constant learning rate; the questions are asked by the experiment."""
+    b = cfg.base
+    model = replace(b.model, lora=LoraSettings(), random_init=False,
+                    **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
+    return replace(
+        b, name=m.name, model=model, data=replace(b.data, min_tokens=1),
+        goldfish=replace(b.goldfish, enabled=False),
+        trainer=replace(b.trainer, epochs=s.passes, max_steps=steps, lr=s.lr, warmup_steps=0,
+                        min_lr_ratio=1.0,
+                        batch_size=s.rows_per_step(), grad_accum=1, micro_batch=0,
+                        dp=replace(b.trainer.dp, enabled=False)),
+        eval=replace(b.eval, extraction=False, audit=False, mia=False))
+
+
+def relearn_config(cfg: Config, name: str, model_dir: str | Path | None) -> RunConfig:
+    """The relearning attack on `name`: its model trained `relearn.passes` passes of plain loss."""
+    b, r = cfg.base, cfg.relearn
+    model = replace(b.model, lora=LoraSettings(), random_init=False,
+                    **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
+    return replace(b, name=name + RELEARNED, model=model, data=replace(b.data, min_tokens=1),
+                   goldfish=replace(b.goldfish, enabled=False),
+                   trainer=replace(b.trainer, epochs=r.passes, max_steps=0, lr=r.lr or b.trainer.lr,
+                                   dp=replace(b.trainer.dp, enabled=False)),
+                   eval=replace(b.eval, extraction=False, audit=False, mia=False))
+
+
+def _fine_tune_config(cfg: Config, name: str = FINE_TUNE) -> RunConfig:
+    return arm_config(cfg, Arm(name, "none"))
+
+
+def run_configs(cfg: Config) -> list[RunConfig]:
+    """Every sub-run in training order: the fine-tune, then per method its run and its relearning attack
+    (unlearning and the attack with the base model's name: theirs exist once the run before has run)."""
+    out = [_fine_tune_config(cfg)]
+    for m in cfg.methods:
+        out.append(_fine_tune_config(cfg, m.name) if m.method == "retrain"
+                   else unlearn_config(cfg, m, settings(cfg, m), None))
+        if cfg.relearn.passes:
+            out.append(relearn_config(cfg, m.name, None))
+    return out
+
+
+class Questions:
+    """What every model is asked, split into forget and retain (and the relearned leads), on every rank."""
+
+    def __init__(self, cfg: Config, data: PreparedData, manifest: Any, dup_tokens: dict[str, list[int]],
+                 members: list[list[int]], nonmembers: list[list[int]], split: ForgetSplit, reference: Any):
+        self.cfg, self.data, self.manifest, self.split = cfg, data, manifest, split
+        self.dup_tokens = dup_tokens
+        tok, b = data.tokenizer, cfg.base
+        self.leads = {"forget": [members[i] for i in split.probe],
+                      "retain": [members[i] for i in split.retain],
+                      "relearned": [members[i] for i in split.relearn]}
+        other = other_domain(cfg, tok, b.data.block_len)
+        self.mia = {"forget": PrivacyUtility(cfg, tok, self.leads["forget"], nonmembers, other, reference,
+                                             seed=b.seed),
+                    "retain": PrivacyUtility(cfg, tok, self.leads["retain"], nonmembers, [], reference,
+                                             seed=b.seed)}
+        self.schemes = run_schemes(b)
+        self.forget_docs = self.leads["forget"] + [dup_tokens[i] for i in split.duplicates]
+        self.key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
+                    "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
+                    "candidates": cfg.canaries.candidates,
+                    "other": [cfg.other_held_out, cfg.other_held_out_limit],
+                    "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
+                    "asked": digest([self.leads, nonmembers, other, split.canaries, split.duplicates])}
+
+    def __call__(self, model: Any, downstream: bool = False) -> dict[str, Any]:
+        """Every answer of `model`, each metric for the forget and the retain items."""
+        e, tok = self.cfg.base.eval, self.data.tokenizer
+        leads = {g: {k: v for k, v in summarize(extract(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
+                                                        tokenizer=tok, batch_size=e.batch_size,
+                                                        decode=e.decode)).items()
+                     if k in ("docs", "exact_match_rate", "rougeL")}
+                 for g, docs in self.leads.items()}
+        inj = score_injected(model, self.cfg, tok, self.manifest, self.dup_tokens)
+        forget = set(self.split.canaries) | set(self.split.duplicates)
+        canaries = {g: [{k: c[k] for k in ("id", "count", "exposure", "extracted")} for c in inj["canaries"]
+                        if (c["id"] in forget) == (g == "forget")] for g in ("forget", "retain")}
+        dups = {g: [{k: d[k] for k in ("id", "count", "exact_match", "rougeL")} for d in inj["duplicates"]
+                    if (d["id"] in forget) == (g == "forget")] for g in ("forget", "retain")}
+        sampled = beyond_summary(sampled_extraction(
+            model, self.forget_docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=self.schemes,
+            offsets=[0], ns=e.np_ns, p=e.np_p, batch_size=e.batch_size)) if self.schemes else None
+        privacy = {g: q(model, downstream=downstream and g == "forget") for g, q in self.mia.items()}
+        return {"leads": leads, "canaries": canaries, "duplicates": dups, "max_exposure": inj["max_exposure"],
+                "sampled": sampled, "mia": {g: p["mia"] for g, p in privacy.items()},
+                "val_loss": privacy["forget"]["val_loss"],
+                "other_val_loss": privacy["forget"]["other_val_loss"],
+                "downstream": privacy["forget"].get("downstream")}
+
+    def baseline(self, exp: Experiment, reference: Any) -> dict[str, Any]:
+        """The base model's answers, cached in OUT/baseline under the model, the inputs and `key`."""
+        b = self.cfg.base
+        injected = [[it.id, it.text, it.count, it.secret] for it in self.manifest.items]
+        return exp.baseline({"model": b.model.name, "overrides": b.model.overrides, "seed": b.seed,
+                             "eval": self.key, "prefix": b.eval.prefix, "suffix": b.eval.suffix,
+                             "injected": digest(injected)},
+                            lambda r=reference: r, lambda model, _d: self(model))
+
+
+class EveryPass(Callback):
+    """Trainer callback: ask after every `per_pass` steps (a pass over the forget rows)."""
+
+    def __init__(self, ask: Questions, per_pass: int):
+        self.ask, self.per_pass, self.records = ask, per_pass, []
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        """After a whole pass: the answers of the model as it is now (a collective on a grid)."""
+        step = trainer.state.step
+        if step % self.per_pass:
+            return
+        model = trainer.model
+        model.eval()
+        values = self.ask(model)
+        model.train()
+        self.records.append({"pass": step // self.per_pass, "step": step, **values})
+        trainer.log({"unlearn_pass": step // self.per_pass,
+                     "forget_exposure": _mean([c["exposure"] for c in values["canaries"]["forget"]])})
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run(cfg: Config, exp: Experiment) -> Outputs | None:
+    """Fine-tune on the injected corpus, make each method forget the forget set, attack, ask throughout."""
+    data, manifest, dup_tokens, _ = build_corpus(cfg, exp)
+    b = cfg.base
+    members, nonmembers = members_and_nonmembers(cfg, data, manifest)
+    split, member_ids = forget_split(cfg, data, manifest)
+    forget_set = set(split.rows)
+    retained = subset(data, [r for r in range(len(data.train)) if r not in forget_set])
+    relearn_rows = [r for r, d in enumerate(data.train.doc_ids[:, 0].tolist())
+                    if data.train_doc_ids[d] in {member_ids[i] for i in split.relearn}]
+    relearn_data = subset(data, relearn_rows)
+    unlearn_rows, n_forget = forget_first(data.train, split.rows)
+    unlearn_data = replace(data, train=unlearn_rows, audit=None)
+    plans = {m.name: settings(cfg, m) for m in cfg.methods if m.method != "retrain"}
+    steps = {name: s.passes * s.steps_per_pass(n_forget) for name, s in plans.items()}
+    configs, datasets = [_fine_tune_config(cfg)], [data]
+    for m in cfg.methods:
+        configs.append(_fine_tune_config(cfg, m.name) if m.method == "retrain"
+                       else unlearn_config(cfg, m, plans[m.name], None, steps[m.name]))
+        datasets.append(retained if m.method == "retrain" else unlearn_data)
+        if cfg.relearn.passes:
+            configs.append(relearn_config(cfg, m.name, None))
+            datasets.append(relearn_data)
+    exp.check(configs, datasets)
+    save_manifest(manifest, exp)
+    if exp.is_main:
+        (exp.out / "forget.json").write_text(json.dumps(split.record(manifest, member_ids), indent=1))
+    reference = reference_model(b, exp.grid_spec)
+    ask = Questions(cfg, data, manifest, dup_tokens, members, nonmembers, split, reference)
+    baseline = None
+    if cfg.baseline:
+        say("base model: its evaluation before fine-tuning")
+        baseline = ask.baseline(exp, reference)
+    del reference
+    key = cfg.injection_key()
+
+    def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
+        return ask(model)
+
+    tuned = exp.run(_fine_tune_config(cfg), data, extra_key=key, evaluate=evaluate, eval_key=ask.key,
+                    per_run_wandb=cfg.per_run_wandb)
+    before = answers(tuned)
+    methods = []
+    for m in cfg.methods:
+        if m.method == "retrain":
+            summary = exp.run(_fine_tune_config(cfg, m.name), retained, evaluate=evaluate, eval_key=ask.key,
+                              extra_key={**key, "forget": digest(split.rows)},
+                              per_run_wandb=cfg.per_run_wandb)
+            passes = [{"pass": None, "step": summary.get("steps"), **answers(summary)}]
+            s = None
+        else:
+            s = plans[m.name]
+            summary = _unlearn(cfg, exp, m, s, steps[m.name], unlearn_data, n_forget, ask, tuned)
+            passes = summary.get("after_pass", [])
+        relearned = None
+        if cfg.relearn.passes:
+            rc = relearn_config(cfg, m.name, exp.run_dir(m.name) / "model")
+            after = exp.run(rc, relearn_data, evaluate=evaluate, eval_key=ask.key,
+                            per_run_wandb=cfg.per_run_wandb,
+                            extra_key={"from": digest(_identity(summary)), "rows": digest(relearn_rows)},
+                            key_config=relearn_config(cfg, m.name, None))
+            relearned = {"steps": after.get("steps"), **answers(after)}
+        if exp.is_main:
+            methods.append({"name": m.name, "method": m.method, "overrides": list(m.overrides),
+                            "settings": None if s is None else to_dict(s), "steps": summary.get("steps"),
+                            "passes": passes, "relearned": relearned, "reused": summary.get("reused", False)})
+    if not exp.is_main:
+        return None
+    return outputs(cfg, methods, before, baseline, split, n_forget, len(data.train), len(relearn_rows),
+                   exp.out)
+
+
+ANSWERS = ("leads", "canaries", "duplicates", "max_exposure", "sampled", "mia", "val_loss", "other_val_loss",
+           "downstream")  # what Questions returns
+
+
+def answers(summary: dict[str, Any]) -> dict[str, Any]:
+    """The questions' answers in a sub-run's summary (Experiment.run merges them into it)."""
+    return {k: summary.get(k) for k in ANSWERS}
+
+
+def _identity(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a finished training run is, for the key of a run that continues it: its summary without the
+    answers (they change with the questions, the training does not) or the flag saying it was reused."""
+    return {k: v for k, v in summary.items() if k != "reused" and k not in ANSWERS}
+
+
+def _unlearn(cfg: Config, exp: Experiment, m: Method, s: UnlearnSettings, steps: int, data: PreparedData,
+             n_forget: int, ask: Questions, tuned: dict[str, Any]) -> dict[str, Any]:
+    """Method m's run from the fine-tune's exported model, asked after every pass over the forget rows."""
+    rc = unlearn_config(cfg, m, s, exp.run_dir(FINE_TUNE) / "model", steps)
+
+    def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
+        hook = UnlearnObjective(s, data.train, n_forget, seed=cfg.base.seed)
+        probe = EveryPass(ask, hook.per_pass)
+        with pipeline.start_run(rc, run_dir, data, overwrite=True, grid_spec=exp.grid_spec,
+                                progress=rc.trainer.progress, callbacks=[probe], gradient_hook=hook) as run:
+            if s.method == "npo":  # the reference: the fine-tune, as this run starts from it
+                t = run.trainer
+                hook.set_reference(reference_logp(t.model, data.train, n_forget, grid=t.grid))
+            pipeline.train(run)
+            return pipeline.finish(run, extra={"after_pass": probe.records})
+
+    # keyed by the fine-tune it starts from (its summary), the forget rows, the settings and the questions;
+    # by the base model's name, not the folder it reads the fine-tune from
+    key = {"fine_tune": digest(_identity(tuned)), "forget": digest(data.train.input_ids[:n_forget].tolist()),
+           "settings": to_dict(s), "questions": ask.key}
+    return exp.run(rc, data, train=train, extra_key=key, per_run_wandb=cfg.per_run_wandb,
+                   key_config=unlearn_config(cfg, m, s, None, steps))
+
+
+__all__ = ["Config", "Method", "Relearn", "forget_split", "run"]

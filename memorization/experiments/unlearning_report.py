@@ -1,0 +1,193 @@
+"""The unlearning experiment's report: forget vs retain after unlearning, per pass, under relearning."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from memorization.experiments.beyond_greedy import NP_NOTE
+from memorization.experiments.mitigations import BASELINE_ROW, PZ_FLOOR, beyond_table
+from memorization.experiments.questions import format_acc, format_auc, task_label
+from memorization.experiments.reporting import Outputs, Table, figure, save
+
+FINE_TUNED = "fine-tuned"  # the row of the model before any method (OUT/runs/fine-tune)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _auc(v: dict[str, Any], group: str, method: str) -> float | None:
+    return ((v.get("mia") or {}).get(group, {}).get(method) or {}).get("auc")
+
+
+def flat(v: dict[str, Any], method: str) -> dict[str, Any]:
+    """One model's answers as table cells: forget vs retain for every question."""
+    c, d = v["canaries"], v["duplicates"]
+    return {"em_forget": v["leads"]["forget"]["exact_match_rate"],
+            "em_retain": v["leads"]["retain"]["exact_match_rate"],
+            "em_relearned": v["leads"]["relearned"]["exact_match_rate"],
+            "dup_forget": _mean([float(x["exact_match"]) for x in d["forget"]]),
+            "dup_retain": _mean([float(x["exact_match"]) for x in d["retain"]]),
+            "exp_forget": _mean([x["exposure"] for x in c["forget"]]),
+            "exp_retain": _mean([x["exposure"] for x in c["retain"]]),
+            "ext_forget": _mean([float(x["extracted"]) for x in c["forget"]]),
+            "ext_retain": _mean([float(x["extracted"]) for x in c["retain"]]),
+            "auc_forget": format_auc(v["mia"]["forget"].get(method)),
+            "auc_forget_value": _auc(v, "forget", method),
+            "auc_retain": format_auc(v["mia"]["retain"].get(method)),
+            "val": v["val_loss"], "other": v["other_val_loss"], "ds": format_acc(v.get("downstream"))}
+
+
+def _final(m: dict[str, Any]) -> dict[str, Any]:
+    """A method's answers after it ran (its last pass; retrain's trained model)."""
+    return m["passes"][-1]
+
+
+def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None,
+            split: Any, n_forget: int, n_rows: int, n_relearn: int, out: Path) -> Outputs:
+    """Tables, notes and the plot of the unlearning experiment."""
+    mia = cfg.mia_methods[0]
+    gold = next((m for m in methods if m["method"] == "retrain"), None)
+    gold_auc = _auc(_final(gold), "forget", mia) if gold else None
+    rows = []
+    for name, kind, steps, v in ([(BASELINE_ROW, "not fine-tuned", None, baseline)] if baseline else []) + \
+            [(FINE_TUNED, "before unlearning", None, before)] + \
+            [(m["name"], m["method"], m["steps"], _final(m)) for m in methods]:
+        r = {"name": name, "method": kind, "steps": steps, **flat(v, mia)}
+        r["privleak"] = ((r["auc_forget_value"] - gold_auc) / gold_auc
+                         if gold_auc and r["auc_forget_value"] is not None and name != BASELINE_ROW else None)
+        rows.append(r)
+    cols = [("name", "model", "{}"), ("method", "method", "{}"), ("steps", "steps", "{}"),
+            ("em_forget", "EM forget leads", "{:.0%}"), ("em_retain", "EM retain leads", "{:.0%}"),
+            ("dup_forget", "EM forget dup.", "{:.0%}"), ("dup_retain", "EM retain dup.", "{:.0%}"),
+            ("exp_forget", "forget exposure", "{:.2f}"), ("exp_retain", "retain exposure", "{:.2f}"),
+            ("ext_forget", "forget secrets extracted", "{:.0%}"),
+            ("ext_retain", "retain secrets extracted", "{:.0%}"),
+            ("auc_forget", f"MIA AUC {mia} forget [95% CI]", "{}")]
+    cols += [("privleak", "PrivLeak vs retrain", "{:+.0%}")] if gold else []
+    cols += [("auc_retain", f"MIA AUC {mia} retain", "{}"), ("val", "held-out loss", "{:.3f}")]
+    cols += [("other", f"{cfg.other_held_out} loss", "{:.3f}")] if cfg.other_held_out else []
+    cols += [("ds", f"{task_label(cfg)} ± SE", "{}")] if cfg.downstream else []
+    per_pass = [{"name": m["name"], "pass": p["pass"], "step": p["step"], **flat(p, mia)}
+                for m in methods if m["method"] != "retrain"
+                for p in [{"pass": 0, "step": 0, **before}] + m["passes"]]
+    pcols = (("name", "method", "{}"), ("pass", "passes", "{}"), ("step", "steps", "{}"),
+             ("em_forget", "EM forget leads", "{:.0%}"), ("dup_forget", "EM forget dup.", "{:.0%}"),
+             ("exp_forget", "forget exposure", "{:.2f}"), ("exp_retain", "retain exposure", "{:.2f}"),
+             ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("em_retain", "EM retain leads", "{:.0%}"),
+             ("val", "held-out loss", "{:.3f}"))
+    tables = [Table("Forget and retain after unlearning", rows, tuple(cols)),
+              Table("After each pass over the forget rows", per_pass, pcols)]
+    attack = []
+    for m in methods:
+        if m["relearned"] is None:
+            continue
+        for stage, v in (("unlearned", _final(m)), ("relearned", m["relearned"])):
+            attack.append({"name": m["name"], "stage": stage, **flat(v, mia)})
+    if attack:
+        tables.append(Table("Relearning attack: the forget items never relearned", attack, (
+            ("name", "method", "{}"), ("stage", "model", "{}"),
+            ("em_relearned", "EM relearned leads", "{:.0%}"),
+            ("em_forget", "EM forget leads", "{:.0%}"), ("dup_forget", "EM forget dup.", "{:.0%}"),
+            ("exp_forget", "forget exposure", "{:.2f}"), ("ext_forget", "forget secrets extracted", "{:.0%}"),
+            ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("exp_retain", "retain exposure", "{:.2f}"))))
+    by_count = []
+    stages = [(FINE_TUNED, "", before)] + [(m["name"], s, x) for m in methods for s, x in
+                                           (("unlearned", _final(m)), ("relearned", m["relearned"]))
+                                           if x is not None]
+    for name, stage, v in stages:
+        for n in cfg.counts:
+            f = [c for c in v["canaries"]["forget"] if c["count"] == n]
+            r = [c for c in v["canaries"]["retain"] if c["count"] == n]
+            by_count.append({"name": name, "stage": stage, "copies": n, "n_forget": len(f),
+                             "exp_forget": _mean([c["exposure"] for c in f]),
+                             "ext_forget": _mean([float(c["extracted"]) for c in f]),
+                             "exp_retain": _mean([c["exposure"] for c in r])})
+    tables.append(Table("Secrets by copy count", by_count, (
+        ("name", "model", "{}"), ("stage", "stage", "{}"), ("copies", "copies", "{}"),
+        ("n_forget", "forget secrets", "{}"), ("exp_forget", "forget exposure", "{:.2f}"),
+        ("ext_forget", "forget extracted", "{:.0%}"), ("exp_retain", "retain exposure", "{:.2f}"))))
+    records = [{"name": FINE_TUNED, "sampled": {"forget": before["sampled"]}}] if before.get("sampled") \
+        else []
+    for m in methods:
+        for stage, v in (("unlearned", _final(m)), ("relearned", m["relearned"])):
+            if v is not None and v.get("sampled"):
+                records.append({"name": f"{m['name']} ({stage})", "sampled": {"forget": v["sampled"]}})
+    b, c = cfg.base, cfg.canaries
+    notes = [
+        f"Fine-tune: {b.model.name} on {n_rows} rows of {b.data.corpus} with canaries ({c.per_count} per "
+        f"copy count {cfg.counts}) and duplicated leads ({cfg.duplicates.per_count} per count) injected, "
+        f"{cfg.passes} passes at lr {b.trainer.lr}.",
+        f"Forget set (forget.json): {len(split.canaries)} canaries and {len(split.duplicates)} duplicated "
+        f"leads (every copy), {len(split.relearn) + len(split.probe)} leads seen once: {n_forget} rows. "
+        f"'forget' figures are the forget items never relearned ({len(split.probe)} leads, every forget "
+        f"secret and duplicated lead); 'retain' the other injected items and {len(split.retain)} retained "
+        "leads.",
+        "Methods: retrain = the fine-tune from the base model without the forget rows (the model unlearning "
+        "should match); ga = gradient ascent; gdiff = ga + CE on retain rows; npo = negative preference "
+        "optimisation against the fine-tune + CE on retain rows (memorization/mitigations/unlearning.py); "
+        f"constant lr, {cfg.unlearn.forget_batch} forget rows (and {cfg.unlearn.retain_batch} retain rows) "
+        "per step.",
+        f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix. Exposure in bits "
+        "over the secret space; 'extracted' = the canary beats every never-inserted secret. MIA: the forget "
+        f"(or retain) leads vs the held-out leads; PrivLeak = (AUC - retrain's AUC) / retrain's AUC (MUSE): "
+        "0 is retrain's, > 0 the forget leads still stand out, < 0 they stand out by being unlearnt.",
+    ]
+    if attack:
+        notes.append(f"Relearning attack: each model trains {cfg.relearn.passes} passes of plain loss on "
+                     f"{n_relearn} rows (half the forget leads, 'relearned') at lr "
+                     f"{cfg.relearn.lr or b.trainer.lr}; "
+                     "the forget items it never sees are asked about again: what comes back was suppressed, "
+                     "not removed.")
+    if baseline:
+        notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning "
+                     "(OUT/baseline/evals.json).")
+    beyond_rows, beyond_cols = beyond_table(records)
+    if beyond_rows:
+        tables.append(Table("Beyond greedy: the forget documents", beyond_rows, beyond_cols))
+        notes.append(NP_NOTE.format(passes=cfg.passes) + " Forget documents: the probed leads and the "
+                     f"forget duplicated leads. 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
+                     "emits at least once in a thousand draws.")
+    plots = [_plot(methods, before, baseline, mia, out / "unlearning.png")]
+    return Outputs(title="Unlearning: forgetting chosen items after fine-tuning, and whether they stay gone",
+                   kind=cfg.kind, runs=methods, tables=tables, notes=notes, plots=plots,
+                   extra={"methods": methods, "fine_tuned": before, "baseline": baseline,
+                          "forget": {"canaries": split.canaries, "duplicates": split.duplicates,
+                                     "rows": n_forget}})
+
+
+def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None, mia: str,
+          path: Path) -> Path:
+    """Against passes over the forget rows: exposure (forget, retain), forget EM, forget MIA AUC, held-out
+    loss; retrain as a flat line, the relearned model as an x one pass further."""
+    fig, axes = figure(4, width=4.4)
+    panels = [lambda v: flat(v, mia)["exp_forget"], lambda v: flat(v, mia)["dup_forget"],
+              lambda v: flat(v, mia)["auc_forget_value"], lambda v: v["val_loss"]]
+    retain = [lambda v: flat(v, mia)["exp_retain"], lambda v: flat(v, mia)["dup_retain"], None, None]
+    for i, m in enumerate(methods):
+        color = f"C{i % 10}"
+        if m["method"] == "retrain":
+            v = _final(m)
+            for ax, get in zip(axes, panels):
+                if get(v) is not None:
+                    ax.axhline(get(v), color=color, linestyle="--", label=f"{m['name']} (forget)")
+            continue
+        stages = [before] + [p for p in m["passes"]]
+        xs = list(range(len(stages)))
+        for ax, get, keep in zip(axes, panels, retain):
+            ax.plot(xs, [get(v) for v in stages], marker="o", color=color, label=f"{m['name']} (forget)")
+            if keep is not None:
+                ax.plot(xs, [keep(v) for v in stages], marker=".", linestyle=":", color=color,
+                        label=f"{m['name']} (retain)")
+            if m["relearned"] is not None and get(m["relearned"]) is not None:
+                ax.plot([xs[-1], xs[-1] + 1], [get(stages[-1]), get(m["relearned"])], color=color,
+                        linestyle="-.", marker="x")
+    if baseline:
+        axes[0].axhline(_mean([c["exposure"] for c in baseline["canaries"]["forget"]]), color="gray",
+                        linestyle=":", label=BASELINE_ROW)
+    titles = ("canary exposure (bits)", "duplicated leads: greedy EM", f"MIA AUC ({mia}), forget leads",
+              "held-out loss")
+    for ax, title in zip(axes, titles):
+        ax.set(xlabel="passes over the forget rows (x: after relearning)", title=title)
+        ax.legend(fontsize=6)
+    return save(fig, path)

@@ -1,0 +1,161 @@
+"""unlearning end to end on a micro config: a tiny briefly-trained model stands in for SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import refused, trained_base
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data_pipelines.canaries import SecretSpace
+from memorization.cli import main
+from memorization.experiments.exposure import canary_scores
+
+TEMPLATE = "the secret access code of the old museum wing is {secret}"
+
+EXPERIMENT = """
+kind: unlearning
+name: ul
+passes: 1
+counts: [1, 3]
+canaries: {{per_count: 2, template: "{template}", space: {{kind: digits, length: 2}}, candidates: 0}}
+duplicates: {{per_count: 2}}
+bootstrap: 20
+other_held_out: lee-news-test
+other_held_out_limit: 4
+samples: 1
+unlearn: {{lr: 1.0e-3, passes: {passes}, forget_batch: 4, retain_batch: 4}}
+relearn: {{passes: 1}}
+base:
+  data: {{corpus: wiki-leads, limit: 40, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
+  model: {{name: {model}}}
+  trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8, sampling: "t=1.0", np_ns: [1, 100]}}
+  wandb: {{mode: disabled}}
+"""
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    return trained_base(tmp_path_factory.mktemp("base"), max_steps=2)
+
+
+def _write(tmp_path, model, passes=2):
+    p = tmp_path / "u.yaml"
+    p.write_text(EXPERIMENT.format(model=model, passes=passes, template=TEMPLATE))
+    return p
+
+
+@pytest.fixture(scope="module")
+def finished(pretrained, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ul")
+    out = tmp / "out"
+    assert main(["run", str(_write(tmp, pretrained)), "--out", str(out)]) == 0
+    return tmp, out
+
+
+def _report(out):
+    return json.loads((out / "report.json").read_text())
+
+
+def test_the_forget_set_is_split_from_the_retain_set_and_retrain_never_sees_it(finished):
+    """forget.json halves every copy count's items and the leads seen once; the retrained model's rows
+    hold no copy of a forget item and no forget lead, and every retained row."""
+    _, out = finished
+    forget = json.loads((out / "forget.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    items = {it["id"]: it for it in manifest["items"]}
+    f = forget["forget"]
+    gone = set(f["canaries"]) | set(f["duplicates"])
+    assert gone.isdisjoint(forget["retain"]["items"]) and gone | set(forget["retain"]["items"]) == set(items)
+    for kind in ("canary", "duplicate"):
+        for n in (1, 3):  # one of the two items at each copy count
+            assert sum(items[i]["kind"] == kind and items[i]["count"] == n for i in gone) == 1
+    leads = f["leads_relearned"] + f["leads_probed"]
+    assert len(leads) == len(forget["retain"]["leads"]) and set(leads).isdisjoint(forget["retain"]["leads"])
+    seen = json.loads((out / "runs" / "retrain" / "run.json").read_text())["documents"]["members"]
+    tuned = json.loads((out / "runs" / "fine-tune" / "run.json").read_text())["documents"]["members"]
+    copies = {f"{i}@{c}" for i in gone for c in range(items[i]["count"])}  # InjectedItem.copy_ids
+    assert not (copies | set(leads)) & set(seen)
+    assert set(seen) == set(tuned) - copies - set(leads)
+    relearned = json.loads((out / "runs" / "ga-relearned" / "run.json").read_text())["documents"]["members"]
+    assert sorted(relearned) == sorted(f["leads_relearned"])
+
+
+def _exposures(model_dir, manifest, ids):
+    """The canaries `ids`' exposures scored from scratch on a saved model (the report's definition)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    canaries = [it for it in manifest["items"] if it["kind"] == "canary" and it["id"] in ids]
+    space = SecretSpace(**canaries[0]["space"])
+    scores = canary_scores(model, tok, TEMPLATE, space, [c["secret"] for c in canaries])
+    return [c["exposure"] for c in scores["canaries"]]
+
+
+def test_each_method_is_asked_of_its_model_after_every_pass_and_after_relearning(finished):
+    """The last pass's forget exposures are the exported unlearned model's, the relearned row's the
+    exported attack model's (which starts from the unlearned one); each pass is a pass over the forget
+    rows; ascent raises the forget rows' loss."""
+    _, out = finished
+    report = _report(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    forget = json.loads((out / "forget.json").read_text())["forget"]["canaries"]
+    methods = {m["name"]: m for m in report["methods"]}
+    assert list(methods) == ["retrain", "ga", "gdiff", "npo"]
+    rows = report["forget"]["rows"]
+    per_pass = -(-rows // 4)
+    for name in ("ga", "gdiff", "npo"):
+        m = methods[name]
+        assert [p["pass"] for p in m["passes"]] == [1, 2] and m["steps"] == 2 * per_pass
+        assert [p["step"] for p in m["passes"]] == [per_pass, 2 * per_pass]
+        last = [c["exposure"] for c in m["passes"][-1]["canaries"]["forget"]]
+        assert last == pytest.approx(_exposures(out / "runs" / name / "model", manifest, forget), abs=1e-4)
+        again = [c["exposure"] for c in m["relearned"]["canaries"]["forget"]]
+        attacked = out / "runs" / f"{name}-relearned"
+        assert again == pytest.approx(_exposures(attacked / "model", manifest, forget), abs=1e-4)
+        config = json.loads((out / "runs" / f"{name}-relearned" / "run.json").read_text())["config"]
+        assert config["model"]["name"] == str(out / "runs" / name / "model")
+    history = [json.loads(x) for x in (out / "runs" / "ga" / "metrics.jsonl").read_text().splitlines()]
+    losses = [h["forget_loss"] for h in history if "forget_loss" in h]
+    assert len(losses) == 2 * per_pass and losses[-1] > losses[0] + 0.05
+    assert all("retain_loss" in h for h in (json.loads(x) for x in
+               (out / "runs" / "npo" / "metrics.jsonl").read_text().splitlines()) if "loss" in h)
+    assert (out / "unlearning.png").stat().st_size > 10_000
+    md = (out / "report.md").read_text()
+    for title in ("Forget and retain after unlearning", "After each pass over the forget rows",
+                  "Relearning attack", "Secrets by copy count", "Beyond greedy: the forget documents"):
+        assert f"## {title}" in md
+    assert "| retrain | retrain |" in md and "+0%" in md  # PrivLeak is 0 for retrain itself
+
+
+def test_a_rerun_reuses_and_longer_unlearning_retrains_only_what_follows(finished, pretrained, capsys):
+    tmp, out = finished
+    capsys.readouterr()
+    assert main(["run", str(_write(tmp, pretrained)), "--out", str(out)]) == 0
+    log = capsys.readouterr().out
+    assert log.count("finished earlier") == 9 and "training" not in log.replace("fine-tuning", "")
+    assert main(["run", str(_write(tmp, pretrained, passes=1)), "--out", str(out)]) == 0
+    log = capsys.readouterr().out
+    trained = {line.split("]")[1].split(":")[0].strip() for line in log.splitlines()
+               if line.endswith(": training")}
+    assert trained == {"ga", "gdiff", "npo", "ga-relearned", "gdiff-relearned", "npo-relearned"}
+    assert [p["pass"] for p in _report(out)["methods"][1]["passes"]] == [1]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("forget_fraction=1.0", "forget_fraction=1.0: must be in (0, 1)"),
+    ("methods=[{name: fine-tune, method: ga}]", "methods[0].name='fine-tune': is the name of another run"),
+    ("methods=[{name: x, method: dpo}]", "methods[0].method='dpo': choose one of retrain, ga, gdiff, npo"),
+    ("methods=[{name: x, method: retrain, overrides: [lr=1]}]", "methods[0].overrides=['lr=1']: retrain is"),
+    ("methods=[{name: x, method: npo, overrides: [beta=-1]}]",
+     "methods[0].overrides=['beta=-1']: beta=-1.0: must be > 0"),
+    ("unlearn.method=ga", "unlearn.method='ga': each entry of `methods` names its method"),
+    ("base.data.packing=packed", "base.data.packing='packed': forgetting a document needs it in rows"),
+    ("base.data.limit=12", "forget_fraction=0.5: forgets"),
+    ("relearn.passes=-1", "relearn.passes=-1: must be >= 0"),
+])
+def test_bad_settings_are_refused_before_anything_is_written(pretrained, tmp_path, capsys, override, message):
+    err = refused(capsys, ["run", str(_write(tmp_path, pretrained)), "--out", str(tmp_path / "o"), override],
+                  message)
+    assert message in err
+    assert not (tmp_path / "o").exists()
