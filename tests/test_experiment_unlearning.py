@@ -159,3 +159,41 @@ def test_bad_settings_are_refused_before_anything_is_written(pretrained, tmp_pat
                   message)
     assert message in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.distributed
+def test_unlearning_on_a_grid_answers_as_the_serial_run(pretrained, tmp_path):
+    """2 ranks at 1,1,2,1: npo's rows split over Z (its reference scored on the grid, each rank weighing
+    its own rows) and the questions asked of the training model's shards after every pass give the
+    serial figures."""
+    import os
+    import subprocess
+    import sys
+
+    from axonn.spawn import free_port
+
+    cfg = _write(tmp_path, pretrained)
+    args = ["methods=[{name: npo, method: npo}]", "relearn.passes=0"]
+    assert main(["run", str(cfg), "--out", str(tmp_path / "serial"), *args]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "memorization", "run", str(cfg),
+                           "--grid", "1,1,2,1", "--out", str(tmp_path / "split"), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    mine = [ln for ln in done.stderr.splitlines() if ln.startswith(("[rank0]", "error:"))]
+    assert done.returncode == 0, "\n".join(mine[-60:]) + done.stderr[-2000:]
+    serial, split = (_report(tmp_path / d)["methods"][0] for d in ("serial", "split"))
+    assert split["relearned"] is None and len(serial["passes"]) == len(split["passes"]) == 2
+    for s, g in zip(serial["passes"], split["passes"]):
+        for group in ("forget", "retain"):
+            assert g["leads"][group]["exact_match_rate"] == s["leads"][group]["exact_match_rate"]
+            assert [c["exposure"] for c in g["canaries"][group]] == pytest.approx(
+                [c["exposure"] for c in s["canaries"][group]], rel=1e-4, abs=1e-4)
+            assert g["mia"][group]["loss"]["auc"] == pytest.approx(s["mia"][group]["loss"]["auc"], abs=1e-9)
+        assert g["val_loss"] == pytest.approx(s["val_loss"], rel=1e-4)
+    losses = [[json.loads(x).get("forget_loss") for x in (tmp_path / d / "runs" / "npo" / "metrics.jsonl")
+               .read_text().splitlines()] for d in ("serial", "split")]
+    assert [x for x in losses[1] if x is not None] == pytest.approx([x for x in losses[0] if x is not None],
+                                                                     rel=1e-4)
+    run = json.loads((tmp_path / "split" / "runs" / "npo" / "run.json").read_text())
+    assert run["summary"]["grid"] == "1,1,2,1"
