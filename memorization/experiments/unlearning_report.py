@@ -166,16 +166,17 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
     retain = [lambda v: flat(v, mia)["exp_retain"], lambda v: flat(v, mia)["dup_retain"], None, None]
     for i, m in enumerate(methods):
         color = f"C{i % 10}"
+        tags = [" (forget)" if keep is not None else "" for keep in retain]  # where retain is drawn too
         if m["method"] == "retrain":
             v = _final(m)
-            for ax, get in zip(axes, panels):
+            for ax, get, tag in zip(axes, panels, tags):
                 if get(v) is not None:
-                    ax.axhline(get(v), color=color, linestyle="--", label=f"{m['name']} (forget)")
+                    ax.axhline(get(v), color=color, linestyle="--", label=f"{m['name']}{tag}")
             continue
         stages = [before] + [p for p in m["passes"]]
         xs = list(range(len(stages)))
-        for ax, get, keep in zip(axes, panels, retain):
-            ax.plot(xs, [get(v) for v in stages], marker="o", color=color, label=f"{m['name']} (forget)")
+        for ax, get, keep, tag in zip(axes, panels, retain, tags):
+            ax.plot(xs, [get(v) for v in stages], marker="o", color=color, label=f"{m['name']}{tag}")
             if keep is not None:
                 ax.plot(xs, [keep(v) for v in stages], marker=".", linestyle=":", color=color,
                         label=f"{m['name']} (retain)")
