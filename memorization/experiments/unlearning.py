@@ -218,8 +218,7 @@ def unlearn_config(cfg: Config, m: Method, s: UnlearnSettings, model_dir: str | 
     for the checks made before it exists) trained `steps` steps (0: `passes` epochs, the dry run's
     stand-in) of s's objective at a constant learning rate; the questions are asked by the experiment."""
     b = cfg.base
-    model = replace(b.model, lora=LoraSettings(), random_init=False,
-                    **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
+    model = _from(b, model_dir)
     return replace(
         b, name=m.name, model=model, data=replace(b.data, min_tokens=1),
         goldfish=replace(b.goldfish, enabled=False),
@@ -230,11 +229,17 @@ def unlearn_config(cfg: Config, m: Method, s: UnlearnSettings, model_dir: str | 
         eval=replace(b.eval, extraction=False, audit=False, mia=False))
 
 
+def _from(b: RunConfig, model_dir: str | Path | None) -> Any:
+    """The base model settings pointed at `model_dir` (an earlier sub-run's export; None: the base model),
+    full weights: no LoRA, no random init."""
+    return replace(b.model, lora=LoraSettings(), random_init=False,
+                   **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
+
+
 def relearn_config(cfg: Config, name: str, model_dir: str | Path | None) -> RunConfig:
     """The relearning attack on `name`: its model trained `relearn.passes` passes of plain loss."""
     b, r = cfg.base, cfg.relearn
-    model = replace(b.model, lora=LoraSettings(), random_init=False,
-                    **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
+    model = _from(b, model_dir)
     return replace(b, name=name + RELEARNED, model=model, data=replace(b.data, min_tokens=1),
                    goldfish=replace(b.goldfish, enabled=False),
                    trainer=replace(b.trainer, epochs=r.passes, max_steps=0, lr=r.lr or b.trainer.lr,
