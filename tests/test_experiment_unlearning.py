@@ -80,6 +80,16 @@ def test_the_forget_set_is_split_from_the_retain_set_and_retrain_never_sees_it(f
     assert set(seen) == set(tuned) - copies - set(leads)
     relearned = json.loads((out / "runs" / "ga-relearned" / "run.json").read_text())["documents"]["members"]
     assert sorted(relearned) == sorted(f["leads_relearned"])
+    # every answer is about its own group: the probed leads (never relearned), the retained ones, the
+    # forget and the retained items
+    for stage in [_report(out)["fine_tuned"]] + [p for m in _report(out)["methods"] for p in m["passes"]]:
+        for group, ids in (("forget", f["leads_probed"]), ("relearned", f["leads_relearned"]),
+                           ("retain", forget["retain"]["leads"])):
+            assert stage["leads"][group]["ids"] == sorted(ids) and stage["leads"][group]["docs"] == len(ids)
+        assert {c["id"] for c in stage["canaries"]["forget"]} == set(f["canaries"])
+        assert {d["id"] for d in stage["duplicates"]["forget"]} == set(f["duplicates"])
+        kept = {x["id"] for part in ("canaries", "duplicates") for x in stage[part]["retain"]}
+        assert kept == set(forget["retain"]["items"])
 
 
 def _exposures(model_dir, manifest, ids):
@@ -140,6 +150,19 @@ def test_a_rerun_reuses_and_longer_unlearning_retrains_only_what_follows(finishe
                if line.endswith(": training")}
     assert trained == {"ga", "gdiff", "npo", "ga-relearned", "gdiff-relearned", "npo-relearned"}
     assert [p["pass"] for p in _report(out)["methods"][1]["passes"]] == [1]
+
+
+def test_retain_rows_are_required_only_by_the_methods_that_read_them(pretrained, tmp_path, capsys):
+    """The shared block may set retain_batch 0 for ga; a method that trains on retain rows refuses it."""
+    from memorization.experiments import load_experiment
+
+    path = _write(tmp_path, pretrained)
+    _, cfg = load_experiment(path, ["unlearn.retain_batch=0", "methods=[{name: g, method: ga}]"])
+    assert cfg.unlearn.retain_batch == 0
+    refused(capsys, ["run", str(path), "--out", str(tmp_path / "o"), "unlearn.retain_batch=0",
+                     "methods=[{name: g, method: gdiff}]"],
+            "methods[0].overrides=[]: retain_batch=0: gdiff trains on retain rows")
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("override,message", [

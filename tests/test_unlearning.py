@@ -99,8 +99,9 @@ def test_a_step_follows_the_methods_definition(method, grad_accum):
         torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6)
 
 
-def test_reference_is_the_trainers_own_likelihood():
-    """npo's reference log p(row) (scored by the evaluation layer) equals minus the trainer's CE sum."""
+def test_reference_is_the_rows_likelihood_and_refuses_masked_prompts():
+    """npo's reference log p(row) (scored by the evaluation layer) equals minus the row's CE sum over the
+    labels the trainer scores; a row whose first labels are masked (a prompt) is refused, not misscored."""
     data, n_forget = forget_first(blocks(), FORGET)
     model = tiny_model()
     ref = reference_logp(model, data, n_forget)
@@ -110,6 +111,10 @@ def test_reference_is_the_trainers_own_likelihood():
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX,
                          reduction="none").reshape(tgt.shape).sum(1)
     torch.testing.assert_close(ref.float(), -ce.detach(), rtol=1e-5, atol=1e-4)
+    masked = blocks()
+    masked.labels[2, :3] = IGNORE_INDEX
+    with pytest.raises(ConfigError, match=r"^forget='row 2': npo's reference needs rows"):
+        reference_logp(model, masked, 4)
 
 
 def test_passes_cover_every_forget_row_once():
@@ -127,7 +132,7 @@ def test_bad_settings_and_rows_are_refused():
     with pytest.raises(ConfigError, match=r"^unlearn\.method='dpo': choose one of ga, gdiff, npo"):
         UnlearnSettings(method="dpo").validate()
     with pytest.raises(ConfigError, match=r"^unlearn\.retain_batch=0: npo trains on retain rows"):
-        UnlearnSettings(retain_batch=0).validate()
+        UnlearnSettings(retain_batch=0).check_method()
     with pytest.raises(ConfigError, match=r"^forget="):
         forget_first(blocks(), [1, 1])
     with pytest.raises(ConfigError, match="leaves no row to retain"):

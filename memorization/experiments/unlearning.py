@@ -114,7 +114,7 @@ class Config(InjectionConfig, MiaSettings):
         if self.unlearn.method != UnlearnSettings.method:
             raise fail("unlearn.method", self.unlearn.method, "each entry of `methods` names its method; "
                        "set it there")
-        self.unlearn.validate("unlearn")
+        self.unlearn.validate("unlearn")  # each method checks what it needs of it (settings())
         if self.relearn.passes < 0:
             raise fail("relearn.passes", self.relearn.passes, "must be >= 0 (0 = no relearning attack)")
         if not self.relearn.lr >= 0:
@@ -142,6 +142,7 @@ def settings(cfg: Config, m: Method, where: str = "overrides") -> UnlearnSetting
     try:
         s = build(UnlearnSettings, apply_overrides({**to_dict(cfg.unlearn), "method": m.method
                                                     if m.method in METHODS else "npo"}, list(m.overrides)))
+        s.check_method("")
     except ValueError as e:  # ConfigError (an unknown key, a bad value): say which method it came from
         raise fail(where, list(m.overrides), str(e).rstrip(".")) from None
     return s
@@ -267,13 +268,14 @@ class Questions:
     """What every model is asked, split into forget and retain (and the relearned leads), on every rank."""
 
     def __init__(self, cfg: Config, data: PreparedData, manifest: Any, dup_tokens: dict[str, list[int]],
-                 members: list[list[int]], nonmembers: list[list[int]], split: ForgetSplit, reference: Any):
+                 members: list[list[int]], member_ids: list[str], nonmembers: list[list[int]],
+                 split: ForgetSplit, reference: Any):
         self.cfg, self.data, self.manifest, self.split = cfg, data, manifest, split
         self.dup_tokens = dup_tokens
         tok, b = data.tokenizer, cfg.base
-        self.leads = {"forget": [members[i] for i in split.probe],
-                      "retain": [members[i] for i in split.retain],
-                      "relearned": [members[i] for i in split.relearn]}
+        groups = {"forget": split.probe, "retain": split.retain, "relearned": split.relearn}
+        self.leads = {g: [members[i] for i in idx] for g, idx in groups.items()}
+        self.lead_ids = {g: [member_ids[i] for i in idx] for g, idx in groups.items()}
         other = other_domain(cfg, tok, b.data.block_len)
         self.mia = {"forget": PrivacyUtility(cfg, tok, self.leads["forget"], nonmembers, other, reference,
                                              seed=b.seed),
@@ -291,11 +293,14 @@ class Questions:
     def __call__(self, model: Any, downstream: bool = False) -> dict[str, Any]:
         """Every answer of `model`, each metric for the forget and the retain items."""
         e, tok = self.cfg.base.eval, self.data.tokenizer
-        leads = {g: {k: v for k, v in summarize(extract(model, docs, prefix_len=e.prefix, suffix_len=e.suffix,
-                                                        tokenizer=tok, batch_size=e.batch_size,
-                                                        decode=e.decode)).items()
-                     if k in ("docs", "exact_match_rate", "rougeL")}
-                 for g, docs in self.leads.items()}
+        leads = {}
+        for g, docs in self.leads.items():
+            got = extract(model, docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=tok,
+                          batch_size=e.batch_size, decode=e.decode, doc_ids=self.lead_ids[g])
+            scores = summarize(got)
+            leads[g] = {**{k: scores[k] for k in ("docs", "exact_match_rate", "rougeL")},
+                        "ids": sorted(str(r.doc) for r in got),  # which leads were asked, which came back
+                        "extracted": sorted(str(r.doc) for r in got if r.exact_match)}
         inj = score_injected(model, self.cfg, tok, self.manifest, self.dup_tokens)
         forget = set(self.split.canaries) | set(self.split.duplicates)
         canaries = {g: [{k: c[k] for k in ("id", "count", "exposure", "extracted")} for c in inj["canaries"]
@@ -325,8 +330,8 @@ class Questions:
 class EveryPass(Callback):
     """Trainer callback: ask after every `per_pass` steps (a pass over the forget rows)."""
 
-    def __init__(self, ask: Questions, per_pass: int):
-        self.ask, self.per_pass, self.records = ask, per_pass, []
+    def __init__(self, ask: Questions, per_pass: int, last: int):
+        self.ask, self.per_pass, self.last, self.records = ask, per_pass, last, []
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         """After a whole pass: the answers of the model as it is now (a collective on a grid)."""
@@ -335,7 +340,7 @@ class EveryPass(Callback):
             return
         model = trainer.model
         model.eval()
-        values = self.ask(model)
+        values = self.ask(model, downstream=step == self.last)  # the tasks after the last pass only
         model.train()
         self.records.append({"pass": step // self.per_pass, "step": step, **values})
         trainer.log({"unlearn_pass": step // self.per_pass,
@@ -374,7 +379,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if exp.is_main:
         (exp.out / "forget.json").write_text(json.dumps(split.record(manifest, member_ids), indent=1))
     reference = reference_model(b, exp.grid_spec)
-    ask = Questions(cfg, data, manifest, dup_tokens, members, nonmembers, split, reference)
+    ask = Questions(cfg, data, manifest, dup_tokens, members, member_ids, nonmembers, split, reference)
     baseline = None
     if cfg.baseline:
         say("base model: its evaluation before fine-tuning")
@@ -383,7 +388,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     key = cfg.injection_key()
 
     def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
-        return ask(model)
+        return ask(model, downstream=True)  # a finished model: the downstream tasks too, when named
 
     tuned = exp.run(_fine_tune_config(cfg), data, extra_key=key, evaluate=evaluate, eval_key=ask.key,
                     per_run_wandb=cfg.per_run_wandb)
@@ -440,7 +445,7 @@ def _unlearn(cfg: Config, exp: Experiment, m: Method, s: UnlearnSettings, steps:
 
     def train(rc: RunConfig, run_dir: Path) -> dict[str, Any]:
         hook = UnlearnObjective(s, data.train, n_forget, seed=cfg.base.seed)
-        probe = EveryPass(ask, hook.per_pass)
+        probe = EveryPass(ask, hook.per_pass, steps)
         with pipeline.start_run(rc, run_dir, data, overwrite=True, grid_spec=exp.grid_spec,
                                 progress=rc.trainer.progress, callbacks=[probe], gradient_hook=hook) as run:
             if s.method == "npo":  # the reference: the fine-tune, as this run starts from it

@@ -38,6 +38,20 @@ def flat(v: dict[str, Any], method: str) -> dict[str, Any]:
             "val": v["val_loss"], "other": v["other_val_loss"], "ds": format_acc(v.get("downstream"))}
 
 
+def _stage(m: dict[str, Any]) -> str:
+    """What a method's model is before the attack."""
+    return "retrained" if m["method"] == "retrain" else "unlearned"
+
+
+def _settings_words(m: dict[str, Any]) -> str:
+    """A method's settings in words (each may override the shared `unlearn` block)."""
+    s = m["settings"]
+    words = f"{m['name']} lr {s['lr']:g}, {s['passes']} passes, {s['forget_batch']} forget rows"
+    if m["method"] != "ga":
+        words += f" + {s['retain_batch']} retain rows (weight {s['retain_weight']:g})"
+    return words + (f" per step, beta {s['beta']:g}" if m["method"] == "npo" else " per step")
+
+
 def _final(m: dict[str, Any]) -> dict[str, Any]:
     """A method's answers after it ran (its last pass; retrain's trained model)."""
     return m["passes"][-1]
@@ -82,7 +96,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     for m in methods:
         if m["relearned"] is None:
             continue
-        for stage, v in (("unlearned", _final(m)), ("relearned", m["relearned"])):
+        for stage, v in ((_stage(m), _final(m)), ("relearned", m["relearned"])):
             attack.append({"name": m["name"], "stage": stage, **flat(v, mia)})
     if attack:
         tables.append(Table("Relearning attack: the forget items never relearned", attack, (
@@ -93,7 +107,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
             ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("exp_retain", "retain exposure", "{:.2f}"))))
     by_count = []
     stages = [(FINE_TUNED, "", before)] + [(m["name"], s, x) for m in methods for s, x in
-                                           (("unlearned", _final(m)), ("relearned", m["relearned"]))
+                                           ((_stage(m), _final(m)), ("relearned", m["relearned"]))
                                            if x is not None]
     for name, stage, v in stages:
         for n in cfg.counts:
@@ -110,7 +124,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     records = [{"name": FINE_TUNED, "sampled": {"forget": before["sampled"]}}] if before.get("sampled") \
         else []
     for m in methods:
-        for stage, v in (("unlearned", _final(m)), ("relearned", m["relearned"])):
+        for stage, v in ((_stage(m), _final(m)), ("relearned", m["relearned"])):
             if v is not None and v.get("sampled"):
                 records.append({"name": f"{m['name']} ({stage})", "sampled": {"forget": v["sampled"]}})
     b, c = cfg.base, cfg.canaries
@@ -125,18 +139,20 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         "leads.",
         "Methods: retrain = the fine-tune from the base model without the forget rows (the model unlearning "
         "should match); ga = gradient ascent; gdiff = ga + CE on retain rows; npo = negative preference "
-        "optimisation against the fine-tune + CE on retain rows (memorization/mitigations/unlearning.py); "
-        f"constant lr, {cfg.unlearn.forget_batch} forget rows (and {cfg.unlearn.retain_batch} retain rows) "
-        "per step.",
+        "optimisation against the fine-tune + CE on retain rows (memorization/mitigations/unlearning.py), "
+        "at a constant lr: " + "; ".join(_settings_words(m) for m in methods if m["settings"]) + ".",
         f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix. Exposure in bits "
         "over the secret space; 'extracted' = the canary beats every never-inserted secret. MIA: the forget "
         f"(or retain) leads vs the held-out leads; PrivLeak = (AUC - retrain's AUC) / retrain's AUC (MUSE): "
         "0 is retrain's, > 0 the forget leads still stand out, < 0 they stand out by being unlearnt.",
     ]
     if attack:
+        steps = sorted({m["relearned"].get("steps") for m in methods if m["relearned"]} - {None})
         notes.append(f"Relearning attack: each model trains {cfg.relearn.passes} passes of plain loss on "
                      f"{n_relearn} rows (half the forget leads, 'relearned') at lr "
-                     f"{cfg.relearn.lr or b.trainer.lr}; "
+                     f"{cfg.relearn.lr or b.trainer.lr}, batches of {b.trainer.batch_size} rows "
+                     f"({'/'.join(map(str, steps))} steps: a pass drops its last partial batch, as every run "
+                     "here does); "
                      "the forget items it never sees are asked about again: what comes back was suppressed, "
                      "not removed.")
     if baseline:
@@ -145,7 +161,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     beyond_rows, beyond_cols = beyond_table(records)
     if beyond_rows:
         tables.append(Table("Beyond greedy: the forget documents", beyond_rows, beyond_cols))
-        notes.append(NP_NOTE.format(passes=cfg.passes) + " Forget documents: the probed leads and the "
+        np_note = NP_NOTE.replace(" (after {passes} passes)", "")  # asked of models at several stages
+        notes.append(np_note + " Forget documents: the probed leads and the "
                      f"forget duplicated leads. 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
                      "emits at least once in a thousand draws.")
     plots = [_plot(methods, before, baseline, mia, out / "unlearning.png")]
@@ -161,6 +178,7 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
     """Against passes over the forget rows: exposure (forget, retain), forget EM, forget MIA AUC, held-out
     loss; retrain as a flat line, the relearned model as an x one pass further."""
     fig, axes = figure(4, width=4.4)
+    end = max([len(m["passes"]) for m in methods if m["method"] != "retrain"], default=0)  # the last pass
     panels = [lambda v: flat(v, mia)["exp_forget"], lambda v: flat(v, mia)["dup_forget"],
               lambda v: flat(v, mia)["auc_forget_value"], lambda v: v["val_loss"]]
     retain = [lambda v: flat(v, mia)["exp_retain"], lambda v: flat(v, mia)["dup_retain"], None, None]
@@ -172,6 +190,8 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
             for ax, get, tag in zip(axes, panels, tags):
                 if get(v) is not None:
                     ax.axhline(get(v), color=color, linestyle="--", label=f"{m['name']}{tag}")
+                if m["relearned"] is not None and get(m["relearned"]) is not None:
+                    ax.plot([end + 1], [get(m["relearned"])], color=color, marker="x", linestyle="")
             continue
         stages = [before] + [p for p in m["passes"]]
         xs = list(range(len(stages)))

@@ -33,7 +33,7 @@ class UnlearnSettings:
     """How one unlearning method runs: its objective, learning rate, passes and batch."""
 
     method: str = "npo"
-    lr: float = 5.0e-5  # constant (after warmup_steps); far below a fine-tune's: ascent has no floor
+    lr: float = 5.0e-5  # constant; far below a fine-tune's: ascent has no floor
     passes: int = 4  # passes over the forget rows
     forget_batch: int = 8  # forget rows per step
     retain_batch: int = 8  # retain rows per step (ga draws none: its objective ignores them)
@@ -47,18 +47,22 @@ class UnlearnSettings:
             raise fail(f"{prefix}method", self.method, f"choose one of {', '.join(METHODS)}")
         if not self.lr > 0:
             raise fail(f"{prefix}lr", self.lr, "must be > 0, e.g. 5.0e-5")
-        for name in ("passes", "forget_batch"):
-            if isinstance(getattr(self, name), bool) or not getattr(self, name) >= 1:
-                raise fail(f"{prefix}{name}", getattr(self, name), "must be an integer >= 1")
-        if not self.retain_batch >= 0:
-            raise fail(f"{prefix}retain_batch", self.retain_batch, "must be >= 0")
-        if self.method != "ga" and self.retain_batch == 0:
-            raise fail(f"{prefix}retain_batch", 0, f"{self.method} trains on retain rows: give >= 1, or use "
-                       "method ga")
+        for name, least in (("passes", 1), ("forget_batch", 1), ("retain_batch", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise fail(f"{prefix}{name}", value, f"must be an integer >= {least}")
         if not self.beta > 0:
             raise fail(f"{prefix}beta", self.beta, "must be > 0, e.g. 0.1")
         if not self.retain_weight >= 0:
             raise fail(f"{prefix}retain_weight", self.retain_weight, "must be >= 0")
+
+    def check_method(self, prefix: str = "unlearn") -> None:
+        """What the method itself needs beyond valid fields (a shared block of settings, validated on its
+        own, serves methods that read different ones): retain rows for gdiff and npo."""
+        self.validate(prefix)
+        if self.method != "ga" and self.retain_batch == 0:
+            raise fail(f"{prefix}.retain_batch" if prefix else "retain_batch", 0, f"{self.method} trains on "
+                       "retain rows: give >= 1, or use method ga")
 
     @property
     def uses_retain(self) -> bool:
@@ -107,7 +111,7 @@ class UnlearnObjective(GradientHook):
     token_losses = True
 
     def __init__(self, settings: UnlearnSettings, rows: Blocks, n_forget: int, *, seed: int = 0):
-        settings.validate()
+        settings.check_method()
         n_retain = len(rows) - n_forget
         if settings.uses_retain and n_retain < 1:
             raise fail("forget", n_forget, f"leaves no row to retain for {settings.method}; "
@@ -198,13 +202,21 @@ class UnlearnObjective(GradientHook):
 def reference_logp(model: torch.nn.Module, rows: Blocks, n_forget: int,
                    grid: ProcessGrid | None = None) -> torch.Tensor:
     """log p(row) of each of the first `n_forget` rows under `model` (the sum over the tokens the trainer's
-    loss scores), on the model's grid through the evaluation layer: npo's reference."""
+    loss scores), on the model's grid through the evaluation layer: npo's reference. The evaluation layer
+    scores in fp32: where the trainer computes in bf16 (CUDA), npo's log-ratio at the first step is that
+    rounding, not exactly 0."""
     from evals.mia import score_sequences  # deferred: evals costs seconds to import; only npo needs it
     seqs, counts = [], []
     for i in range(n_forget):
         keep = rows.labels[i] != IGNORE_INDEX
-        seqs.append(rows.input_ids[i][keep].tolist())
-        counts.append(int(keep.sum()) - 1)
+        n = int(keep.sum())
+        # the scoring layer scores a document's tokens 1..n-1: the trainer's CE on this row only when the
+        # supervised tokens are the row's first n and their labels its ids (padding after, no masked prompt)
+        if not keep[:n].all() or not torch.equal(rows.labels[i][:n], rows.input_ids[i][:n]):
+            raise fail("forget", f"row {i}", "npo's reference needs rows whose supervised tokens are their "
+                       "first ones, labelled with themselves (per-document rows, no masked prompt)")
+        seqs.append(rows.input_ids[i][:n].tolist())
+        counts.append(n - 1)
     if any(c < 1 for c in counts):
         raise fail("forget", n_forget, "a forget row has fewer than 2 tokens; it has nothing to unlearn")
     loss = score_sequences(model, seqs, batch_size=16, grid=grid)["loss"]  # mean token log-prob
