@@ -270,17 +270,16 @@ class Trainer:
         # grad_accum micro-batches, unless the hook drew the batch's rows: then as many as its rows
         # need, the last one ragged (still a multiple of the shards: `_padded`)
         accum = -(-n // micro)
-        batch_rows = rows
         for m in range(accum):
-            rows = slice(m * micro, min((m + 1) * micro, n))
-            ids = self._shard(batch["input_ids"][rows]).to(self.device)
-            tgt = self._shard(labels[rows])[:, 1:].to(self.device)
-            hook.micro_batch_rows(None if batch_rows is None else self._shard(batch_rows[rows]))
+            part = slice(m * micro, min((m + 1) * micro, n))
+            ids = self._shard(batch["input_ids"][part]).to(self.device)
+            tgt = self._shard(labels[part])[:, 1:].to(self.device)
+            hook.micro_batch_rows(None if rows is None else self._shard(rows[part]))
             # gradient all-reduces launched during backward wait for the last micro-batch
             with self._no_sync(m + 1 < accum):
                 with self._autocast():
                     logits = self.loss_head.forward(ids)  # logits[:, :-1] or the chunked head's input
-                loss_sum, d_sum, d_cnt, token_losses = self._loss(logits, tgt, base[rows])
+                loss_sum, d_sum, d_cnt, token_losses = self._loss(logits, tgt, base[part])
                 hook.objective(loss_sum, denom, token_losses, tgt).backward()
                 hook.after_backward()
             sums += torch.tensor([loss_sum.item(), d_sum.item(), d_cnt.item()], dtype=torch.float64)

@@ -300,6 +300,18 @@ def test_delta_above_one_over_n_and_per_sample_tensor_grids_are_refused_before_a
     assert not (tmp_path / "o").exists()
 
 
+def test_dp_and_another_objective_are_refused_together_before_anything_is_written(tmp_path):
+    """start_run takes one objective: DP-SGD's (the config's) or the caller's gradient hook, not both."""
+    from axonn.hooks import GradientHook
+    from memorization.train.pipeline import start_run
+    from memorization.train.prepare import prepare_data
+
+    cfg = _run_cfg()
+    with pytest.raises(ConfigError, match=r"^trainer\.dp\.enabled=True: this run trains with its own"):
+        start_run(cfg, tmp_path / "o", prepare_data(cfg), gradient_hook=GradientHook(), progress=False)
+    assert not (tmp_path / "o").exists()
+
+
 def _dp_rank(rank, world, out):
     import axonn
     from memorization.train.pipeline import run_training
