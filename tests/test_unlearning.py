@@ -99,22 +99,24 @@ def test_a_step_follows_the_methods_definition(method, grad_accum):
         torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6)
 
 
-def test_reference_is_the_rows_likelihood_and_refuses_masked_prompts():
-    """npo's reference log p(row) (scored by the evaluation layer) equals minus the row's CE sum over the
-    labels the trainer scores; a row whose first labels are masked (a prompt) is refused, not misscored."""
-    data, n_forget = forget_first(blocks(), FORGET)
+def test_reference_is_the_trainers_likelihood_of_each_row():
+    """npo's reference log p(row) (scored by the evaluation layer) equals minus the trainer's CE sum over
+    the labels it scores, a masked prompt included (context, not scored); labels that are not the row's
+    own tokens are refused."""
+    data = blocks()
+    data.labels[3, :3] = IGNORE_INDEX  # a masked prompt on the first forget row (FORGET[0])
+    data, n_forget = forget_first(data, FORGET)
     model = tiny_model()
-    ref = reference_logp(model, data, n_forget)
+    ref = reference_logp(model, data, n_forget, batch_size=2)
     batch = data[torch.arange(n_forget)]
     logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
     tgt = batch["labels"][:, 1:]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE_INDEX,
                          reduction="none").reshape(tgt.shape).sum(1)
     torch.testing.assert_close(ref.float(), -ce.detach(), rtol=1e-5, atol=1e-4)
-    masked = blocks()
-    masked.labels[2, :3] = IGNORE_INDEX
-    with pytest.raises(ConfigError, match=r"^forget='row 2': npo's reference needs rows"):
-        reference_logp(model, masked, 4)
+    data.labels[1, 5] = (data.labels[1, 5] + 1) % 64
+    with pytest.raises(ConfigError, match=r"^forget='labels': npo's reference scores each row's own tokens"):
+        reference_logp(model, data, n_forget)
 
 
 def test_passes_cover_every_forget_row_once():

@@ -200,27 +200,23 @@ class UnlearnObjective(GradientHook):
 
 
 def reference_logp(model: torch.nn.Module, rows: Blocks, n_forget: int,
-                   grid: ProcessGrid | None = None) -> torch.Tensor:
-    """log p(row) of each of the first `n_forget` rows under `model` (the sum over the tokens the trainer's
-    loss scores), on the model's grid through the evaluation layer: npo's reference. The evaluation layer
-    scores in fp32: where the trainer computes in bf16 (CUDA), npo's log-ratio at the first step is that
-    rounding, not exactly 0."""
-    from evals.mia import score_sequences  # deferred: evals costs seconds to import; only npo needs it
-    seqs, counts = [], []
-    for i in range(n_forget):
-        keep = rows.labels[i] != IGNORE_INDEX
-        n = int(keep.sum())
-        # the scoring layer scores a document's tokens 1..n-1: the trainer's CE on this row only when the
-        # supervised tokens are the row's first n and their labels its ids (padding after, no masked prompt)
-        if not keep[:n].all() or not torch.equal(rows.labels[i][:n], rows.input_ids[i][:n]):
-            raise fail("forget", f"row {i}", "npo's reference needs rows whose supervised tokens are their "
-                       "first ones, labelled with themselves (per-document rows, no masked prompt)")
-        seqs.append(rows.input_ids[i][:n].tolist())
-        counts.append(n - 1)
-    if any(c < 1 for c in counts):
-        raise fail("forget", n_forget, "a forget row has fewer than 2 tokens; it has nothing to unlearn")
-    loss = score_sequences(model, seqs, batch_size=16, grid=grid)["loss"]  # mean token log-prob
-    return torch.as_tensor(loss, dtype=torch.float64) * torch.as_tensor(counts, dtype=torch.float64)
+                   grid: ProcessGrid | None = None, batch_size: int = 16) -> torch.Tensor:
+    """log p(row) of each of the first `n_forget` rows under `model`: the sum of the token log-probs
+    the trainer's loss scores (labels 1.. not ignored, a masked prompt included as context), on the
+    model's grid through the evaluation layer: npo's reference. The evaluation layer scores in fp32:
+    where the trainer computes in bf16 (CUDA), npo's log-ratio at the first step is that rounding, not
+    exactly 0."""
+    from evals.perplexity import sequence_logprobs  # deferred: evals costs seconds to import; npo only
+    ids, labels = rows.input_ids[:n_forget], rows.labels[:n_forget]
+    scored = labels[:, 1:] != IGNORE_INDEX
+    if not torch.equal(labels[:, 1:][scored], ids[:, 1:][scored]):
+        raise fail("forget", "labels", "npo's reference scores each row's own tokens: give rows whose "
+                   "supervised labels are their input ids")
+    out = []
+    for b in range(0, n_forget, batch_size):  # as the trainer's forward: no attention mask, right padding
+        lp = sequence_logprobs(model, ids[b:b + batch_size], grid=grid).double()
+        out.append((lp * scored[b:b + batch_size]).sum(1))
+    return torch.cat(out)
 
 
 __all__ = ["METHODS", "UnlearnObjective", "UnlearnSettings", "forget_first", "reference_logp",
