@@ -127,13 +127,19 @@ def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple
     return prepare_deduplicated(data, injected_docs, cfg.dedup, cfg.base.data.block_len)
 
 
-def members_and_nonmembers(cfg: InjectionConfig, data: PreparedData, manifest: Any) -> tuple[list, list]:
-    """(the corpus documents trained on once: the injected copies and the audit's canaries left out,
-    the held-out documents cut and filtered like them): the two sides every membership question reads."""
-    b = cfg.base
+def lead_ids(data: PreparedData, manifest: Any) -> list[str]:
+    """The ids of the corpus documents trained on once (the injected copies and the audit's canaries left
+    out), in training order: the members of every membership question."""
     injected = {cid for it in manifest.items for cid in it.copy_ids}
-    members = [t for i, t in zip(data.train_doc_ids, data.train_docs)
-               if i not in injected and not str(i).startswith("audit-")]  # the audit's canaries are not leads
+    return [i for i in data.train_doc_ids if i not in injected and not str(i).startswith("audit-")]
+
+
+def members_and_nonmembers(cfg: InjectionConfig, data: PreparedData, manifest: Any) -> tuple[list, list]:
+    """(the corpus documents trained on once, `lead_ids`' tokens; the held-out documents cut and filtered
+    like them): the two sides every membership question reads."""
+    b = cfg.base
+    leads = set(lead_ids(data, manifest))
+    members = [t for i, t in zip(data.train_doc_ids, data.train_docs) if i in leads]
     _, held, _ = load_documents(b)
     nonmembers = list(tokenize_documents(held, data.tokenizer, max_tokens=b.data.block_len,
                                          min_tokens=min(b.data.min_tokens, b.data.block_len)))

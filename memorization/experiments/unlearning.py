@@ -38,7 +38,7 @@ from memorization.experiments.canary_exposure import (
     save_manifest,
     score_injected,
 )
-from memorization.experiments.mitigations import arm_config, beyond_summary, members_and_nonmembers
+from memorization.experiments.mitigations import arm_config, beyond_summary, lead_ids, members_and_nonmembers
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import MiaSettings, PrivacyUtility, other_domain, reference_model
 from memorization.experiments.reporting import Outputs
@@ -187,8 +187,7 @@ def forget_split(cfg: Config, data: PreparedData, manifest: Any) -> tuple[Forget
     for n in cfg.counts:
         canaries += pick([it.id for it in manifest.of_kind("canary") if it.count == n])
         dups += pick([it.id for it in manifest.of_kind("duplicate") if it.count == n])
-    injected = {cid for it in manifest.items for cid in it.copy_ids}
-    member_ids = [i for i in data.train_doc_ids if i not in injected and not str(i).startswith("audit-")]
+    member_ids = lead_ids(data, manifest)
     order = list(range(len(member_ids)))
     rng.shuffle(order)
     n_forget = round(frac * len(order))
@@ -200,9 +199,13 @@ def forget_split(cfg: Config, data: PreparedData, manifest: Any) -> tuple[Forget
     relearn, probe = sorted(forget[:n_forget // 2]), sorted(forget[n_forget // 2:])
     gone = {cid for it in manifest.items if it.id in set(canaries) | set(dups) for cid in it.copy_ids}
     gone |= {member_ids[i] for i in forget}
-    doc_of_row = data.train.doc_ids[:, 0].tolist()
-    rows = [r for r, d in enumerate(doc_of_row) if data.train_doc_ids[d] in gone]
-    return ForgetSplit(canaries, dups, relearn, probe, sorted(order[n_forget:]), rows), member_ids
+    split = ForgetSplit(canaries, dups, relearn, probe, sorted(order[n_forget:]), rows_of(data, gone))
+    return split, member_ids
+
+
+def rows_of(data: PreparedData, doc_ids: set[str]) -> list[int]:
+    """The training rows of the documents `doc_ids` (per-document rows: a row's first token names it)."""
+    return [r for r, d in enumerate(data.train.doc_ids[:, 0].tolist()) if data.train_doc_ids[d] in doc_ids]
 
 
 def subset(data: PreparedData, rows: list[int]) -> PreparedData:
@@ -359,8 +362,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     split, member_ids = forget_split(cfg, data, manifest)
     forget_set = set(split.rows)
     retained = subset(data, [r for r in range(len(data.train)) if r not in forget_set])
-    relearn_rows = [r for r, d in enumerate(data.train.doc_ids[:, 0].tolist())
-                    if data.train_doc_ids[d] in {member_ids[i] for i in split.relearn}]
+    relearn_rows = rows_of(data, {member_ids[i] for i in split.relearn})
     relearn_data = subset(data, relearn_rows)
     unlearn_rows, n_forget = forget_first(data.train, split.rows)
     unlearn_data = replace(data, train=unlearn_rows, audit=None)
