@@ -34,7 +34,7 @@ from data_pipelines.packing import Blocks, seeded_generator
 from memorize_core import fail
 
 __all__ = ["CanarySpec", "DuplicateSpec", "InjectedItem", "Manifest", "SecretSpace", "canary_candidates",
-           "inject", "record_token_positions", "render"]
+           "inject", "near_copy", "record_token_positions", "render", "unit_pool"]
 
 
 def _check_counts(name: str, counts: Any) -> list[int]:
@@ -189,7 +189,7 @@ def inject(base_docs: list[Document], *, canaries: CanarySpec | None = None,
                        "or use edit_unit=word")
         perm = torch.randperm(len(base_docs), generator=seeded_generator("duplicates", seed))
         chosen = perm[:wanted].tolist()
-        pool = _unit_pool(base_docs, duplicates, tokenizer) if duplicates.edit_rate > 0 else []
+        pool = unit_pool(base_docs, duplicates, tokenizer) if duplicates.edit_rate > 0 else []
         for j, idx in enumerate(chosen):
             doc, count = base_docs[idx], duplicates.counts[j // duplicates.per_count]
             item_id = f"duplicate/{doc.id}"
@@ -218,7 +218,7 @@ def inject(base_docs: list[Document], *, canaries: CanarySpec | None = None,
 _WORDS = re.compile(r"\S+")
 
 
-def _unit_pool(docs: Sequence[Document], spec: DuplicateSpec, tokenizer: Any) -> list:
+def unit_pool(docs: Sequence[Document], spec: DuplicateSpec, tokenizer: Any) -> list:
     """What a substitution or insertion draws from: the corpus' distinct words, or the plain token ids."""
     if spec.edit_unit == "word":
         return sorted({w for d in docs for w in _WORDS.findall(d.text)})

@@ -92,6 +92,46 @@ def test_the_forget_set_is_split_from_the_retain_set_and_retrain_never_sees_it(f
         assert kept == set(forget["retain"]["items"])
 
 
+def test_the_related_attacks_train_on_prompts_or_near_copies_of_the_forget_documents(pretrained, tmp_path):
+    """prefixes: every forget lead and one copy of each forget duplicated lead, cut to extraction's prompt
+    (no suffix token as input or label); near-copies: the same documents with about edit_rate of their
+    words substituted, the same on every call; leads: the relearned half, whole."""
+    from memorization.experiments import load_experiment
+    from memorization.experiments.canary_exposure import build_corpus
+    from memorization.experiments.unlearning import attack_data, forget_split
+    from memorize_core import IGNORE_INDEX
+
+    _, cfg = load_experiment(_write(tmp_path, pretrained), [])
+    data, manifest, _, injected = build_corpus(cfg)
+    split, member_ids = forget_split(cfg, data, manifest)
+    attacks = attack_data(cfg, data, injected, manifest, split, member_ids)
+    assert list(attacks) == ["leads", "prefixes", "near-copies"]
+    assert sorted(attacks["leads"][0].train_doc_ids) == sorted(member_ids[i] for i in split.relearn)
+    first = {it.id: it.copy_ids[0] for it in manifest.items}
+    docs = sorted({member_ids[i] for i in split.relearn + split.probe} | {first[d] for d in split.duplicates})
+    tokens = dict(zip(data.train_doc_ids, data.train_docs))
+    p = cfg.base.eval.prefix
+    prefixes = attacks["prefixes"][0]
+    assert sorted(prefixes.train_doc_ids) == docs
+    eos = data.tokenizer.eos_token_id
+    for i, doc in enumerate(prefixes.train_doc_ids):
+        ids, labels = prefixes.train.input_ids[i].tolist(), prefixes.train.labels[i].tolist()
+        assert len(tokens[doc]) > p and ids[:p] == labels[:p] == tokens[doc][:p]
+        assert set(ids[p:]) == {eos} and set(labels[p:]) == {IGNORE_INDEX}
+    near = attacks["near-copies"][0]
+    assert sorted(near.train_doc_ids) == [f"{d}~near" for d in docs]
+    changed = compared = 0
+    for i, doc in enumerate(d.removesuffix("~near") for d in near.train_doc_ids):
+        mine = data.tokenizer.decode(near.train_docs[i]).split()
+        theirs = data.tokenizer.decode(tokens[doc]).split()
+        k = min(len(mine), len(theirs)) - 1  # substitutions keep the word count; the cut at block_len not
+        changed += sum(a != b for a, b in zip(mine[:k], theirs[:k]))
+        compared += k
+    assert 0.15 < changed / compared < 0.45  # edit_rate 0.3
+    again = attack_data(cfg, data, injected, manifest, split, member_ids)
+    assert again["near-copies"][1] == attacks["near-copies"][1]
+
+
 def _exposures(model_dir, manifest, ids):
     """The canaries `ids`' exposures scored from scratch on a saved model (the report's definition)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -120,11 +160,14 @@ def test_each_method_is_asked_of_its_model_after_every_pass_and_after_relearning
         assert [p["step"] for p in m["passes"]] == [per_pass, 2 * per_pass]
         last = [c["exposure"] for c in m["passes"][-1]["canaries"]["forget"]]
         assert last == pytest.approx(_exposures(out / "runs" / name / "model", manifest, forget), abs=1e-4)
-        again = [c["exposure"] for c in m["relearned"]["canaries"]["forget"]]
-        attacked = out / "runs" / f"{name}-relearned"
-        assert again == pytest.approx(_exposures(attacked / "model", manifest, forget), abs=1e-4)
-        config = json.loads((out / "runs" / f"{name}-relearned" / "run.json").read_text())["config"]
-        assert config["model"]["name"] == str(out / "runs" / name / "model")
+        assert list(m["attacks"]) == ["leads", "prefixes", "near-copies"]
+        for attack, folder in (("leads", f"{name}-relearned"),
+                               ("near-copies", f"{name}-near-copies-relearned")):
+            again = [c["exposure"] for c in m["attacks"][attack]["canaries"]["forget"]]
+            attacked = out / "runs" / folder
+            assert again == pytest.approx(_exposures(attacked / "model", manifest, forget), abs=1e-4)
+            config = json.loads((attacked / "run.json").read_text())["config"]
+            assert config["model"]["name"] == str(out / "runs" / name / "model")
     history = [json.loads(x) for x in (out / "runs" / "ga" / "metrics.jsonl").read_text().splitlines()]
     losses = [h["forget_loss"] for h in history if "forget_loss" in h]
     assert len(losses) == 2 * per_pass and losses[-1] > losses[0] + 0.05
@@ -133,7 +176,8 @@ def test_each_method_is_asked_of_its_model_after_every_pass_and_after_relearning
     assert (out / "unlearning.png").stat().st_size > 10_000
     md = (out / "report.md").read_text()
     for title in ("Forget and retain after unlearning", "After each pass over the forget rows",
-                  "Relearning attack", "Secrets by copy count", "Beyond greedy: the forget documents"):
+                  "Relearning attacks: what comes back", "Secrets by copy count",
+                  "Beyond greedy: the forget documents"):
         assert f"## {title}" in md
     assert "| retrain | retrain |" in md and "+0%" in md  # PrivLeak is 0 for retrain itself
 
@@ -143,13 +187,19 @@ def test_a_rerun_reuses_and_longer_unlearning_retrains_only_what_follows(finishe
     capsys.readouterr()
     assert main(["run", str(_write(tmp, pretrained)), "--out", str(out)]) == 0
     log = capsys.readouterr().out
-    assert log.count("finished earlier") == 9 and "training" not in log.replace("fine-tuning", "")
-    assert main(["run", str(_write(tmp, pretrained, passes=1)), "--out", str(out)]) == 0
-    log = capsys.readouterr().out
-    trained = {line.split("]")[1].split(":")[0].strip() for line in log.splitlines()
-               if line.endswith(": training")}
-    assert trained == {"ga", "gdiff", "npo", "ga-relearned", "gdiff-relearned", "npo-relearned"}
+    assert log.count("finished earlier") == 17 and "training" not in log.replace("fine-tuning", "")
+
+    def trained(*args):
+        assert main(["run", str(_write(tmp, pretrained, passes=1)), "--out", str(out), *args]) == 0
+        return {line.split("]")[1].split(":")[0].strip() for line in capsys.readouterr().out.splitlines()
+                if line.endswith(": training")}
+
+    followers = {f"{m}{a}-relearned" for m in ("ga", "gdiff", "npo")
+                 for a in ("", "-prefixes", "-near-copies")}
+    assert trained() == {"ga", "gdiff", "npo"} | followers
     assert [p["pass"] for p in _report(out)["methods"][1]["passes"]] == [1]
+    # beta is npo's alone: ga and gdiff, which never read it, are not trained again
+    assert trained("unlearn.beta=0.3") == {"npo"} | {f for f in followers if f.startswith("npo")}
 
 
 def test_retain_rows_are_required_only_by_the_methods_that_read_them(pretrained, tmp_path, capsys):
@@ -176,6 +226,8 @@ def test_retain_rows_are_required_only_by_the_methods_that_read_them(pretrained,
     ("base.data.packing=packed", "base.data.packing='packed': forgetting a document needs it in rows"),
     ("base.data.limit=12", "forget_fraction=0.5: forgets"),
     ("relearn.passes=-1", "relearn.passes=-1: must be >= 0"),
+    ("relearn.attacks=[leads, paraphrases]", "relearn.attacks=['leads', 'paraphrases']: use distinct names"),
+    ("relearn.edit_rate=0", "relearn.edit_rate=0.0: must be in (0, 1)"),
 ])
 def test_bad_settings_are_refused_before_anything_is_written(pretrained, tmp_path, capsys, override, message):
     err = refused(capsys, ["run", str(_write(tmp_path, pretrained)), "--out", str(tmp_path / "o"), override],
@@ -206,7 +258,7 @@ def test_unlearning_on_a_grid_answers_as_the_serial_run(pretrained, tmp_path):
     mine = [ln for ln in done.stderr.splitlines() if ln.startswith(("[rank0]", "error:"))]
     assert done.returncode == 0, "\n".join(mine[-60:]) + done.stderr[-2000:]
     serial, split = (_report(tmp_path / d)["methods"][0] for d in ("serial", "split"))
-    assert split["relearned"] is None and len(serial["passes"]) == len(split["passes"]) == 2
+    assert split["attacks"] == {} and len(serial["passes"]) == len(split["passes"]) == 2
     for s, g in zip(serial["passes"], split["passes"]):
         for group in ("forget", "retain"):
             assert g["leads"][group]["exact_match_rate"] == s["leads"][group]["exact_match_rate"]

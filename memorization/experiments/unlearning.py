@@ -13,10 +13,16 @@ model and asked after every pass over the forget rows: verbatim extraction of th
 leads, the forget and retain secrets' exposure and extraction, the duplicated leads', (n, p) extraction
 beyond greedy of the forget documents, membership inference of the forget leads (and of the retain ones)
 against the held-out half, and held-out losses. Then the relearning attack (Hu et al. 2024, "Jogging the
-memory of unlearned LLMs"): each unlearned model trains `relearn.passes` passes of plain loss on half
-of the forget leads, and the other forget items (never relearned: the other leads, every forget secret
-and duplicated lead) are asked about again. Suppressed memorization comes back; a model that never
-learnt them (retrain) has nothing to bring back.
+memory of unlearned LLMs"): each model trains `relearn.passes` passes of plain loss on an attacker's
+data and the forget items are asked about again. The attacks (`relearn.attacks`, each its own run):
+  leads        half of the forget leads, whole: the other forget items (the probed leads, every forget
+               secret and duplicated lead) are unrelated to what it trains on
+  prefixes     the first `eval.prefix` tokens of every forget lead and forget duplicated lead (the prompts
+               extraction asks with, which an attacker holds), never a token of their suffixes
+  near-copies  near-copies of the same documents: each word substituted with probability
+               `relearn.edit_rate` by a word of the corpus (related text, not the text)
+Suppressed memorization comes back; a model that never learnt the items (retrain, the control: what the
+attack's own data teaches) has nothing to bring back.
 """
 from __future__ import annotations
 
@@ -26,9 +32,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from axonn.config import apply_overrides, build, to_dict
 from axonn.hooks import Callback
 from axonn.trainer import Trainer
+from data_pipelines import Document, DuplicateSpec, per_document, tokenize_documents
+from data_pipelines.inject import near_copy, unit_pool
+from data_pipelines.packing import Blocks
 from evals import extract, summarize
 from evals.probabilistic import sampled_extraction
 from memorization.config import RunConfig
@@ -58,11 +69,12 @@ from memorization.outputs import check_name
 from memorization.train import pipeline
 from memorization.train.prepare import PreparedData
 from memorization.train.run_plan import run_schemes
-from memorize_core import fail
+from memorize_core import IGNORE_INDEX, fail
 
 FINE_TUNE = "fine-tune"  # OUT/runs/fine-tune: the model every unlearning method starts from
-RELEARNED = "-relearned"  # the relearning attack on method M runs in OUT/runs/M-relearned
+RELEARNED = "-relearned"  # attack A on method M runs in OUT/runs/M-A-relearned (leads: M-relearned)
 KINDS = ("retrain",) + METHODS
+ATTACKS = ("leads", "prefixes", "near-copies")
 
 
 @dataclass
@@ -75,12 +87,41 @@ class Method:
     overrides: list[str] = field(default_factory=list)
 
 
+def _default_attacks() -> list[str]:
+    return list(ATTACKS)
+
+
 @dataclass
 class Relearn:
-    """The relearning attack: plain loss on half of the forget leads, after unlearning."""
+    """The relearning attacks after unlearning: plain loss on each attack's data (ATTACKS)."""
 
     passes: int = 2  # 0 = no attack
     lr: float = 0.0  # 0 = base.trainer.lr (the fine-tune's)
+    attacks: list[str] = field(default_factory=_default_attacks)
+    edit_rate: float = 0.2  # near-copies: the probability that a word is substituted
+
+    def validate(self, prefix: str = "relearn") -> None:
+        """Passes, lr and edit rate in range, known distinct attacks."""
+        prefix = f"{prefix}." if prefix else ""
+        if isinstance(self.passes, bool) or not isinstance(self.passes, int) or self.passes < 0:
+            raise fail(f"{prefix}passes", self.passes, "must be >= 0 (0 = no relearning attack)")
+        if not self.lr >= 0:
+            raise fail(f"{prefix}lr", self.lr, "must be >= 0 (0 = base.trainer.lr)")
+        bad = [a for a in self.attacks if a not in ATTACKS]
+        if bad or len(set(self.attacks)) != len(self.attacks) or (self.passes and not self.attacks):
+            raise fail(f"{prefix}attacks", self.attacks, f"use distinct names from {', '.join(ATTACKS)} "
+                       "(relearn.passes=0: no attack)")
+        if not 0 < self.edit_rate < 1:
+            raise fail(f"{prefix}edit_rate", self.edit_rate, "must be in (0, 1), e.g. 0.2")
+
+    def runs(self) -> list[str]:
+        """The attacks that run (none at passes 0)."""
+        return list(self.attacks) if self.passes else []
+
+
+def attack_run(name: str, attack: str) -> str:
+    """The run folder of `attack` on method `name` (the leads attack keeps the name it always had)."""
+    return name + ("" if attack == "leads" else "-" + attack) + RELEARNED
 
 
 def _default_methods() -> list[Method]:
@@ -115,10 +156,7 @@ class Config(InjectionConfig, MiaSettings):
             raise fail("unlearn.method", self.unlearn.method, "each entry of `methods` names its method; "
                        "set it there")
         self.unlearn.validate("unlearn")  # each method checks what it needs of it (settings())
-        if self.relearn.passes < 0:
-            raise fail("relearn.passes", self.relearn.passes, "must be >= 0 (0 = no relearning attack)")
-        if not self.relearn.lr >= 0:
-            raise fail("relearn.lr", self.relearn.lr, "must be >= 0 (0 = base.trainer.lr)")
+        self.relearn.validate("relearn")
         if not self.methods:
             raise fail("methods", self.methods, "give at least one, e.g. [{name: npo, method: npo}]")
         names = [m.name for m in self.methods]
@@ -240,15 +278,72 @@ def _from(b: RunConfig, model_dir: str | Path | None) -> Any:
                    **({"name": str(model_dir), "overrides": {}} if model_dir is not None else {}))
 
 
-def relearn_config(cfg: Config, name: str, model_dir: str | Path | None) -> RunConfig:
-    """The relearning attack on `name`: its model trained `relearn.passes` passes of plain loss."""
+def relearn_config(cfg: Config, name: str, model_dir: str | Path | None, attack: str = "leads") -> RunConfig:
+    """`attack` on method `name`: its model trained `relearn.passes` passes of plain loss."""
     b, r = cfg.base, cfg.relearn
     model = _from(b, model_dir)
-    return replace(b, name=name + RELEARNED, model=model, data=replace(b.data, min_tokens=1),
+    return replace(b, name=attack_run(name, attack), model=model, data=replace(b.data, min_tokens=1),
                    goldfish=replace(b.goldfish, enabled=False),
                    trainer=replace(b.trainer, epochs=r.passes, max_steps=0, lr=r.lr or b.trainer.lr,
                                    dp=replace(b.trainer.dp, enabled=False)),
                    eval=replace(b.eval, extraction=False, audit=False, mia=False))
+
+
+def forget_documents(split: ForgetSplit, manifest: Any, member_ids: list[str]) -> list[str]:
+    """The ids of the documents the related-text attacks are made of: every forget lead, and one copy of
+    each forget duplicated lead (its copies are exact)."""
+    first = {it.id: it.copy_ids[0] for it in manifest.items}
+    return [member_ids[i] for i in sorted(split.relearn + split.probe)] + [first[d] for d in split.duplicates]
+
+
+def prefix_rows(data: PreparedData, doc_ids: list[str], prefix: int) -> PreparedData:
+    """The rows of `doc_ids` cut to their first `prefix` tokens (the rest padding, never a label): what an
+    attacker who holds extraction's prompts trains on."""
+    rows = rows_of(data, set(doc_ids))
+    part = subset(data, rows)
+    t = part.train
+    cut = torch.arange(t.input_ids.shape[1]) >= prefix
+    pad = int(data.tokenizer.eos_token_id)  # per-document rows pad with EOS (prepare)
+    train = Blocks(t.input_ids.masked_fill(cut, pad), t.doc_ids.masked_fill(cut, -1),
+                   t.labels.masked_fill(cut, IGNORE_INDEX), num_docs=t.num_docs, eos_id=t.eos_id,
+                   positions=None if t.positions is None else t.positions.masked_fill(cut, -1))
+    return replace(part, train=train, train_docs=[d[:prefix] for d in part.train_docs])
+
+
+def near_copy_rows(cfg: Config, data: PreparedData, injected: list[Document], doc_ids: list[str],
+                   canary_ids: set[str]) -> PreparedData:
+    """Near-copies of the documents `doc_ids` (seeded word substitutions at relearn.edit_rate, drawn from
+    the corpus' words, never a canary's), one row each as the corpus' rows are made."""
+    spec = DuplicateSpec(counts=[1], edit_rate=cfg.relearn.edit_rate, edit_unit="word",
+                         edit_kinds=["substitute"])
+    pool = unit_pool([d for d in injected if d.id not in canary_ids], spec, data.tokenizer)
+    text = {d.id: d.text for d in injected}
+    copies = [near_copy(text[i], spec, pool, (cfg.base.seed, i, "relearn"))[0] for i in doc_ids]
+    tokens = tokenize_documents(copies, data.tokenizer, max_tokens=cfg.base.data.block_len, min_tokens=1)
+    if len(tokens) != len(doc_ids):
+        raise fail("relearn.edit_rate", cfg.relearn.edit_rate, "left a near-copy without a token")
+    rows = per_document(list(tokens), cfg.base.data.block_len, int(data.tokenizer.eos_token_id))
+    return replace(data, train=rows, train_docs=list(tokens), train_doc_ids=[f"{i}~near" for i in doc_ids],
+                   audit=None)
+
+
+def attack_data(cfg: Config, data: PreparedData, injected: list[Document], manifest: Any,
+                split: ForgetSplit, member_ids: list[str]) -> dict[str, tuple[PreparedData, Any]]:
+    """Per attack that runs, (its training data, what keys it): the leads attack by its rows' indices (as
+    it always was), the others by their tokens and labels."""
+    out: dict[str, tuple[PreparedData, Any]] = {}
+    docs = forget_documents(split, manifest, member_ids)
+    canaries = {cid for it in manifest.of_kind("canary") for cid in it.copy_ids}
+    for attack in cfg.relearn.runs():
+        if attack == "leads":
+            rows = rows_of(data, {member_ids[i] for i in split.relearn})
+            out[attack] = (subset(data, rows), rows)
+            continue
+        part = (prefix_rows(data, docs, cfg.base.eval.prefix) if attack == "prefixes"
+                else near_copy_rows(cfg, data, injected, docs, canaries))
+        out[attack] = (part, {"attack": attack, "ids": part.train.input_ids.tolist(),
+                              "labels": part.train.labels.tolist()})
+    return out
 
 
 def _fine_tune_config(cfg: Config, name: str = FINE_TUNE) -> RunConfig:
@@ -262,8 +357,7 @@ def run_configs(cfg: Config) -> list[RunConfig]:
     for m in cfg.methods:
         out.append(_fine_tune_config(cfg, m.name) if m.method == "retrain"
                    else unlearn_config(cfg, m, settings(cfg, m), None))
-        if cfg.relearn.passes:
-            out.append(relearn_config(cfg, m.name, None))
+        out += [relearn_config(cfg, m.name, None, attack) for attack in cfg.relearn.runs()]
     return out
 
 
@@ -356,14 +450,13 @@ def _mean(values: list[float]) -> float | None:
 
 def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Fine-tune on the injected corpus, make each method forget the forget set, attack, ask throughout."""
-    data, manifest, dup_tokens, _ = build_corpus(cfg, exp)
+    data, manifest, dup_tokens, injected = build_corpus(cfg, exp)
     b = cfg.base
     members, nonmembers = members_and_nonmembers(cfg, data, manifest)
     split, member_ids = forget_split(cfg, data, manifest)
     forget_set = set(split.rows)
     retained = subset(data, [r for r in range(len(data.train)) if r not in forget_set])
-    relearn_rows = rows_of(data, {member_ids[i] for i in split.relearn})
-    relearn_data = subset(data, relearn_rows)
+    attacks = attack_data(cfg, data, injected, manifest, split, member_ids)
     unlearn_rows, n_forget = forget_first(data.train, split.rows)
     unlearn_data = replace(data, train=unlearn_rows, audit=None)
     plans = {m.name: settings(cfg, m) for m in cfg.methods if m.method != "retrain"}
@@ -373,9 +466,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         configs.append(_fine_tune_config(cfg, m.name) if m.method == "retrain"
                        else unlearn_config(cfg, m, plans[m.name], None, steps[m.name]))
         datasets.append(retained if m.method == "retrain" else unlearn_data)
-        if cfg.relearn.passes:
-            configs.append(relearn_config(cfg, m.name, None))
-            datasets.append(relearn_data)
+        for attack, (part, _) in attacks.items():
+            configs.append(relearn_config(cfg, m.name, None, attack))
+            datasets.append(part)
     exp.check(configs, datasets)
     save_manifest(manifest, exp)
     if exp.is_main:
@@ -407,22 +500,20 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             s = plans[m.name]
             summary = _unlearn(cfg, exp, m, s, steps[m.name], unlearn_data, n_forget, ask, tuned)
             passes = summary.get("after_pass", [])
-        relearned = None
-        if cfg.relearn.passes:
-            rc = relearn_config(cfg, m.name, exp.run_dir(m.name) / "model")
-            after = exp.run(rc, relearn_data, evaluate=evaluate, eval_key=ask.key,
-                            per_run_wandb=cfg.per_run_wandb,
-                            extra_key={"from": digest(_identity(summary)), "rows": digest(relearn_rows)},
-                            key_config=relearn_config(cfg, m.name, None))
-            relearned = {"steps": after.get("steps"), **answers(after)}
+        attacked = {}
+        for attack, (part, rows) in attacks.items():  # each from the method's model, as it was left
+            rc = relearn_config(cfg, m.name, exp.run_dir(m.name) / "model", attack)
+            after = exp.run(rc, part, evaluate=evaluate, eval_key=ask.key, per_run_wandb=cfg.per_run_wandb,
+                            extra_key={"from": digest(_identity(summary)), "rows": digest(rows)},
+                            key_config=relearn_config(cfg, m.name, None, attack))
+            attacked[attack] = {"steps": after.get("steps"), "rows": len(part.train), **answers(after)}
         if exp.is_main:
             methods.append({"name": m.name, "method": m.method, "overrides": list(m.overrides),
                             "settings": None if s is None else to_dict(s), "steps": summary.get("steps"),
-                            "passes": passes, "relearned": relearned, "reused": summary.get("reused", False)})
+                            "passes": passes, "attacks": attacked, "reused": summary.get("reused", False)})
     if not exp.is_main:
         return None
-    return outputs(cfg, methods, before, baseline, split, n_forget, len(data.train), len(relearn_rows),
-                   exp.out)
+    return outputs(cfg, methods, before, baseline, split, n_forget, len(data.train), exp.out)
 
 
 ANSWERS = ("leads", "canaries", "duplicates", "max_exposure", "sampled", "mia", "val_loss", "other_val_loss",
@@ -459,9 +550,9 @@ def _unlearn(cfg: Config, exp: Experiment, m: Method, s: UnlearnSettings, steps:
     # keyed by the fine-tune it starts from (its summary), the forget rows, the settings and the questions;
     # by the base model's name, not the folder it reads the fine-tune from
     key = {"fine_tune": digest(_identity(tuned)), "forget": digest(data.train.input_ids[:n_forget].tolist()),
-           "settings": to_dict(s), "questions": ask.key}
+           "settings": s.identity(), "questions": ask.key}
     return exp.run(rc, data, train=train, extra_key=key, per_run_wandb=cfg.per_run_wandb,
                    key_config=unlearn_config(cfg, m, s, None, steps))
 
 
-__all__ = ["Config", "Method", "Relearn", "forget_split", "run"]
+__all__ = ["ATTACKS", "Config", "Method", "Relearn", "attack_data", "forget_split", "run"]

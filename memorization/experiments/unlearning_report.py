@@ -57,8 +57,24 @@ def _final(m: dict[str, Any]) -> dict[str, Any]:
     return m["passes"][-1]
 
 
+def _stages(m: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(stage, answers): the method's model as it was left, then after each relearning attack."""
+    return [(_stage(m), _final(m))] + [(f"+ {a} attack", v) for a, v in (m.get("attacks") or {}).items()]
+
+
+MARKERS = {"leads": "x", "prefixes": "+", "near-copies": "^"}  # the plot's mark of each attack
+ATTACK_WORDS = {
+    "leads": "half the forget leads, whole ('relearned'; the probed leads, secrets and duplicated leads are "
+             "unrelated to them)",
+    "prefixes": "the first {prefix} tokens of every forget lead and forget duplicated lead (extraction's "
+                "prompts), never a suffix token",
+    "near-copies": "near-copies of every forget lead and forget duplicated lead, each word substituted with "
+                   "probability {rate:g} by a corpus word",
+}
+
+
 def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None,
-            split: Any, n_forget: int, n_rows: int, n_relearn: int, out: Path) -> Outputs:
+            split: Any, n_forget: int, n_rows: int, out: Path) -> Outputs:
     """Tables, notes and the plot of the unlearning experiment."""
     mia = cfg.mia_methods[0]
     gold = next((m for m in methods if m["method"] == "retrain"), None)
@@ -92,23 +108,17 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
              ("val", "held-out loss", "{:.3f}"))
     tables = [Table("Forget and retain after unlearning", rows, tuple(cols)),
               Table("After each pass over the forget rows", per_pass, pcols)]
-    attack = []
-    for m in methods:
-        if m["relearned"] is None:
-            continue
-        for stage, v in ((_stage(m), _final(m)), ("relearned", m["relearned"])):
-            attack.append({"name": m["name"], "stage": stage, **flat(v, mia)})
+    attack = [{"name": m["name"], "stage": stage, **flat(v, mia)}
+              for m in methods if m.get("attacks") for stage, v in _stages(m)]
     if attack:
-        tables.append(Table("Relearning attack: the forget items never relearned", attack, (
+        tables.append(Table("Relearning attacks: what comes back", attack, (
             ("name", "method", "{}"), ("stage", "model", "{}"),
-            ("em_relearned", "EM relearned leads", "{:.0%}"),
             ("em_forget", "EM forget leads", "{:.0%}"), ("dup_forget", "EM forget dup.", "{:.0%}"),
             ("exp_forget", "forget exposure", "{:.2f}"), ("ext_forget", "forget secrets extracted", "{:.0%}"),
-            ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("exp_retain", "retain exposure", "{:.2f}"))))
+            ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("em_relearned", "EM relearned leads", "{:.0%}"),
+            ("exp_retain", "retain exposure", "{:.2f}"), ("val", "held-out loss", "{:.3f}"))))
     by_count = []
-    stages = [(FINE_TUNED, "", before)] + [(m["name"], s, x) for m in methods for s, x in
-                                           ((_stage(m), _final(m)), ("relearned", m["relearned"]))
-                                           if x is not None]
+    stages = [(FINE_TUNED, "", before)] + [(m["name"], stage, v) for m in methods for stage, v in _stages(m)]
     for name, stage, v in stages:
         for n in cfg.counts:
             f = [c for c in v["canaries"]["forget"] if c["count"] == n]
@@ -124,8 +134,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     records = [{"name": FINE_TUNED, "sampled": {"forget": before["sampled"]}}] if before.get("sampled") \
         else []
     for m in methods:
-        for stage, v in ((_stage(m), _final(m)), ("relearned", m["relearned"])):
-            if v is not None and v.get("sampled"):
+        for stage, v in _stages(m):
+            if v.get("sampled"):
                 records.append({"name": f"{m['name']} ({stage})", "sampled": {"forget": v["sampled"]}})
     b, c = cfg.base, cfg.canaries
     notes = [
@@ -134,9 +144,9 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         f"{cfg.passes} passes at lr {b.trainer.lr}.",
         f"Forget set (forget.json): {len(split.canaries)} canaries and {len(split.duplicates)} duplicated "
         f"leads (every copy), {len(split.relearn) + len(split.probe)} leads seen once: {n_forget} rows. "
-        f"'forget' figures are the forget items never relearned ({len(split.probe)} leads, every forget "
-        f"secret and duplicated lead); 'retain' the other injected items and {len(split.retain)} retained "
-        "leads.",
+        f"'forget' figures: the {len(split.probe)} probed forget leads (the other {len(split.relearn)}, "
+        "'relearned', are the leads attack's data), every forget secret and duplicated lead; 'retain' the "
+        f"other injected items and {len(split.retain)} retained leads.",
         "Methods: retrain = the fine-tune from the base model without the forget rows (the model unlearning "
         "should match); ga = gradient ascent; gdiff = ga + CE on retain rows; npo = negative preference "
         "optimisation against the fine-tune + CE on retain rows (memorization/mitigations/unlearning.py), "
@@ -147,14 +157,19 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         "0 is retrain's, > 0 the forget leads still stand out, < 0 they stand out by being unlearnt.",
     ]
     if attack:
-        steps = sorted({m["relearned"].get("steps") for m in methods if m["relearned"]} - {None})
-        notes.append(f"Relearning attack: each model trains {cfg.relearn.passes} passes of plain loss on "
-                     f"{n_relearn} rows (half the forget leads, 'relearned') at lr "
-                     f"{cfg.relearn.lr or b.trainer.lr}, batches of {b.trainer.batch_size} rows "
-                     f"({'/'.join(map(str, steps))} steps: a pass drops its last partial batch, as every run "
-                     "here does); "
-                     "the forget items it never sees are asked about again: what comes back was suppressed, "
-                     "not removed.")
+        r = cfg.relearn
+        said = []
+        for a in r.attacks:
+            done = [m["attacks"][a] for m in methods if a in (m.get("attacks") or {})]
+            steps = "/".join(map(str, sorted({d["steps"] for d in done} - {None})))
+            said.append(f"{a}: {done[0]['rows']} rows, " + ATTACK_WORDS[a].format(
+                prefix=b.eval.prefix, rate=r.edit_rate) + f" ({steps} steps)")
+        notes.append(
+            f"Relearning attacks (Hu et al. 2024): each model, retrain's included, trains {r.passes} passes "
+            f"of plain loss at lr {r.lr or b.trainer.lr} in batches of {b.trainer.batch_size} rows (a pass "
+            "drops its last partial batch, as every run here does) on the attack's rows, and is asked again. "
+            + "; ".join(said) + ". What comes back beyond retrain's figure after the same attack (what the "
+            "attack's own rows teach) was suppressed, not removed.")
     if baseline:
         notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning "
                      "(OUT/baseline/evals.json).")
@@ -176,7 +191,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
 def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None, mia: str,
           path: Path) -> Path:
     """Against passes over the forget rows: exposure (forget, retain), forget EM, forget MIA AUC, held-out
-    loss; retrain as a flat line, the relearned model as an x one pass further."""
+    loss; retrain as a flat line, each relearning attack's model one pass further (x leads, + prefixes,
+    ^ near-copies)."""
     fig, axes = figure(4, width=4.4)
     end = max([len(m["passes"]) for m in methods if m["method"] != "retrain"], default=0)  # the last pass
     panels = [lambda v: flat(v, mia)["exp_forget"], lambda v: flat(v, mia)["dup_forget"],
@@ -190,8 +206,9 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
             for ax, get, tag in zip(axes, panels, tags):
                 if get(v) is not None:
                     ax.axhline(get(v), color=color, linestyle="--", label=f"{m['name']}{tag}")
-                if m["relearned"] is not None and get(m["relearned"]) is not None:
-                    ax.plot([end + 1], [get(m["relearned"])], color=color, marker="x", linestyle="")
+                for a, after in (m.get("attacks") or {}).items():
+                    if get(after) is not None:
+                        ax.plot([end + 1], [get(after)], color=color, marker=MARKERS[a], linestyle="")
             continue
         stages = [before] + [p for p in m["passes"]]
         xs = list(range(len(stages)))
@@ -200,15 +217,16 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
             if keep is not None:
                 ax.plot(xs, [keep(v) for v in stages], marker=".", linestyle=":", color=color,
                         label=f"{m['name']} (retain)")
-            if m["relearned"] is not None and get(m["relearned"]) is not None:
-                ax.plot([xs[-1], xs[-1] + 1], [get(stages[-1]), get(m["relearned"])], color=color,
-                        linestyle="-.", marker="x")
+            for a, after in (m.get("attacks") or {}).items():
+                if get(after) is not None:
+                    ax.plot([xs[-1], xs[-1] + 1], [get(stages[-1]), get(after)], color=color,
+                            linestyle="-.", marker=MARKERS[a])
     if baseline:
         axes[0].axhline(_mean([c["exposure"] for c in baseline["canaries"]["forget"]]), color="gray",
                         linestyle=":", label=BASELINE_ROW)
     titles = ("canary exposure (bits)", "duplicated leads: greedy EM", f"MIA AUC ({mia}), forget leads",
               "held-out loss")
     for ax, title in zip(axes, titles):
-        ax.set(xlabel="passes over the forget rows (x: after relearning)", title=title)
+        ax.set(xlabel="passes over the forget rows (then: after each attack)", title=title)
         ax.legend(fontsize=6)
     return save(fig, path)

@@ -13,12 +13,13 @@ N_f, N_r: the supervised tokens of the step's forget and retain rows (the whole 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from axonn.config import to_dict
 from axonn.engine import all_reduce_sum
 from axonn.grid import ProcessGrid
 from axonn.hooks import GradientHook
@@ -63,6 +64,12 @@ class UnlearnSettings:
         if self.method != "ga" and self.retain_batch == 0:
             raise fail(f"{prefix}.retain_batch" if prefix else "retain_batch", 0, f"{self.method} trains on "
                        "retain rows: give >= 1, or use method ga")
+
+    def identity(self) -> dict[str, Any]:
+        """The settings as the method reads them, those it ignores at their defaults: what keys a run, so a
+        change to a field the method never reads (a shared block's beta under ga) trains nothing again."""
+        unread = {"ga": ("retain_batch", "retain_weight", "beta"), "gdiff": ("beta",)}.get(self.method, ())
+        return to_dict(replace(self, **{f.name: f.default for f in fields(self) if f.name in unread}))
 
     @property
     def uses_retain(self) -> bool:
