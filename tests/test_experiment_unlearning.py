@@ -25,7 +25,7 @@ other_held_out: lee-news-test
 other_held_out_limit: 4
 samples: 1
 unlearn: {{lr: 1.0e-3, passes: {passes}, forget_batch: 4, retain_batch: 4}}
-relearn: {{passes: 1}}
+relearn: {{passes: 1, edit_rate: 0.3}}
 base:
   data: {{corpus: wiki-leads, limit: 40, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
   model: {{name: {model}}}
@@ -127,7 +127,7 @@ def test_the_related_attacks_train_on_prompts_or_near_copies_of_the_forget_docum
         k = min(len(mine), len(theirs)) - 1  # substitutions keep the word count; the cut at block_len not
         changed += sum(a != b for a, b in zip(mine[:k], theirs[:k]))
         compared += k
-    assert 0.15 < changed / compared < 0.45  # edit_rate 0.3
+    assert 0.2 < changed / compared < 0.4  # edit_rate 0.3 (a word may be drawn again, rarely)
     again = attack_data(cfg, data, injected, manifest, split, member_ids)
     assert again["near-copies"][1] == attacks["near-copies"][1]
 
@@ -161,7 +161,9 @@ def test_each_method_is_asked_of_its_model_after_every_pass_and_after_relearning
         last = [c["exposure"] for c in m["passes"][-1]["canaries"]["forget"]]
         assert last == pytest.approx(_exposures(out / "runs" / name / "model", manifest, forget), abs=1e-4)
         assert list(m["attacks"]) == ["leads", "prefixes", "near-copies"]
-        for attack, folder in (("leads", f"{name}-relearned"),
+    for name in ("retrain", "ga", "gdiff", "npo"):
+        m = methods[name]
+        for attack, folder in (("leads", f"{name}-relearned"), ("prefixes", f"{name}-prefixes-relearned"),
                                ("near-copies", f"{name}-near-copies-relearned")):
             again = [c["exposure"] for c in m["attacks"][attack]["canaries"]["forget"]]
             attacked = out / "runs" / folder
@@ -228,6 +230,10 @@ def test_retain_rows_are_required_only_by_the_methods_that_read_them(pretrained,
     ("relearn.passes=-1", "relearn.passes=-1: must be >= 0"),
     ("relearn.attacks=[leads, paraphrases]", "relearn.attacks=['leads', 'paraphrases']: use distinct names"),
     ("relearn.edit_rate=0", "relearn.edit_rate=0.0: must be in (0, 1)"),
+    ("relearn.attacks=[leads, leads]", "relearn.attacks=['leads', 'leads']: use distinct names"),
+    ("relearn.attacks=[]", "relearn.attacks=[]: use distinct names from leads, prefixes, near-copies"),
+    ("methods=[{name: ga, method: ga}, {name: ga-prefixes, method: ga}]",
+     "methods[1].name='ga-prefixes': its attack run ga-prefixes-relearned is another run's"),
 ])
 def test_bad_settings_are_refused_before_anything_is_written(pretrained, tmp_path, capsys, override, message):
     err = refused(capsys, ["run", str(_write(tmp_path, pretrained)), "--out", str(tmp_path / "o"), override],

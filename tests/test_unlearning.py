@@ -129,6 +129,20 @@ def test_passes_cover_every_forget_row_once():
     assert first.tolist() != second.tolist()  # a new order each pass
 
 
+def test_a_runs_identity_holds_only_what_its_method_reads():
+    """ga reads no retain rows, retain weight or beta; gdiff no beta; npo all; each reads lr and passes."""
+    def same(method, **change):
+        before, after = UnlearnSettings(method=method), UnlearnSettings(method=method, **change)
+        return before.identity() == after.identity()
+
+    for unread in ({"retain_batch": 2}, {"retain_weight": 0.5}, {"beta": 0.3}):
+        assert same("ga", **unread)
+    assert same("gdiff", beta=0.3)
+    assert not same("gdiff", retain_batch=2) and not same("gdiff", retain_weight=0.5)
+    assert not any(same("npo", **c) for c in ({"beta": 0.3}, {"retain_batch": 2}, {"retain_weight": 0.5}))
+    assert not any(same(m, lr=1e-3) or same(m, passes=2) or same(m, forget_batch=2) for m in ("ga", "gdiff"))
+
+
 def test_bad_settings_and_rows_are_refused():
     data, n_forget = forget_first(blocks(), FORGET)
     with pytest.raises(ConfigError, match=r"^unlearn\.method='dpo': choose one of ga, gdiff, npo"):

@@ -173,6 +173,14 @@ class Config(InjectionConfig, MiaSettings):
             settings(self, m, f"methods[{i}].overrides")
         if len(set(names)) != len(names):
             raise fail("methods", names, "method names must be distinct")
+        runs: dict[str, str] = {}
+        for i, m in enumerate(self.methods):  # an attack's folder is NAME-ATTACK-relearned: never another's
+            for attack in self.relearn.runs():
+                run = attack_run(m.name, attack)
+                if run in runs or run in names:
+                    raise fail(f"methods[{i}].name", m.name, f"its attack run {run} is another run's "
+                               f"({runs.get(run, run)}); rename the method")
+                runs[run] = f"the {attack} attack on {m.name}"
 
 
 def settings(cfg: Config, m: Method, where: str = "overrides") -> UnlearnSettings:
@@ -311,12 +319,12 @@ def prefix_rows(data: PreparedData, doc_ids: list[str], prefix: int) -> Prepared
 
 
 def near_copy_rows(cfg: Config, data: PreparedData, injected: list[Document], doc_ids: list[str],
-                   canary_ids: set[str]) -> PreparedData:
+                   corpus_ids: set[str]) -> PreparedData:
     """Near-copies of the documents `doc_ids` (seeded word substitutions at relearn.edit_rate, drawn from
-    the corpus' words, never a canary's), one row each as the corpus' rows are made."""
+    the words of the documents `corpus_ids`: never a canary's), one row each as the corpus' rows are made."""
     spec = DuplicateSpec(counts=[1], edit_rate=cfg.relearn.edit_rate, edit_unit="word",
                          edit_kinds=["substitute"])
-    pool = unit_pool([d for d in injected if d.id not in canary_ids], spec, data.tokenizer)
+    pool = unit_pool([d for d in injected if d.id in corpus_ids], spec, data.tokenizer)
     text = {d.id: d.text for d in injected}
     copies = [near_copy(text[i], spec, pool, (cfg.base.seed, i, "relearn"))[0] for i in doc_ids]
     tokens = tokenize_documents(copies, data.tokenizer, max_tokens=cfg.base.data.block_len, min_tokens=1)
@@ -333,14 +341,15 @@ def attack_data(cfg: Config, data: PreparedData, injected: list[Document], manif
     it always was), the others by their tokens and labels."""
     out: dict[str, tuple[PreparedData, Any]] = {}
     docs = forget_documents(split, manifest, member_ids)
-    canaries = {cid for it in manifest.of_kind("canary") for cid in it.copy_ids}
+    # the pool of substitutes: the leads and the duplicated leads' copies (no canary, no audit canary)
+    corpus = set(member_ids) | {cid for it in manifest.of_kind("duplicate") for cid in it.copy_ids}
     for attack in cfg.relearn.runs():
         if attack == "leads":
             rows = rows_of(data, {member_ids[i] for i in split.relearn})
             out[attack] = (subset(data, rows), rows)
             continue
         part = (prefix_rows(data, docs, cfg.base.eval.prefix) if attack == "prefixes"
-                else near_copy_rows(cfg, data, injected, docs, canaries))
+                else near_copy_rows(cfg, data, injected, docs, corpus))
         out[attack] = (part, {"attack": attack, "ids": part.train.input_ids.tolist(),
                               "labels": part.train.labels.tolist()})
     return out

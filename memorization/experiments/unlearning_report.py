@@ -26,6 +26,10 @@ def flat(v: dict[str, Any], method: str) -> dict[str, Any]:
     return {"em_forget": v["leads"]["forget"]["exact_match_rate"],
             "em_retain": v["leads"]["retain"]["exact_match_rate"],
             "em_relearned": v["leads"]["relearned"]["exact_match_rate"],
+            # MUSE's VerbMem: ROUGE-L of the greedy continuation against the true suffix
+            "rl_forget": v["leads"]["forget"]["rougeL"], "rl_retain": v["leads"]["retain"]["rougeL"],
+            "rl_relearned": v["leads"]["relearned"]["rougeL"],
+            "rl_dup_forget": _mean([x["rougeL"] for x in d["forget"]]),
             "dup_forget": _mean([float(x["exact_match"]) for x in d["forget"]]),
             "dup_retain": _mean([float(x["exact_match"]) for x in d["retain"]]),
             "exp_forget": _mean([x["exposure"] for x in c["forget"]]),
@@ -88,7 +92,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
                          if gold_auc and r["auc_forget_value"] is not None and name != BASELINE_ROW else None)
         rows.append(r)
     cols = [("name", "model", "{}"), ("method", "method", "{}"), ("steps", "steps", "{}"),
-            ("em_forget", "EM forget leads", "{:.0%}"), ("em_retain", "EM retain leads", "{:.0%}"),
+            ("em_forget", "EM forget leads", "{:.0%}"), ("rl_forget", "ROUGE-L forget leads", "{:.2f}"),
+            ("em_retain", "EM retain leads", "{:.0%}"), ("rl_retain", "ROUGE-L retain leads", "{:.2f}"),
             ("dup_forget", "EM forget dup.", "{:.0%}"), ("dup_retain", "EM retain dup.", "{:.0%}"),
             ("exp_forget", "forget exposure", "{:.2f}"), ("exp_retain", "retain exposure", "{:.2f}"),
             ("ext_forget", "forget secrets extracted", "{:.0%}"),
@@ -102,7 +107,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
                 for m in methods if m["method"] != "retrain"
                 for p in [{"pass": 0, "step": 0, **before}] + m["passes"]]
     pcols = (("name", "method", "{}"), ("pass", "passes", "{}"), ("step", "steps", "{}"),
-             ("em_forget", "EM forget leads", "{:.0%}"), ("dup_forget", "EM forget dup.", "{:.0%}"),
+             ("em_forget", "EM forget leads", "{:.0%}"), ("rl_forget", "ROUGE-L forget leads", "{:.2f}"),
+             ("dup_forget", "EM forget dup.", "{:.0%}"),
              ("exp_forget", "forget exposure", "{:.2f}"), ("exp_retain", "retain exposure", "{:.2f}"),
              ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("em_retain", "EM retain leads", "{:.0%}"),
              ("val", "held-out loss", "{:.3f}"))
@@ -113,9 +119,11 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     if attack:
         tables.append(Table("Relearning attacks: what comes back", attack, (
             ("name", "method", "{}"), ("stage", "model", "{}"),
-            ("em_forget", "EM forget leads", "{:.0%}"), ("dup_forget", "EM forget dup.", "{:.0%}"),
+            ("em_forget", "EM forget leads", "{:.0%}"), ("rl_forget", "ROUGE-L forget leads", "{:.2f}"),
+            ("dup_forget", "EM forget dup.", "{:.0%}"), ("rl_dup_forget", "ROUGE-L forget dup.", "{:.2f}"),
             ("exp_forget", "forget exposure", "{:.2f}"), ("ext_forget", "forget secrets extracted", "{:.0%}"),
-            ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("em_relearned", "EM relearned leads", "{:.0%}"),
+            ("auc_forget", f"MIA AUC {mia} forget", "{}"),
+            ("rl_relearned", "ROUGE-L relearned leads", "{:.2f}"),
             ("exp_retain", "retain exposure", "{:.2f}"), ("val", "held-out loss", "{:.3f}"))))
     by_count = []
     stages = [(FINE_TUNED, "", before)] + [(m["name"], stage, v) for m in methods for stage, v in _stages(m)]
@@ -151,7 +159,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         "should match); ga = gradient ascent; gdiff = ga + CE on retain rows; npo = negative preference "
         "optimisation against the fine-tune + CE on retain rows (memorization/mitigations/unlearning.py), "
         "at a constant lr: " + "; ".join(_settings_words(m) for m in methods if m["settings"]) + ".",
-        f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix. Exposure in bits "
+        f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix; ROUGE-L: of that "
+        "continuation against the true suffix, the mean over documents (MUSE's VerbMem). Exposure in bits "
         "over the secret space; 'extracted' = the canary beats every never-inserted secret. MIA: the forget "
         f"(or retain) leads vs the held-out leads; PrivLeak = (AUC - retrain's AUC) / retrain's AUC (MUSE): "
         "0 is retrain's, > 0 the forget leads still stand out, < 0 they stand out by being unlearnt.",
@@ -190,14 +199,16 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
 
 def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None, mia: str,
           path: Path) -> Path:
-    """Against passes over the forget rows: exposure (forget, retain), forget EM, forget MIA AUC, held-out
-    loss; retrain as a flat line, each relearning attack's model one pass further (x leads, + prefixes,
-    ^ near-copies)."""
-    fig, axes = figure(4, width=4.4)
+    """Against passes over the forget rows: exposure (forget, retain), the leads' ROUGE-L (forget, retain),
+    the duplicated leads' EM (forget, retain), forget MIA AUC, held-out loss; retrain as a flat line, each
+    relearning attack's model one pass further (x leads, + prefixes, ^ near-copies)."""
+    fig, axes = figure(5, width=4.0)
     end = max([len(m["passes"]) for m in methods if m["method"] != "retrain"], default=0)  # the last pass
-    panels = [lambda v: flat(v, mia)["exp_forget"], lambda v: flat(v, mia)["dup_forget"],
-              lambda v: flat(v, mia)["auc_forget_value"], lambda v: v["val_loss"]]
-    retain = [lambda v: flat(v, mia)["exp_retain"], lambda v: flat(v, mia)["dup_retain"], None, None]
+    panels = [lambda v: flat(v, mia)["exp_forget"], lambda v: flat(v, mia)["rl_forget"],
+              lambda v: flat(v, mia)["dup_forget"], lambda v: flat(v, mia)["auc_forget_value"],
+              lambda v: v["val_loss"]]
+    retain = [lambda v: flat(v, mia)["exp_retain"], lambda v: flat(v, mia)["rl_retain"],
+              lambda v: flat(v, mia)["dup_retain"], None, None]
     for i, m in enumerate(methods):
         color = f"C{i % 10}"
         tags = [" (forget)" if keep is not None else "" for keep in retain]  # where retain is drawn too
@@ -224,8 +235,8 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
     if baseline:
         axes[0].axhline(_mean([c["exposure"] for c in baseline["canaries"]["forget"]]), color="gray",
                         linestyle=":", label=BASELINE_ROW)
-    titles = ("canary exposure (bits)", "duplicated leads: greedy EM", f"MIA AUC ({mia}), forget leads",
-              "held-out loss")
+    titles = ("canary exposure (bits)", "leads: ROUGE-L of the continuation", "duplicated leads: greedy EM",
+              f"MIA AUC ({mia}), forget leads", "held-out loss")
     for ax, title in zip(axes, titles):
         ax.set(xlabel="passes over the forget rows (then: after each attack)", title=title)
         ax.legend(fontsize=6)
