@@ -232,6 +232,8 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
                 if get(after) is not None:
                     ax.plot([xs[-1], xs[-1] + 1], [get(stages[-1]), get(after)], color=color,
                             linestyle="-.", marker=MARKERS[a])
+    for a in dict.fromkeys(a for m in methods for a in (m.get("attacks") or {})):  # what each mark is
+        axes[0].plot([], [], color="gray", marker=MARKERS[a], linestyle="", label=f"after the {a} attack")
     if baseline:
         axes[0].axhline(_mean([c["exposure"] for c in baseline["canaries"]["forget"]]), color="gray",
                         linestyle=":", label=BASELINE_ROW)
