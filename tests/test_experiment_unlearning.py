@@ -182,6 +182,11 @@ def test_each_method_is_asked_of_its_model_after_every_pass_and_after_relearning
                   "Beyond greedy: the forget documents"):
         assert f"## {title}" in md
     assert "| retrain | retrain |" in md and "+0%" in md  # PrivLeak is 0 for retrain itself
+    f = json.loads((out / "forget.json").read_text())["forget"]
+    n_docs = len(f["leads_relearned"]) + len(f["leads_probed"]) + len(f["duplicates"])
+    for attack, rows in (("leads", len(f["leads_relearned"])), ("prefixes", n_docs), ("near-copies", n_docs)):
+        assert f"{attack}: {rows} rows" in md
+        assert all(m["attacks"][attack]["rows"] == rows for m in report["methods"])
 
 
 def test_a_rerun_reuses_and_longer_unlearning_retrains_only_what_follows(finished, pretrained, capsys):
