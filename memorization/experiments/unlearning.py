@@ -173,13 +173,13 @@ class Config(InjectionConfig, MiaSettings):
             settings(self, m, f"methods[{i}].overrides")
         if len(set(names)) != len(names):
             raise fail("methods", names, "method names must be distinct")
-        runs: dict[str, str] = {}
-        for i, m in enumerate(self.methods):  # an attack's folder is NAME-ATTACK-relearned: never another's
+        runs: dict[str, str] = {}  # attack folders (every one ends in -relearned: no method's name)
+        for i, m in enumerate(self.methods):
             for attack in self.relearn.runs():
                 run = attack_run(m.name, attack)
-                if run in runs or run in names:
+                if run in runs:
                     raise fail(f"methods[{i}].name", m.name, f"its attack run {run} is another run's "
-                               f"({runs.get(run, run)}); rename the method")
+                               f"({runs[run]}); rename the method")
                 runs[run] = f"the {attack} attack on {m.name}"
 
 
@@ -327,9 +327,7 @@ def near_copy_rows(cfg: Config, data: PreparedData, injected: list[Document], do
     pool = unit_pool([d for d in injected if d.id in corpus_ids], spec, data.tokenizer)
     text = {d.id: d.text for d in injected}
     copies = [near_copy(text[i], spec, pool, (cfg.base.seed, i, "relearn"))[0] for i in doc_ids]
-    tokens = tokenize_documents(copies, data.tokenizer, max_tokens=cfg.base.data.block_len, min_tokens=1)
-    if len(tokens) != len(doc_ids):
-        raise fail("relearn.edit_rate", cfg.relearn.edit_rate, "left a near-copy without a token")
+    tokens = tokenize_documents(copies, data.tokenizer, max_tokens=cfg.base.data.block_len)  # drops none
     rows = per_document(list(tokens), cfg.base.data.block_len, int(data.tokenizer.eos_token_id))
     return replace(data, train=rows, train_docs=list(tokens), train_doc_ids=[f"{i}~near" for i in doc_ids],
                    audit=None)

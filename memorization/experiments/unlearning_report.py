@@ -63,7 +63,7 @@ def _final(m: dict[str, Any]) -> dict[str, Any]:
 
 def _stages(m: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(stage, answers): the method's model as it was left, then after each relearning attack."""
-    return [(_stage(m), _final(m))] + [(f"+ {a} attack", v) for a, v in (m.get("attacks") or {}).items()]
+    return [(_stage(m), _final(m))] + [(f"+ {a} attack", v) for a, v in m["attacks"].items()]
 
 
 MARKERS = {"leads": "x", "prefixes": "+", "near-copies": "^"}  # the plot's mark of each attack
@@ -115,7 +115,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     tables = [Table("Forget and retain after unlearning", rows, tuple(cols)),
               Table("After each pass over the forget rows", per_pass, pcols)]
     attack = [{"name": m["name"], "stage": stage, **flat(v, mia)}
-              for m in methods if m.get("attacks") for stage, v in _stages(m)]
+              for m in methods if m["attacks"] for stage, v in _stages(m)]
     if attack:
         tables.append(Table("Relearning attacks: what comes back", attack, (
             ("name", "method", "{}"), ("stage", "model", "{}"),
@@ -169,7 +169,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         r = cfg.relearn
         said = []
         for a in r.attacks:
-            done = [m["attacks"][a] for m in methods if a in (m.get("attacks") or {})]
+            done = [m["attacks"][a] for m in methods if a in m["attacks"]]
             steps = "/".join(map(str, sorted({d["steps"] for d in done} - {None})))
             said.append(f"{a}: {done[0]['rows']} rows, " + ATTACK_WORDS[a].format(
                 prefix=b.eval.prefix, rate=r.edit_rate) + f" ({steps} steps)")
@@ -217,7 +217,7 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
             for ax, get, tag in zip(axes, panels, tags):
                 if get(v) is not None:
                     ax.axhline(get(v), color=color, linestyle="--", label=f"{m['name']}{tag}")
-                for a, after in (m.get("attacks") or {}).items():
+                for a, after in m["attacks"].items():
                     if get(after) is not None:
                         ax.plot([end + 1], [get(after)], color=color, marker=MARKERS[a], linestyle="")
             continue
@@ -228,11 +228,11 @@ def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[
             if keep is not None:
                 ax.plot(xs, [keep(v) for v in stages], marker=".", linestyle=":", color=color,
                         label=f"{m['name']} (retain)")
-            for a, after in (m.get("attacks") or {}).items():
+            for a, after in m["attacks"].items():
                 if get(after) is not None:
                     ax.plot([xs[-1], xs[-1] + 1], [get(stages[-1]), get(after)], color=color,
                             linestyle="-.", marker=MARKERS[a])
-    for a in dict.fromkeys(a for m in methods for a in (m.get("attacks") or {})):  # what each mark is
+    for a in dict.fromkeys(a for m in methods for a in m["attacks"]):  # what each mark is
         axes[0].plot([], [], color="gray", marker=MARKERS[a], linestyle="", label=f"after the {a} attack")
     if baseline:
         axes[0].axhline(_mean([c["exposure"] for c in baseline["canaries"]["forget"]]), color="gray",
