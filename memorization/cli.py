@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(r)
     _add_dry_run(r)
 
+    a = sub.add_parser("aggregate", help="average one experiment's reports over seeds (one folder per seed, "
+                       "e.g. run as separate jobs)")
+    a.add_argument("reports", nargs="+", metavar="DIR", help="experiment output folders, one seed each")
+    a.add_argument("--out", required=True, help="folder for the averaged report.{json,md} and replicates.png")
+    a.add_argument("--reference", default="", metavar="ROW",
+                   help="row (first-column value) of the paired differences (default: the first row)")
+    a.add_argument("--confidence", type=float, default=0.95, help="level of every interval (default 0.95)")
+    a.add_argument("--overwrite", action="store_true", help="replace an averaged report already in --out")
+
     x = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face model folder")
     x.add_argument("checkpoint", help="a checkpoint folder, e.g. OUT/checkpoints/step-00000100")
     x.add_argument("out", help="where to write the save_pretrained folder")
@@ -361,6 +370,15 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_aggregate(args) -> int:
+    """Average the reports of one experiment run once per seed (memorization.experiments.replicates)."""
+    from memorization.experiments.replicates import aggregate_folders  # deferred: see the module docstring
+
+    aggregate_folders(args.reports, args.out, reference=args.reference, confidence=args.confidence,
+                      overwrite=args.overwrite)
+    return 0
+
+
 def cmd_coverage(args) -> int:
     """Goldfish mask coverage of a corpus' duplicate clusters, without training."""
     from memorization.mitigations.coverage import cmd_coverage as run  # deferred: see the module docstring
@@ -383,7 +401,8 @@ def cmd_tasks(args) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run, "export": cmd_export,
+COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run,
+            "aggregate": cmd_aggregate, "export": cmd_export,
             "tasks": cmd_tasks, "scan": cmd_scan, "coverage": cmd_coverage}
 
 

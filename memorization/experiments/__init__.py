@@ -29,9 +29,11 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 import axonn
+from memorization.experiments.replicates import run_replicates, seeded
 from memorization.experiments.reporting import write_outputs
 from memorization.experiments.runner import Experiment
 from memorization.experiments.spec import build_experiment, load_experiment_dict
+from memorization.outputs import check_writable
 from memorization.train.parallel import grid_spec, wants_grid
 from memorization.train.run_plan import check_runs
 from memorize_core import fail
@@ -64,12 +66,21 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
                    grid: str | None = None) -> dict[str, Any]:
     """Run (or resume) an experiment; write OUT/report.{json,md}, plots and a W&B run; return the report.
 
+    With `replicate.seeds`, once per seed into OUT/seed-S, then OUT/report.* averages them (replicates).
+
     `grid` is the --grid text (None: the base config's `grid`); each sub-run resolves it into the
     ProcessGrid that fits its own model (memorization.train.parallel.resolve_grid)."""
     module, cfg = load_experiment(config_path, overrides)
-    check_runs(module.run_configs(cfg), spec=grid)  # every sub-run, before anything is written
+    replicas = [seeded(cfg, s) for s in cfg.replicate.seeds] or [cfg]
+    for each in replicas:
+        check_runs(module.run_configs(each), spec=grid)  # every sub-run, before anything is written
     _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)
-    exp = Experiment(Path(out or Path("runs") / cfg.name), grid_spec=grid, overwrite=overwrite).open()
+    out = Path(out or Path("runs") / cfg.name)
+    if cfg.replicate.seeds:
+        check_writable("--out", out)
+        with _quiet_transformers():
+            return run_replicates(module, cfg, out, grid=grid, overwrite=overwrite)
+    exp = Experiment(out, grid_spec=grid, overwrite=overwrite).open()
     with _quiet_transformers():
         outputs = module.run(cfg, exp)
     if not exp.is_main:

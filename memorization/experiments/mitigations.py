@@ -50,7 +50,7 @@ from memorization.experiments.questions import (
     reference_model,
     task_label,
 )
-from memorization.experiments.reporting import Outputs, Point, Table, bar_panels, scatter_panels
+from memorization.experiments.reporting import Outputs, Point, Shown, Table, bar_panels, scatter_panels
 from memorization.experiments.runner import Experiment, PeakRSS, digest, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
@@ -356,12 +356,13 @@ def beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tupl
     return rows, tuple(cols)
 
 
-def _audit_cell(audit: dict[str, Any] | None) -> str:
+def _audit_cell(audit: dict[str, Any] | None) -> Shown | str:
     """The audit's epsilon lower bound as a table cell: 'bound (correct/guesses)', flagged above nominal."""
     if not audit:
         return ""
     flag = " ABOVE NOMINAL" if audit["above_nominal"] else ""
-    return f"{audit['eps_lower_bound']:.2f} ({audit['correct']}/{audit['guesses']}){flag}"
+    return Shown(f"{audit['eps_lower_bound']:.2f} ({audit['correct']}/{audit['guesses']}){flag}",
+                 audit["eps_lower_bound"])
 
 
 def _mean(values: list[float]) -> float | None:

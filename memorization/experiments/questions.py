@@ -20,6 +20,7 @@ from evals.mia import bootstrap_ci, roc_metrics, score_sequences
 from evals.perplexity import corpus_loss
 from memorization.config import RunConfig
 from memorization.eval.utility import check_fewshot, check_tasks, headline, score_tasks
+from memorization.experiments.reporting import Shown
 from memorization.experiments.spec import choice_list
 from memorization.models import build_model, load_sharded, model_config, resolve_model_dir
 from memorization.train.parallel import run_dims
@@ -152,18 +153,18 @@ def limit_words(settings: MiaSettings) -> str:
     return f"{n}, {shots} unless the task fixes its shots"
 
 
-def format_acc(rec: dict[str, Any] | None) -> str | None:
+def format_acc(rec: dict[str, Any] | None) -> Shown | None:
     """'0.72 ± 0.05' (downstream accuracy ± lm-eval's standard error) for report tables."""
     head = (rec or {}).get("headline") or {}
     if head.get("acc") is None:
         return None
     se = head.get("acc_stderr")
-    return f"{head['acc']:.2f}" + (f" ± {se:.2f}" if se is not None else "")
+    return Shown(f"{head['acc']:.2f}" + (f" ± {se:.2f}" if se is not None else ""), head["acc"])
 
 
-def format_auc(rec: dict[str, Any] | None) -> str | None:
+def format_auc(rec: dict[str, Any] | None) -> Shown | None:
     """'0.73 [0.62, 0.84]' (or '0.73' without a CI) for report tables."""
     if not rec:
         return None
     ci = rec.get("auc_ci")
-    return f"{rec['auc']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{rec['auc']:.2f}"
+    return Shown(f"{rec['auc']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{rec['auc']:.2f}", rec["auc"])

@@ -15,13 +15,44 @@ from memorization.tracking import WandbSink
 Columns = Sequence[tuple[str, str, str]]  # (key, title, format) as memorization.report uses
 
 
+class Shown(str):
+    """A cell shown as text that stands for one number (an AUC with its CI, an accuracy ± its SE, an
+    audit bound with its counts): report.json keeps that number beside the text as `<key>_value`, so
+    replicates over seeds average it (memorization.experiments.replicates)."""
+
+    value: float | None
+
+    def __new__(cls, text: str, value: float | None) -> Shown:
+        cell = super().__new__(cls, text)
+        cell.value = value
+        return cell
+
+
 @dataclass
 class Table:
-    """A titled table of row dicts rendered with `columns`."""
+    """A titled table of row dicts rendered with `columns`; `index` names the columns that say which
+    row is which (default: the first column), so the same row is found in another seed's table."""
 
     title: str
     rows: list[dict[str, Any]]
     columns: Columns
+    index: tuple[str, ...] = ()
+
+    def key_columns(self) -> list[str]:
+        """The index columns (the first column when none are named)."""
+        return list(self.index) or [self.columns[0][0]]
+
+
+def with_values(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with each Shown cell's number beside it as `<key>_value` (a twin already there is kept)."""
+    out = []
+    for row in rows:
+        r = dict(row)
+        for k, v in row.items():
+            if isinstance(v, Shown):
+                r.setdefault(f"{k}_value", v.value)
+        out.append(r)
+    return out
 
 
 @dataclass
@@ -112,7 +143,9 @@ def json_safe(obj: Any) -> Any:
 def write_outputs(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> dict[str, Any]:
     """Write report.json/report.md, log the W&B run, print the summary table; return the report."""
     report = json_safe({"title": o.title, "kind": o.kind, "name": exp_cfg.name, "seconds": round(seconds, 1),
-                     "runs": o.runs, "tables": {t.title: t.rows for t in o.tables},
+                     "runs": o.runs, "tables": {t.title: with_values(t.rows) for t in o.tables},
+                     "table_specs": {t.title: {"columns": [list(c) for c in t.columns],
+                                               "index": t.key_columns()} for t in o.tables},
                      "plots": [p.name for p in o.plots], "notes": o.notes, "config": to_dict(exp_cfg),
                      **o.extra})
     report["wandb"] = _log_wandb(out_dir, o, exp_cfg, seconds)

@@ -26,6 +26,31 @@ LOSSES = ("standard", "goldfish")
 
 
 @dataclass
+class Replicate:
+    """The experiment repeated once per seed (OUT/seed-S, each with base.seed = base.trainer.seed = S),
+    then every table averaged over the seeds with a Student-t interval and paired differences against
+    one row (memorization.experiments.replicates)."""
+
+    seeds: list[int] = field(default_factory=list)  # empty: one run at base.seed, into OUT itself
+    reference: str = ""  # the row (first-column value) differences are taken against; "": the first row
+    confidence: float = 0.95  # of every interval
+
+    def validate(self, prefix: str = "") -> None:
+        """Two or more distinct 64-bit seeds (or none), a confidence in (0, 1)."""
+        where = f"{prefix}.seeds" if prefix else "seeds"
+        if self.seeds:
+            int_list(where, self.seeds, minimum=0)
+            if len(self.seeds) < 2:
+                raise fail(where, self.seeds, "give two or more seeds to average over, or none (one run at "
+                           "base.seed)")
+            if max(self.seeds) >= 2**63:
+                raise fail(where, self.seeds, "seeds must be within [0, 2**63)")
+        if not 0 < self.confidence < 1:
+            raise fail(f"{prefix}.confidence" if prefix else "confidence", self.confidence,
+                       "pass a level in (0, 1), e.g. 0.95")
+
+
+@dataclass
 class ExperimentConfig:
     """Keys every experiment has; subclasses add their own (all with defaults)."""
 
@@ -34,6 +59,7 @@ class ExperimentConfig:
     base: RunConfig = field(default_factory=RunConfig)
     samples: int = 8  # sample generations per run in the W&B samples table
     per_run_wandb: bool = False  # also log every sub-run as its own W&B run (grouped by name)
+    replicate: Replicate = field(default_factory=Replicate)  # repeat over seeds and average
 
     def validate(self, prefix: str = "") -> None:
         """Checks shared by every experiment (subclasses call super().validate())."""
