@@ -44,6 +44,10 @@ def test_shipped_configs_load(kind):
     ("canary-exposure", ["canaries.per_count=0"], "canaries.per_count"),
     ("canary-exposure", ["duplicates.per_count=-1"], "duplicates.per_count"),
     ("canary-exposure", ["canaries.candidates=-5"], "canaries.candidates"),
+    ("goldfish-extreme", ["replicate.seeds=[3]"], "replicate.seeds"),
+    ("goldfish-extreme", ["replicate.seeds=[1, 1]"], "replicate.seeds"),
+    ("goldfish-extreme", ["replicate.seeds=[0, -2]"], "replicate.seeds[1]"),
+    ("mitigations", ["replicate.confidence=1"], "replicate.confidence"),
 ])
 def test_bad_input_names_the_field(config, overrides, field):
     with pytest.raises(ConfigError) as info:

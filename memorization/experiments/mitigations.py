@@ -258,6 +258,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                     baseline)
 
 
+REFERENCE = "none"  # replicates' paired differences: each arm against the unmitigated fine-tune
 BASELINE_ROW = "base model"  # the un-fine-tuned row (arm names are folder names: no spaces, no clash)
 PZ_FLOOR = 1e-3  # "hidden" memorization: a suffix some scheme emits at least once in a thousand draws
 

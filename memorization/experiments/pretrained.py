@@ -361,7 +361,7 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
         notes.append(NP_NOTE.format(passes=cfg.passes))
     return Outputs(title="Memorization of a pretrained model, pass by pass", kind=cfg.kind, runs=runs,
                    tables=[Table("Summary", summary_rows, tuple(cols)),
-                           Table("Per pass", pass_rows, tuple(pcols)), *extra_tables],
+                           Table("Per pass", pass_rows, tuple(pcols), ("run", "pass")), *extra_tables],
                    notes=notes, plots=plots + np_plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"passes": cfg.passes, "mia_methods": methods})
 

@@ -53,6 +53,7 @@ def seeded(cfg: Any, seed: int) -> Any:
 
 def run_replicates(module: Any, cfg: Any, out: Path, *, grid: str | None, overwrite: bool) -> dict[str, Any]:
     """Run the experiment once per seed into OUT/seed-S (each resumable), then write the averaged report."""
+    reference = cfg.replicate.reference or getattr(module, "REFERENCE", "")
     exps = [(seeded(cfg, s), Experiment(out / SEED_DIR.format(s), grid_spec=grid, overwrite=overwrite).open())
             for s in cfg.replicate.seeds]
     reports = []
@@ -64,8 +65,8 @@ def run_replicates(module: Any, cfg: Any, out: Path, *, grid: str | None, overwr
     if not exps[0][1].is_main:
         return {}
     sources = [exp.out for _, exp in exps]
-    outputs = aggregate(reports, sources, out, reference=cfg.replicate.reference,
-                        confidence=cfg.replicate.confidence)
+    outputs = aggregate(reports, sources, out, reference=reference, confidence=cfg.replicate.confidence,
+                        given=bool(cfg.replicate.reference))
     return write_outputs(out, outputs, cfg, sum(r["seconds"] for r in reports))
 
 
@@ -94,17 +95,22 @@ def check_replicates(reports: Sequence[dict[str, Any]], sources: Sequence[Path])
 
 
 def aggregate(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: Path, *, reference: str = "",
-              confidence: float = 0.95, reference_field: str = "replicate.reference") -> Outputs:
+              confidence: float = 0.95, reference_field: str = "replicate.reference",
+              given: bool = True) -> Outputs:
     """The replicates' tables averaged and differenced, as the Outputs of the averaged report (OUT is made
-    once every check passed: a bad reference refuses with nothing written)."""
+    once every check passed: a bad reference refuses with nothing written). A reference not `given` by
+    the user (the experiment's REFERENCE, e.g. mitigations' 'none') falls back to the first row where
+    the tables lack it."""
     check_replicates(reports, sources)
     specs = _specs(reports)
     if not specs:
         raise fail("reports", [str(s) for s in sources], "hold no tables; rerun the experiments")
     first = next(iter(specs))
-    ref = reference or _label(reports[0]["tables"][first][0], specs[first]["index"])
     labels = {_label(r, s["index"])
               for rep in reports for t, s in specs.items() for r in rep["tables"].get(t, [])}
+    if not given and reference not in labels:
+        reference = ""
+    ref = reference or _label(reports[0]["tables"][first][0], specs[first]["index"])
     if ref not in labels:
         main = sorted({str(_label(r, specs[first]["index"])) for r in reports[0]["tables"][first]})
         raise fail(reference_field, reference, f"name a row of the tables, e.g. one of {', '.join(main)}")
@@ -369,9 +375,11 @@ def aggregate_folders(dirs: Sequence[str | Path], out: str | Path, *, reference:
     if kind not in KINDS:
         raise fail(f"{dirs[0]}: kind", kind, f"not an experiment report; kinds: {', '.join(KINDS)}")
     seeds = [((r.get("config") or {}).get("base") or {}).get("seed") for r in reports]
-    cfg = config_of(importlib.import_module(KINDS[kind]), reports[0], seeds, reference, confidence)
-    outputs = aggregate(reports, [Path(d) for d in dirs], out, reference=reference, confidence=confidence,
-                        reference_field="--reference")
+    module = importlib.import_module(KINDS[kind])
+    cfg = config_of(module, reports[0], seeds, reference, confidence)
+    outputs = aggregate(reports, [Path(d) for d in dirs], out, confidence=confidence,
+                        reference=reference or getattr(module, "REFERENCE", ""),
+                        reference_field="--reference", given=bool(reference))
     return write_outputs(out, outputs, cfg, sum(r.get("seconds") or 0 for r in reports))
 
 

@@ -74,6 +74,7 @@ from memorize_core import IGNORE_INDEX, fail
 FINE_TUNE = "fine-tune"  # OUT/runs/fine-tune: the model every unlearning method starts from
 RELEARNED = "-relearned"  # attack A on method M runs in OUT/runs/M-A-relearned (leads: M-relearned)
 KINDS = ("retrain",) + METHODS
+REFERENCE = "retrain"  # replicates' paired differences: each method against the gold standard
 ATTACKS = ("leads", "prefixes", "near-copies")
 
 

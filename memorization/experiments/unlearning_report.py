@@ -113,7 +113,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
              ("auc_forget", f"MIA AUC {mia} forget", "{}"), ("em_retain", "EM retain leads", "{:.0%}"),
              ("val", "held-out loss", "{:.3f}"))
     tables = [Table("Forget and retain after unlearning", rows, tuple(cols)),
-              Table("After each pass over the forget rows", per_pass, pcols)]
+              Table("After each pass over the forget rows", per_pass, pcols, ("name", "pass"))]
     attack = [{"name": m["name"], "stage": stage, **flat(v, mia)}
               for m in methods if m["attacks"] for stage, v in _stages(m)]
     if attack:
@@ -124,7 +124,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
             ("exp_forget", "forget exposure", "{:.2f}"), ("ext_forget", "forget secrets extracted", "{:.0%}"),
             ("auc_forget", f"MIA AUC {mia} forget", "{}"),
             ("rl_relearned", "ROUGE-L relearned leads", "{:.2f}"),
-            ("exp_retain", "retain exposure", "{:.2f}"), ("val", "held-out loss", "{:.3f}"))))
+            ("exp_retain", "retain exposure", "{:.2f}"), ("val", "held-out loss", "{:.3f}")),
+            ("name", "stage")))
     by_count = []
     stages = [(FINE_TUNED, "", before)] + [(m["name"], stage, v) for m in methods for stage, v in _stages(m)]
     for name, stage, v in stages:
@@ -138,7 +139,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     tables.append(Table("Secrets by copy count", by_count, (
         ("name", "model", "{}"), ("stage", "stage", "{}"), ("copies", "copies", "{}"),
         ("n_forget", "forget secrets", "{}"), ("exp_forget", "forget exposure", "{:.2f}"),
-        ("ext_forget", "forget extracted", "{:.0%}"), ("exp_retain", "retain exposure", "{:.2f}"))))
+        ("ext_forget", "forget extracted", "{:.0%}"), ("exp_retain", "retain exposure", "{:.2f}")),
+        ("name", "stage", "copies")))
     records = [{"name": FINE_TUNED, "sampled": {"forget": before["sampled"]}}] if before.get("sampled") \
         else []
     for m in methods:

@@ -1,0 +1,189 @@
+"""Replicates over seeds: every table averaged with Student-t intervals, paired differences against one
+row, rows matched by their index; an experiment run per seed in one command or as separate jobs."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from test_experiments_runs import CONFIGS, MICRO
+
+from memorization.cli import main
+from memorization.experiments import run_experiment
+from memorization.experiments.goldfish_extreme import Config as ExtremeConfig
+from memorization.experiments.questions import format_auc
+from memorization.experiments.replicates import aggregate, aggregate_folders, interval, seeded
+from memorization.experiments.reporting import Outputs, Shown, Table, write_outputs
+from memorization.experiments.spec import build_experiment
+from memorize_core import ConfigError
+
+T_975_2 = 4.302652729911275  # t_{0.975} at 2 degrees of freedom (3 seeds), from a table
+COLS = [["run", "run", "{}"], ["loss", "loss", "{}"], ["em", "EM", "{:.0%}"], ["auc", "AUC [CI]", "{}"],
+        ["note", "note", "{}"]]
+PCOLS = [["run", "run", "{}"], ["pass", "pass", "{}"], ["val", "val loss", "{:.3f}"]]
+
+
+def _report(seed: int, rows: list[dict], passes: list[dict], **config) -> dict:
+    cfg = {"kind": "goldfish-extreme", "name": "x",
+           "base": {"seed": seed, "trainer": {"seed": seed, "lr": 1e-3}}}
+    cfg["base"]["trainer"].update(config)
+    return {"title": "T", "kind": "goldfish-extreme", "seconds": 10.0, "config": cfg,
+            "tables": {"Summary": rows, "Per pass": passes},
+            "table_specs": {"Summary": {"columns": COLS, "index": ["run"]},
+                            "Per pass": {"columns": PCOLS, "index": ["run", "pass"]}}}
+
+
+def _row(run: str, em: float, auc: float, note: str = "same") -> dict:
+    return {"run": run, "loss": "standard" if run == "standard" else "goldfish", "em": em,
+            "auc": f"{auc:.2f} [0.1, 0.9]", "auc_value": auc, "note": note}
+
+
+def _three() -> list[dict]:
+    ems = {"standard": [0.6, 0.7, 0.8], "goldfish": [0.0, 0.1, 0.0]}
+    aucs = {"standard": [0.9, 0.95, 1.0], "goldfish": [0.8, 0.85, 0.86]}
+    reports = []
+    for i in range(3):
+        rows = [_row(r, ems[r][i], aucs[r][i], note=f"seed {i}" if r == "goldfish" else "same")
+                for r in ("standard", "goldfish")]
+        if i == 2:
+            rows.reverse()  # another order: rows are matched by their index, not their place
+        passes = [{"run": r, "pass": p, "val": 3.0 + p + (0.1 * i if r == "goldfish" else 0.0)}
+                  for r in ("standard", "goldfish") for p in (0, 1)]
+        if i == 0:
+            rows.append(_row("dedup", 0.2, 0.7))  # a row one seed has
+        reports.append(_report(i, rows, passes))
+    return reports
+
+
+def test_the_interval_is_the_student_t_interval():
+    st = interval([1.0, 2.0, 3.0], 0.95)
+    assert st["mean"] == 2.0 and st["sd"] == pytest.approx(1.0)
+    assert st["half"] == pytest.approx(T_975_2 / math.sqrt(3))
+    one = interval([5.0], 0.95)
+    assert one["mean"] == 5.0 and one["half"] is None
+
+
+def test_tables_are_averaged_row_by_row_and_differenced_by_seed(tmp_path):
+    o = aggregate(_three(), [tmp_path / f"seed-{i}" for i in range(3)], tmp_path / "avg")
+    tables = {t.title.split(":")[0] + (" delta" if "paired" in t.title else ""): t for t in o.tables}
+    rows = {r["run"]: r for r in tables["Summary"].rows}
+    # rows matched by index though seed 2 lists them the other way round
+    assert rows["standard"]["stats"]["em"]["values"] == [0.6, 0.7, 0.8]
+    assert rows["standard"]["em"] == "70% ± 25%"  # 0.1 · t / sqrt(3) = 0.248
+    assert rows["standard"]["loss"] == "standard" and rows["standard"]["note"] == "same"
+    assert rows["goldfish"]["note"] == "varies"
+    # the AUC cell is text with a number behind it: averaged by that number
+    assert rows["goldfish"]["stats"]["auc"]["mean"] == pytest.approx((0.8 + 0.85 + 0.86) / 3)
+    assert rows["dedup (1 of 3)"]["em"] == "20%"
+    # paired: goldfish minus standard seed by seed, [-0.6, -0.6, -0.8]
+    delta = {r["run"]: r for r in tables["Summary delta"].rows}
+    em = delta["goldfish"]["stats"]["em"]
+    assert em["values"] == pytest.approx([-0.6, -0.6, -0.8])
+    assert em["half"] == pytest.approx(T_975_2 * interval([-0.6, -0.6, -0.8], 0.95)["sd"] / math.sqrt(3))
+    assert em["excludes_zero"] and delta["goldfish"]["em"].endswith("*")
+    assert delta["goldfish"]["em"].startswith("-67% ± ")
+    assert delta["goldfish"]["auc"].startswith("-0.113 ± ")  # -0.1, -0.1, -0.14
+    assert "dedup" in delta and "standard" not in delta
+    # the per-pass table: each run's pass p against standard's pass p of the same seed
+    per_pass = tables["Per pass delta"].rows
+    assert [(r["run"], r["pass"]) for r in per_pass] == [("goldfish", "0"), ("goldfish", "1")]
+    assert all(r["stats"]["val"]["values"] == pytest.approx([0.0, 0.1, 0.2]) for r in per_pass)
+    assert not per_pass[0]["stats"]["val"]["excludes_zero"]  # 0.1 ± 0.248 covers 0
+    assert (tmp_path / "avg" / "replicates.png").is_file()
+
+
+def test_an_experiments_own_reference_falls_back_to_the_first_row_where_it_has_none(tmp_path):
+    dirs = [tmp_path / f"s{i}" for i in range(3)]
+    o = aggregate(_three(), dirs, tmp_path / "a", reference="none", given=False)  # mitigations' REFERENCE
+    assert any("'standard', paired" in t.title for t in o.tables)
+    o = aggregate(_three(), dirs, tmp_path / "b", reference="goldfish", given=False)
+    assert any("'goldfish', paired" in t.title for t in o.tables)
+
+
+def test_a_column_no_row_differs_in_is_left_out_of_the_differences(tmp_path):
+    reports = _three()
+    for rep in reports:
+        for row in rep["tables"]["Summary"]:
+            row["em"] = 0.5
+    o = aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg")
+    delta = next(t for t in o.tables if t.title.startswith("Summary") and "paired" in t.title)
+    assert [c[0] for c in delta.columns] == ["run", "auc"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda r: r.update(kind="mitigations"), "kind='mitigations'"),
+    (lambda r: r["config"]["base"]["trainer"].update(lr=5e-4), "config.base.trainer.lr=0.0005"),
+    (lambda r: r["config"]["base"].update(seed=0) or r["config"]["base"]["trainer"].update(seed=0),
+     "ran the same seeds"),
+])
+def test_reports_that_are_not_replicates_are_refused_with_nothing_written(tmp_path, change, needle):
+    reports = _three()
+    change(reports[1])
+    with pytest.raises(ConfigError, match=needle):
+        aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg")
+    with pytest.raises(ConfigError, match="^replicate.reference='nope'"):
+        aggregate(_three(), [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg", reference="nope")
+    assert not (tmp_path / "avg").exists()
+
+
+def test_a_text_cell_keeps_its_number_in_report_json(tmp_path):
+    cell = format_auc({"auc": 0.8123, "auc_ci": [0.7, 0.9]})
+    assert isinstance(cell, Shown) and cell == "0.81 [0.70, 0.90]" and cell.value == 0.8123
+    cfg = build_experiment(ExtremeConfig, {"kind": "goldfish-extreme",
+                                           "base": {"wandb": {"mode": "disabled"}}})
+    cols = (("run", "run", "{}"), ("auc", "AUC", "{}"))
+    o = Outputs("T", "goldfish-extreme", runs=[], tables=[Table("S", [{"run": "a", "auc": cell}], cols)])
+    write_outputs(tmp_path, o, cfg, 1.0)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["tables"]["S"] == [{"run": "a", "auc": "0.81 [0.70, 0.90]", "auc_value": 0.8123}]
+    assert rep["table_specs"]["S"] == {"columns": [list(c) for c in cols], "index": ["run"]}
+
+
+def test_a_replicate_sets_both_seeds_and_runs_no_replicates_itself():
+    cfg = build_experiment(ExtremeConfig, {"kind": "goldfish-extreme", "replicate": {"seeds": [3, 4]}})
+    s = seeded(cfg, 4)
+    assert (s.base.seed, s.base.trainer.seed, s.replicate.seeds) == (4, 4, [])
+    assert s.name == "goldfish-extreme-seed4"
+
+
+def _mtimes(out: Path) -> dict[str, float]:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in sorted(out.glob("seed-*/runs/*/run.json"))}
+
+
+def test_an_experiment_over_seeds_in_one_command_and_as_separate_jobs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEMORIZE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "extreme"
+    over = MICRO + ["variants=[standard, hash]", "replicate.seeds=[0, 5]"]
+    report = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over)
+    seeds = [json.loads((out / f"seed-{s}" / "report.json").read_text()) for s in (0, 5)]
+    for s, rep in zip((0, 5), seeds):
+        assert (rep["config"]["base"]["seed"], rep["config"]["base"]["trainer"]["seed"]) == (s, s)
+        key = json.loads((out / f"seed-{s}" / "runs" / "standard" / "inputs.json").read_text())
+        assert key["run"]["seed"] == s and key["run"]["trainer"]["seed"] == s
+    assert seeds[0]["tables"]["Summary"][0]["val_loss"] != seeds[1]["tables"]["Summary"][0]["val_loss"]
+    summary = report["tables"]["Summary: mean ± 95% CI over 2 seeds"]
+    std = next(r for r in summary if r["name"] == "standard")
+    assert std["stats"]["val_loss"]["values"] == [r["tables"]["Summary"][0]["val_loss"] for r in seeds]
+    md = (out / "report.md").read_text()
+    assert "[seed 5](seed-5/report.md)" in md and (out / "replicates.png").is_file()
+    before = _mtimes(out)
+    assert len(before) == 4
+
+    again = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over)
+    assert _mtimes(out) == before and again["tables"] == report["tables"]  # every sub-run reused
+    (out / "seed-0" / "keep.txt").write_text("mine")
+    report = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over, overwrite=True)
+    after = _mtimes(out)
+    assert all(after[k] != before[k] for k in before) and (out / "seed-0" / "keep.txt").is_file()
+
+    # the same seeds run as separate jobs, then averaged: the same tables
+    assert main(["aggregate", str(out / "seed-0"), str(out / "seed-5"), "--out", str(tmp_path / "avg")]) == 0
+    assert json.loads((tmp_path / "avg" / "report.json").read_text())["tables"] == report["tables"]
+    capsys.readouterr()
+    assert main(["aggregate", str(out / "seed-0"), str(out / "seed-5"), "--out", str(tmp_path / "avg")]) == 2
+    assert "holds a report already" in capsys.readouterr().err
+    assert main(["aggregate", str(out / "seed-0"), str(out / "seed-0"), "--out", str(tmp_path / "b")]) == 2
+    assert "ran the same seeds" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    with pytest.raises(ConfigError, match="^--out="):
+        aggregate_folders([out / "seed-0", out / "seed-5"], out / "seed-5")
