@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ from test_experiments_runs import CONFIGS, MICRO
 
 from memorization.cli import main
 from memorization.experiments import run_experiment
+from memorization.experiments.averaging import interval
 from memorization.experiments.goldfish_extreme import Config as ExtremeConfig
 from memorization.experiments.questions import format_auc
-from memorization.experiments.replicates import aggregate, aggregate_folders, interval, seeded
+from memorization.experiments.replicates import aggregate, aggregate_folders, check_replicates, seeded
 from memorization.experiments.reporting import Outputs, Shown, Table, write_outputs
 from memorization.experiments.spec import build_experiment
 from memorize_core import ConfigError
@@ -69,7 +71,7 @@ def test_tables_are_averaged_row_by_row_and_differenced_by_seed(tmp_path):
     tables = {t.title.split(":")[0] + (" delta" if "paired" in t.title else ""): t for t in o.tables}
     rows = {r["run"]: r for r in tables["Summary"].rows}
     # rows matched by index though seed 2 lists them the other way round
-    assert rows["standard"]["stats"]["em"]["values"] == [0.6, 0.7, 0.8]
+    assert rows["standard"]["stats"]["em"]["values"] == [0.6, 0.7, 0.8]  # in seed order
     assert rows["standard"]["em"] == "70% ± 25%"  # 0.1 · t / sqrt(3) = 0.248
     assert rows["standard"]["loss"] == "standard" and rows["standard"]["note"] == "same"
     assert rows["goldfish"]["note"] == "varies"
@@ -84,7 +86,8 @@ def test_tables_are_averaged_row_by_row_and_differenced_by_seed(tmp_path):
     assert em["excludes_zero"] and delta["goldfish"]["em"].endswith("*")
     assert delta["goldfish"]["em"].startswith("-67% ± ")
     assert delta["goldfish"]["auc"].startswith("-0.113 ± ")  # -0.1, -0.1, -0.14
-    assert "dedup" in delta and "standard" not in delta
+    assert delta["dedup (1 of 3)"]["em"] == "-40% (1 of 3)" and "standard" not in delta
+    assert delta["dedup (1 of 3)"]["stats"]["em"]["values"] == [pytest.approx(-0.4), None, None]
     # the per-pass table: each run's pass p against standard's pass p of the same seed
     per_pass = tables["Per pass delta"].rows
     assert [(r["run"], r["pass"]) for r in per_pass] == [("goldfish", "0"), ("goldfish", "1")]
@@ -95,9 +98,9 @@ def test_tables_are_averaged_row_by_row_and_differenced_by_seed(tmp_path):
 
 def test_an_experiments_own_reference_falls_back_to_the_first_row_where_it_has_none(tmp_path):
     dirs = [tmp_path / f"s{i}" for i in range(3)]
-    o = aggregate(_three(), dirs, tmp_path / "a", reference="none", given=False)  # mitigations' REFERENCE
+    o = aggregate(_three(), dirs, tmp_path / "a", preferred="none")  # mitigations' REFERENCE
     assert any("'standard', paired" in t.title for t in o.tables)
-    o = aggregate(_three(), dirs, tmp_path / "b", reference="goldfish", given=False)
+    o = aggregate(_three(), dirs, tmp_path / "b", preferred="goldfish")
     assert any("'goldfish', paired" in t.title for t in o.tables)
 
 
@@ -114,17 +117,40 @@ def test_a_column_no_row_differs_in_is_left_out_of_the_differences(tmp_path):
 @pytest.mark.parametrize("change, needle", [
     (lambda r: r.update(kind="mitigations"), "kind='mitigations'"),
     (lambda r: r["config"]["base"]["trainer"].update(lr=5e-4), "config.base.trainer.lr=0.0005"),
-    (lambda r: r["config"]["base"].update(seed=0) or r["config"]["base"]["trainer"].update(seed=0),
-     "ran the same seeds"),
+    (lambda r: r["config"]["base"].update(seed=0), "ran that seed too"),
+    (lambda r: r.update(replicate={"seeds": [0, 1]}), "already an average"),
 ])
-def test_reports_that_are_not_replicates_are_refused_with_nothing_written(tmp_path, change, needle):
+def test_reports_that_are_not_replicates_are_refused(tmp_path, change, needle):
     reports = _three()
+    check_replicates(reports, [tmp_path / f"s{i}" for i in range(3)])
     change(reports[1])
     with pytest.raises(ConfigError, match=needle):
-        aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg")
-    with pytest.raises(ConfigError, match="^replicate.reference='nope'"):
-        aggregate(_three(), [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg", reference="nope")
+        check_replicates(reports, [tmp_path / f"s{i}" for i in range(3)])
+
+
+def test_a_reference_no_table_holds_is_refused_before_anything_is_written_or_noted_after_training(tmp_path):
+    dirs = [tmp_path / f"s{i}" for i in range(3)]
+    with pytest.raises(ConfigError, match="^replicate.reference='nope': .* of dedup, goldfish, standard$"):
+        aggregate(_three(), dirs, tmp_path / "avg", reference="nope")
     assert not (tmp_path / "avg").exists()
+    o = aggregate(_three(), dirs, tmp_path / "avg", reference="nope", strict=False)  # the run path
+    assert any("'nope' names no row" in n for n in o.notes)
+    assert any("'standard', paired" in t.title for t in o.tables)
+
+
+def test_numbered_rows_missing_numbers_and_constant_differences(tmp_path):
+    reports = _three()
+    for i, rep in enumerate(reports):
+        rep["tables"]["Summary"] = [{"run": 1, "em": 0.5, "auc": f"x{i}", "auc_value": 0.5 + 0.1 * i},
+                                    {"run": 2, "em": 0.75, "auc": f"y{i}",
+                                     "auc_value": None if i == 1 else 0.9}]
+    o = aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg", reference="1")
+    mean = {r["run"]: r for r in o.tables[0].rows}
+    assert mean["2"]["stats"]["auc"]["values"] == [0.9, None, 0.9]  # a NaN stored as null is missing
+    assert mean["2"]["auc"] == "0.9 in every seed (2 of 3)"
+    delta = next(t for t in o.tables if t.title.startswith("Summary") and "paired" in t.title).rows
+    assert delta[0]["em"] == "+25% in every seed"  # the same difference each time: no interval
+    assert delta[0]["auc"].startswith("+0.3 ± ")
 
 
 def test_a_text_cell_keeps_its_number_in_report_json(tmp_path):
@@ -151,39 +177,55 @@ def _mtimes(out: Path) -> dict[str, float]:
     return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in sorted(out.glob("seed-*/runs/*/run.json"))}
 
 
+def _val_losses(report: dict) -> list:
+    summary = next(rows for title, rows in report["tables"].items() if title.startswith("Summary: mean"))
+    return [r["stats"]["val_loss"]["values"] for r in summary]
+
+
 def test_an_experiment_over_seeds_in_one_command_and_as_separate_jobs(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMORIZE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "extreme"
-    over = MICRO + ["variants=[standard, hash]", "replicate.seeds=[0, 5]"]
+    micro = MICRO + ["variants=[standard, hash]"]
+    over = micro + ["replicate.seeds=[0, 5]"]
+    started = time.perf_counter()
     report = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over)
+    wall = time.perf_counter() - started
     seeds = [json.loads((out / f"seed-{s}" / "report.json").read_text()) for s in (0, 5)]
     for s, rep in zip((0, 5), seeds):
         assert (rep["config"]["base"]["seed"], rep["config"]["base"]["trainer"]["seed"]) == (s, s)
+        assert rep["config"]["base"]["wandb"]["group"] == "goldfish-extreme"  # the seeds' runs together
         key = json.loads((out / f"seed-{s}" / "runs" / "standard" / "inputs.json").read_text())
         assert key["run"]["seed"] == s and key["run"]["trainer"]["seed"] == s
+    assert seeds[0]["seconds"] + seeds[1]["seconds"] <= wall  # each seed timed on its own
     assert seeds[0]["tables"]["Summary"][0]["val_loss"] != seeds[1]["tables"]["Summary"][0]["val_loss"]
-    summary = report["tables"]["Summary: mean ± 95% CI over 2 seeds"]
-    std = next(r for r in summary if r["name"] == "standard")
-    assert std["stats"]["val_loss"]["values"] == [r["tables"]["Summary"][0]["val_loss"] for r in seeds]
+    assert _val_losses(report)[0] == [r["tables"]["Summary"][0]["val_loss"] for r in seeds]
     md = (out / "report.md").read_text()
     assert "[seed 5](seed-5/report.md)" in md and (out / "replicates.png").is_file()
     before = _mtimes(out)
     assert len(before) == 4
 
     again = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over)
-    assert _mtimes(out) == before and again["tables"] == report["tables"]  # every sub-run reused
+    assert _mtimes(out) == before and _val_losses(again) == _val_losses(report)  # every sub-run reused
     (out / "seed-0" / "keep.txt").write_text("mine")
-    report = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over, overwrite=True)
+    run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=over, overwrite=True)
     after = _mtimes(out)
     assert all(after[k] != before[k] for k in before) and (out / "seed-0" / "keep.txt").is_file()
 
-    # the same seeds run as separate jobs, then averaged: the same tables
-    assert main(["aggregate", str(out / "seed-0"), str(out / "seed-5"), "--out", str(tmp_path / "avg")]) == 0
-    assert json.loads((tmp_path / "avg" / "report.json").read_text())["tables"] == report["tables"]
+    # seed 5 run again as a job of its own, then averaged with seed 0: the same figures
+    job = tmp_path / "job5"
+    run_experiment(CONFIGS / "goldfish-extreme.yaml", out=job, overrides=micro + ["base.seed=5",
+                                                                               "base.trainer.seed=5"])
+    assert main(["aggregate", str(out / "seed-0"), str(job), "--out", str(tmp_path / "avg")]) == 0
+    assert _val_losses(json.loads((tmp_path / "avg" / "report.json").read_text())) == _val_losses(report)
     capsys.readouterr()
-    assert main(["aggregate", str(out / "seed-0"), str(out / "seed-5"), "--out", str(tmp_path / "avg")]) == 2
+    assert main(["aggregate", str(out / "seed-0"), str(job), "--out", str(tmp_path / "avg")]) == 2
     assert "holds a report already" in capsys.readouterr().err
     assert main(["aggregate", str(out / "seed-0"), str(out / "seed-0"), "--out", str(tmp_path / "b")]) == 2
-    assert "ran the same seeds" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert "ran that seed too" in capsys.readouterr().err and not (tmp_path / "b").exists()
     with pytest.raises(ConfigError, match="^--out="):
         aggregate_folders([out / "seed-0", out / "seed-5"], out / "seed-5")
+    # one OUT never holds both a single run and replicates
+    with pytest.raises(ConfigError, match="holds replicates over seeds"):
+        run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=micro)
+    with pytest.raises(ConfigError, match="holds a single-seed experiment"):
+        run_experiment(CONFIGS / "goldfish-extreme.yaml", out=job, overrides=over)

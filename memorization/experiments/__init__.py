@@ -29,11 +29,10 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 import axonn
-from memorization.experiments.replicates import run_replicates, seeded
+from memorization.experiments.replicates import check_out, run_replicates, seeded
 from memorization.experiments.reporting import write_outputs
 from memorization.experiments.runner import Experiment
 from memorization.experiments.spec import build_experiment, load_experiment_dict
-from memorization.outputs import check_writable
 from memorization.train.parallel import grid_spec, wants_grid
 from memorization.train.run_plan import check_runs
 from memorize_core import fail
@@ -77,9 +76,9 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
     _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)
     out = Path(out or Path("runs") / cfg.name)
     if cfg.replicate.seeds:
-        check_writable("--out", out)
         with _quiet_transformers():
             return run_replicates(module, cfg, out, grid=grid, overwrite=overwrite)
+    check_out(out, replicates=False)
     exp = Experiment(out, grid_spec=grid, overwrite=overwrite).open()
     with _quiet_transformers():
         outputs = module.run(cfg, exp)

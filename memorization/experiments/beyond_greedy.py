@@ -41,7 +41,8 @@ def np_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
     cols = [("run", "run", "{}"), ("offset", "prefix offset", "{}"), ("docs", "docs", "{}"),
             ("scheme", "decoding", "{}")]
     cols += [(f"n{n}", f"(n={n}, p={p})", "{:.0%}") for n in ns]
-    return Table("Extraction beyond greedy: (n, p)-extractable fraction", rows, tuple(cols))
+    return Table("Extraction beyond greedy: (n, p)-extractable fraction", rows, tuple(cols),
+                 ("run", "offset", "scheme"))
 
 
 def offset_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
@@ -88,7 +89,7 @@ def near_table(runs: list[dict[str, Any]], key: str = "name") -> Table | None:
     cols += [(d, f"<= {d[2:]} {word}", "{:.0%}") for d in ds]
     cols += [("median", f"median log10 P(<= {ds[-1][2:]} {word})", "{:.1f}")]
     return Table(f"Near-verbatim: (n={n_max}, p={p})-extractable within d {phrase} (a lower bound)",
-                 rows, tuple(cols))
+                 rows, tuple(cols), ("run", "offset", "scheme"))
 
 
 def np_plot(runs: list[dict[str, Any]], path: Path, key: str = "name", offset: int = 0) -> Path | None:

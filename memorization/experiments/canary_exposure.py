@@ -211,7 +211,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     ]
     plots = [_plot(rows, runs, exp.out / "canary-exposure.png")]
     return Outputs(title="Canary exposure and extraction vs number of copies", kind=cfg.kind, runs=runs,
-                   tables=[Table("By copy count", rows, COLUMNS)], notes=notes, plots=plots, samples=samples,
+                   tables=[Table("By copy count", rows, COLUMNS, ("loss", "count"))], notes=notes,
+                   plots=plots, samples=samples,
                    sample_columns=SAMPLE_COLUMNS, extra={"max_exposure": ev0["max_exposure"],
                                                          "manifest": "manifest.json"})
 

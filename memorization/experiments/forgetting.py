@@ -33,6 +33,7 @@ from memorization.experiments.beyond_greedy import near_table
 from memorization.experiments.canary_exposure import build_corpus, save_manifest
 from memorization.experiments.mitigations import (
     BASELINE_ROW,
+    BEYOND_INDEX,
     PZ_FLOOR,
     ArmQuestions,
     arm_config,
@@ -320,11 +321,11 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
     # beyond greedy and near-verbatim, one row per (arm and pass, documents, scheme)
     records = ([{**baseline, "name": BASELINE_ROW}] if baseline else []) + [
         {**p, "name": f"{a['name']}, pass {p['pass']}"} for a in arms for p in a["passes"]]
-    tables = [Table("After each pass of continued training", rows, _columns(cfg)),
-              Table("By copy count", by_count, ccols)]
+    tables = [Table("After each pass of continued training", rows, _columns(cfg), ("arm", "pass")),
+              Table("By copy count", by_count, ccols, ("arm", "pass", "copies"))]
     beyond_rows, beyond_cols = beyond_table(records)
     if beyond_rows:
-        tables.append(Table("Beyond greedy", beyond_rows, beyond_cols))
+        tables.append(Table("Beyond greedy", beyond_rows, beyond_cols, BEYOND_INDEX))
         notes.append("Beyond greedy: p_z = the probability that a decoding scheme emits the exact "
                      "suffix (one teacher-forced forward); (n, p) = the share of documents n samples give "
                      f"up with probability >= p; 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "

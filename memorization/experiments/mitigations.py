@@ -342,6 +342,9 @@ def _relative_cost(arms: list[dict[str, Any]]) -> None:
         a["cost"]["step_time_vs_none"] = st / ref if ref and st else None
 
 
+BEYOND_INDEX = ("arm", "docs", "scheme")  # which row of beyond_table is which
+
+
 def beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tuple]:
     """One row per (arm, documents, scheme): (n, p) fractions and the share with p_z >= PZ_FLOOR."""
     rows, ns, p = [], [], None
@@ -452,7 +455,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     plots = [_plot_scatter(arms, out / "mitigations-tradeoff.png"),
              _plot_bars(arms, methods, out / "mitigations-bars.png")]
     beyond_rows, beyond_cols = beyond_table(arms)
-    extra_tables = [Table("Beyond greedy", beyond_rows, beyond_cols)] if beyond_rows else []
+    extra_tables = [Table("Beyond greedy", beyond_rows, beyond_cols, BEYOND_INDEX)] if beyond_rows else []
     if beyond_rows:
         notes.append(NP_NOTE.format(passes=cfg.passes) + f" 'p_z >= {PZ_FLOOR:g}': the share of documents "
                      "whose suffix the scheme emits at least once in a thousand draws.")
@@ -471,8 +474,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                      "documents whose bound alone passes the (n, p) test.")
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=trained,
-                   tables=[Table("Arms", rows, tuple(cols)), Table("By copy count", by_count, tuple(ccols)),
-                           *extra_tables],
+                   tables=[Table("Arms", rows, tuple(cols)),
+                           Table("By copy count", by_count, tuple(ccols), ("arm", "copies")), *extra_tables],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"arms": trained, "baseline": baseline, "passes": cfg.passes,
                           "base_downstream": base_downstream})

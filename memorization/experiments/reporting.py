@@ -27,6 +27,9 @@ class Shown(str):
         cell.value = value
         return cell
 
+    def __getnewargs__(self) -> tuple[str, float | None]:  # copy and pickle rebuild it with its number
+        return str(self), self.value
+
 
 @dataclass
 class Table:

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from memorization.experiments.beyond_greedy import NP_NOTE
-from memorization.experiments.mitigations import BASELINE_ROW, PZ_FLOOR, beyond_table
+from memorization.experiments.mitigations import BASELINE_ROW, BEYOND_INDEX, PZ_FLOOR, beyond_table
 from memorization.experiments.questions import format_acc, format_auc, task_label
 from memorization.experiments.reporting import Outputs, Table, figure, save
 
@@ -186,7 +186,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
                      "(OUT/baseline/evals.json).")
     beyond_rows, beyond_cols = beyond_table(records)
     if beyond_rows:
-        tables.append(Table("Beyond greedy: the forget documents", beyond_rows, beyond_cols))
+        tables.append(Table("Beyond greedy: the forget documents", beyond_rows, beyond_cols, BEYOND_INDEX))
         np_note = NP_NOTE.replace(" (after {passes} passes)", "")  # asked of models at several stages
         notes.append(np_note + " Forget documents: the probed leads and the "
                      f"forget duplicated leads. 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
