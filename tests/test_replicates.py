@@ -229,3 +229,24 @@ def test_an_experiment_over_seeds_in_one_command_and_as_separate_jobs(tmp_path, 
         run_experiment(CONFIGS / "goldfish-extreme.yaml", out=out, overrides=micro)
     with pytest.raises(ConfigError, match="holds a single-seed experiment"):
         run_experiment(CONFIGS / "goldfish-extreme.yaml", out=job, overrides=over)
+
+
+@pytest.mark.distributed
+def test_replicates_on_two_ranks_equal_the_serial_replicates(tmp_path, monkeypatch):
+    """Every rank runs every seed in lockstep (data parallel, gloo); rank 0 alone writes."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MEMORIZE_CACHE", str(tmp_path / "cache"))
+    over = MICRO + ["variants=[standard]", "replicate.seeds=[0, 3]"]
+    serial = run_experiment(CONFIGS / "goldfish-extreme.yaml", out=tmp_path / "serial", overrides=over)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    config = str(CONFIGS / "goldfish-extreme.yaml")
+    argv = [sys.executable, "-m", "memorization", "run", config, "--nproc-per-node", "2", "--grid", "1,1,1,2",
+            "--out", str(tmp_path / "ranks"), *over]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = json.loads((tmp_path / "ranks" / "report.json").read_text())
+    assert _val_losses(ranks)[0] == pytest.approx(_val_losses(serial)[0], abs=1e-5)
+    assert done.stdout.count("replicate 2 of 2: seed 3") == 1  # said once, by rank 0
