@@ -250,3 +250,18 @@ def test_replicates_on_two_ranks_equal_the_serial_replicates(tmp_path, monkeypat
     ranks = json.loads((tmp_path / "ranks" / "report.json").read_text())
     assert _val_losses(ranks)[0] == pytest.approx(_val_losses(serial)[0], abs=1e-5)
     assert done.stdout.count("replicate 2 of 2: seed 3") == 1  # said once, by rank 0
+
+
+def test_the_first_index_name_is_the_label_and_the_others_pair_within(tmp_path):
+    """A sizes x losses table indexed (loss, size): goldfish is differenced against standard of its size."""
+    reports = _three()
+    for i, rep in enumerate(reports):
+        rep["tables"]["Summary"] = [
+            {"run": size, "loss": loss, "em": base + (0.3 if loss == "standard" else 0) + 0.01 * i}
+            for size, base in (("a", 0.1), ("b", 0.5)) for loss in ("standard", "goldfish")]
+        rep["table_specs"]["Summary"]["index"] = ["loss", "run"]
+    o = aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg")
+    delta = next(t for t in o.tables if t.title.startswith("Summary") and "paired" in t.title)
+    assert "'standard', paired" in delta.title
+    assert [(r["run"], r["loss"], r["em"]) for r in delta.rows] == [("a", "goldfish", "-30% in every seed"),
+                                                                    ("b", "goldfish", "-30% in every seed")]

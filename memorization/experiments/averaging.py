@@ -184,7 +184,7 @@ def _pm(st: dict[str, Any], fmt: str, n: int, signed: bool = False) -> str:
     """'mean ± half' ('in every seed' when they all agree, '*' where a difference's interval excludes 0,
     '(k of n)' when only k seeds have it)."""
     text = _num_spec(fmt, signed).format(st["mean"])
-    if st["sd"] == 0:
+    if st["sd"] is not None and st["sd"] <= 1e-12 * max(1.0, abs(st["mean"])):  # equal but for rounding
         text += " in every seed"
     elif st["half"] is not None:
         text += " ± " + _num_spec(fmt).format(st["half"]) + ("*" if st.get("excludes_zero") else "")

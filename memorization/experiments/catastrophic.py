@@ -143,7 +143,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if extra_tables:
         notes.append(NP_NOTE.format(passes=cfg.passes))
     return Outputs(title="Catastrophic memorization: exact match vs model size and passes", kind=cfg.kind,
-                   runs=runs, tables=[Table("Summary", runs, tuple(columns)), *extra_tables], notes=notes,
+                   runs=runs, notes=notes,
+                   tables=[Table("Summary", runs, tuple(columns), ("loss", "size")), *extra_tables],
                    plots=plots + np_plots,
                    samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"passes": cfg.passes, "shown_passes": shown})

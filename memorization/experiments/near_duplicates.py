@@ -258,7 +258,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                      f"P(a sample lies within {b.eval.near_verbatim} {phrase} of the suffix) passes the same "
                      "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
     return Outputs(title=title, kind=cfg.kind, runs=grid, notes=notes, plots=[plot],
-                   tables=[Table("Cells", table, columns)], extra={"baseline": base})
+                   tables=[Table("Cells", table, columns, ("strategy", "copies", "edit_rate"))],
+                   extra={"baseline": base})
 
 
 def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:

@@ -34,7 +34,9 @@ class Shown(str):
 @dataclass
 class Table:
     """A titled table of row dicts rendered with `columns`; `index` names the columns that say which
-    row is which (default: the first column), so the same row is found in another seed's table."""
+    row is which (default: the first column), so the same row is found in another seed's table. Its first
+    name is the row's label (what replicates' differences are taken between: goldfish vs standard), the
+    others the context they are paired within (the same model size, pass or copy count)."""
 
     title: str
     rows: list[dict[str, Any]]
