@@ -131,8 +131,13 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
             grid = "auto"
         else:  # an experiment's runs of one model share one --grid
             reports = dry_run_command(command, args.config, overrides, grid=grid, **kw)
+    seeds = []
+    if command == "run":
+        from memorization.experiments import load_experiment  # deferred: loaded with dryrun above
+
+        seeds = list(load_experiment(args.config, overrides)[1].replicate.seeds)
     return {"cluster": c, "time": time, "gpn": gpn, "world": world, "command": command,
-            "grid": grid, "reports": reports, "hardware": hardware}
+            "grid": grid, "reports": reports, "hardware": hardware, "seeds": seeds}
 
 
 def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[str]) -> str:
@@ -145,6 +150,7 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
     out = args.out or f"{scratch}/memorize/runs/{name}"
     q = shlex.quote
     k = r["rank0"]
+    seeds = job["seeds"]
     lines = [
         "#!/bin/bash",
         f"# memorize {job['command']} {args.config} on {args.cluster}: {args.nodes} node(s) x {gpn} GPUs, "
@@ -153,12 +159,13 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         f"{k['total_bytes'] / 2**30:.1f} of {r['hardware']['usable_bytes'] / 2**30:.1f} GiB usable; "
         f"predicted {r['predicted']['step_s']:.3g} s/step, MFU {r['predicted']['mfu']:.1%}",
         *[f"# {n}" for n in c.get("notes", [])],
+        *(_array_header(seeds, out) if seeds else []),
         f"#SBATCH --job-name=memorize-{name}",
         f"#SBATCH --nodes={args.nodes}",
         f"#SBATCH --ntasks-per-node={gpn}",
         f"#SBATCH --time={job['time']}",
         *[f"#SBATCH {_fill(s, fmt)}" for s in c["sbatch"]],
-        "#SBATCH --output=%x-%j.out",
+        "#SBATCH --output=" + ("%x-%A_%a.out" if seeds else "%x-%j.out"),
         "#SBATCH --open-mode=append",  # a requeued job appends to the same log
         "#SBATCH --requeue",
         f"#SBATCH --signal=B:USR1@{REQUEUE_WARNING_S}",
@@ -177,7 +184,8 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         "",
         "# runs, caches and W&B's offline files on scratch; afterwards from a login node:",
         '#   wandb sync "$OUT"/wandb/offline-run-*',
-        f'export OUT="{out}"',
+        *([f"SEEDS=({' '.join(map(str, seeds))})", 'SEED="${SEEDS[$SLURM_ARRAY_TASK_ID]}"',
+           f'export OUT="{out}/seed-$SEED"'] if seeds else [f'export OUT="{out}"']),
         f'export MEMORIZE_CACHE="{scratch}/memorize/cache"',
         "export WANDB_MODE=offline",
         'export WANDB_DIR="$OUT"',
@@ -191,13 +199,22 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         "trap 'echo \"[slurm.py] walltime near: requeueing job $SLURM_JOB_ID\" >&2; "
         "scontrol requeue \"$SLURM_JOB_ID\"' USR1",
         "",
-        srun_line(args, job, overrides) + " &",
+        srun_line(args, job, overrides) + (' "replicate.seeds=[]" "base.seed=$SEED" "base.trainer.seed=$SEED"'
+                                           if seeds else "") + " &",
         "pid=$!",
         "rc=0",
         'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done  # a trapped USR1 interrupts wait',
         'exit "$rc"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _array_header(seeds: Sequence[int], out: str) -> list[str]:
+    """A job array, one task per replicate seed (each a job of its own), and how to average them."""
+    return [f"# replicate.seeds {list(seeds)}: one array task per seed, each the whole experiment in $OUT "
+            "(OUT/seed-S); when all have finished, average them:",
+            f"#   python -m memorization aggregate {' '.join(f'{out}/seed-{s}' for s in seeds)} --out {out}",
+            f"#SBATCH --array=0-{len(seeds) - 1}"]
 
 
 def _fill(text: str, values: dict[str, Any]) -> str:
@@ -254,6 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slurm.py: sbatch failed ({done.returncode}): {done.stderr.strip()}", file=sys.stderr)
         return 1
     print(f"slurm.py: submitted {script}", file=sys.stderr)
+    if job["seeds"]:
+        print("slurm.py: an array of one task per seed; when every task has finished, average them with the "
+              "command in the script's header (python -m memorization aggregate ...)", file=sys.stderr)
     return 0
 
 

@@ -209,3 +209,37 @@ def test_standin_srun_lost_task_ends_every_task(tmp_path, capsys, bin_dir):
     assert job.returncode != 0
     assert lost and all(line.startswith("error: rank 3 is lost") for line in lost), err[-3000:]
     assert took <= limit + 10, f"the job took {took:.1f}s to end after the task stopped"
+
+
+@pytest.mark.distributed
+def test_replicates_become_a_job_array_whose_tasks_the_header_averages(tmp_path, capsys, bin_dir):
+    """replicate.seeds [0, 3]: an array of one task per seed (task i runs seed i's whole experiment in
+    OUT/seed-S on 1 node x 2 tasks), and the aggregate command in the header averages what they wrote."""
+    micro = ["base.data.limit=8", "base.data.vocab_size=300", "base.data.block_len=32",
+             "base.data.min_tokens=16", "base.eval.prefix=8", "base.eval.suffix=8", "base.trainer.epochs=2",
+             "base.trainer.batch_size=2", "base.model.overrides={hidden_size: 32, num_hidden_layers: 1, "
+             "intermediate_size: 64, num_attention_heads: 2, num_key_value_heads: 2}",
+             "base.wandb.mode=disabled", "base.trainer.progress=false", "variants=[standard]",
+             "replicate.seeds=[0, 3]"]
+    out = tmp_path / "rep"
+    text = _script(capsys, "--cluster", "generic", "--nodes", "1", "--gpus-per-node", "2",
+                   "--grid", "1,1,1,2", "--config", "configs/experiments/goldfish-extreme.yaml",
+                   "--out", str(out), "--port", str(free_port()), "--dry-run", "--", *micro)
+    assert "#SBATCH --array=0-1" in text and "#SBATCH --output=%x-%A_%a.out" in text
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    for task in ("0", "1"):
+        env = dict(os.environ, SLURM_JOB_ID=f"77{task}", SLURM_ARRAY_TASK_ID=task,
+                   SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="1", SLURM_SUBMIT_DIR=str(ROOT),
+                   OMP_NUM_THREADS="1", MEMORIZE_CACHE=str(tmp_path / "cache"))
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    for seed in (0, 3):
+        report = json.loads((out / f"seed-{seed}" / "report.json").read_text())
+        assert report["config"]["base"]["seed"] == report["config"]["base"]["trainer"]["seed"] == seed
+        assert report["config"]["replicate"]["seeds"] == []  # each task is one seed's experiment
+    average = re.search(r"^#   (python -m memorization aggregate .*)$", text, re.M).group(1)
+    done = subprocess.run(average, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MEMORIZE_CACHE=str(tmp_path / "cache")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "report.json").read_text())["replicate"]["seeds"] == [0, 3]
