@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("reports", nargs="+", metavar="DIR", help="experiment output folders, one seed each")
     a.add_argument("--out", required=True, help="folder for the averaged report.{json,md} and replicates.png")
     a.add_argument("--reference", default="", metavar="ROW",
-                   help="row (first-column value) of the paired differences (default: the experiment's own, "
-                        "e.g. none or retrain, else the first row)")
+                   help="row label (a table's first index value) of the paired differences (default: the "
+                        "experiment's own, e.g. none or retrain, else the first row others pair with)")
     a.add_argument("--confidence", type=float, default=0.95, help="level of every interval (default 0.95)")
     a.add_argument("--overwrite", action="store_true", help="replace an averaged report already in --out")
 

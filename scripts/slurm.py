@@ -135,9 +135,12 @@ def plan_job(args: argparse.Namespace, overrides: Sequence[str]) -> dict[str, An
     if command == "run":
         from memorization.experiments import load_experiment  # deferred: loaded with dryrun above
 
-        seeds = list(load_experiment(args.config, overrides)[1].replicate.seeds)
+        exp = load_experiment(args.config, overrides)[1]
+        seeds, replicate = list(exp.replicate.seeds), exp.replicate
+        group = exp.base.wandb.group or exp.name
     return {"cluster": c, "time": time, "gpn": gpn, "world": world, "command": command,
-            "grid": grid, "reports": reports, "hardware": hardware, "seeds": seeds}
+            "grid": grid, "reports": reports, "hardware": hardware, "seeds": seeds,
+            **({"replicate": replicate, "group": group} if seeds else {})}
 
 
 def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[str]) -> str:
@@ -159,7 +162,7 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         f"{k['total_bytes'] / 2**30:.1f} of {r['hardware']['usable_bytes'] / 2**30:.1f} GiB usable; "
         f"predicted {r['predicted']['step_s']:.3g} s/step, MFU {r['predicted']['mfu']:.1%}",
         *[f"# {n}" for n in c.get("notes", [])],
-        *(_array_header(seeds, out) if seeds else []),
+        *(_array_header(job, out) if seeds else []),
         f"#SBATCH --job-name=memorize-{name}",
         f"#SBATCH --nodes={args.nodes}",
         f"#SBATCH --ntasks-per-node={gpn}",
@@ -184,7 +187,8 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         "",
         "# runs, caches and W&B's offline files on scratch; afterwards from a login node:",
         '#   wandb sync "$OUT"/wandb/offline-run-*',
-        *([f"SEEDS=({' '.join(map(str, seeds))})", 'SEED="${SEEDS[$SLURM_ARRAY_TASK_ID]}"',
+        *([f"SEEDS=({' '.join(map(str, seeds))})",
+           'SEED="${SEEDS[${SLURM_ARRAY_TASK_ID:?submit this script with sbatch: one array task per seed}]}"',
            f'export OUT="{out}/seed-$SEED"'] if seeds else [f'export OUT="{out}"']),
         f'export MEMORIZE_CACHE="{scratch}/memorize/cache"',
         "export WANDB_MODE=offline",
@@ -196,11 +200,12 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
         "",
         f"# {REQUEUE_WARNING_S} s before the walltime Slurm sends USR1: requeue; the next start resumes",
         "# from the newest sealed checkpoint in $OUT/checkpoints (--resume auto)",
+        # an array task requeues itself alone: its own id is ARRAYID_TASK
         "trap 'echo \"[slurm.py] walltime near: requeueing job $SLURM_JOB_ID\" >&2; "
-        "scontrol requeue \"$SLURM_JOB_ID\"' USR1",
+        + ("scontrol requeue \"${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}\"' USR1" if seeds else
+           "scontrol requeue \"$SLURM_JOB_ID\"' USR1"),
         "",
-        srun_line(args, job, overrides) + (' "replicate.seeds=[]" "base.seed=$SEED" "base.trainer.seed=$SEED"'
-                                           if seeds else "") + " &",
+        srun_line(args, job, overrides) + (_seed_overrides(job, name) if seeds else "") + " &",
         "pid=$!",
         "rc=0",
         'while kill -0 "$pid" 2>/dev/null; do wait "$pid"; rc=$?; done  # a trapped USR1 interrupts wait',
@@ -209,12 +214,22 @@ def render(args: argparse.Namespace, job: dict[str, Any], overrides: Sequence[st
     return "\n".join(lines) + "\n"
 
 
-def _array_header(seeds: Sequence[int], out: str) -> list[str]:
+def _array_header(job: dict[str, Any], out: str) -> list[str]:
     """A job array, one task per replicate seed (each a job of its own), and how to average them."""
+    seeds, rep = job["seeds"], job["replicate"]
+    how = (f" --reference {shlex.quote(rep.reference)}" if rep.reference else "") + (
+        f" --confidence {rep.confidence:g}" if rep.confidence != 0.95 else "")
+    dirs = " ".join('"' + f"{out}/seed-{s}" + '"' for s in seeds)
     return [f"# replicate.seeds {list(seeds)}: one array task per seed, each the whole experiment in $OUT "
             "(OUT/seed-S); when all have finished, average them:",
-            f"#   python -m memorization aggregate {' '.join(f'{out}/seed-{s}' for s in seeds)} --out {out}",
+            f'#   python -m memorization aggregate {dirs} --out "{out}"{how}',
             f"#SBATCH --array=0-{len(seeds) - 1}"]
+
+
+def _seed_overrides(job: dict[str, Any], name: str) -> str:
+    """What makes an array task one seed's experiment (as replicates.seeded does in one process)."""
+    return (' "replicate.seeds=[]" "base.seed=$SEED" "base.trainer.seed=$SEED"'
+            f' "name={name}-seed$SEED" {shlex.quote("base.wandb.group=" + job["group"])}')
 
 
 def _fill(text: str, values: dict[str, Any]) -> str:

@@ -147,7 +147,7 @@ def test_numbered_rows_missing_numbers_and_constant_differences(tmp_path):
     o = aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg", reference="1")
     mean = {r["run"]: r for r in o.tables[0].rows}
     assert mean["2"]["stats"]["auc"]["values"] == [0.9, None, 0.9]  # a NaN stored as null is missing
-    assert mean["2"]["auc"] == "0.9 in every seed (2 of 3)"
+    assert mean["2"]["auc"] == "0.9 ± 0 (2 of 3)"  # two seeds agree; the third has no value
     delta = next(t for t in o.tables if t.title.startswith("Summary") and "paired" in t.title).rows
     assert delta[0]["em"] == "+25% in every seed"  # the same difference each time: no interval
     assert delta[0]["auc"].startswith("+0.3 ± ")

@@ -220,16 +220,17 @@ def test_replicates_become_a_job_array_whose_tasks_the_header_averages(tmp_path,
              "base.trainer.batch_size=2", "base.model.overrides={hidden_size: 32, num_hidden_layers: 1, "
              "intermediate_size: 64, num_attention_heads: 2, num_key_value_heads: 2}",
              "base.wandb.mode=disabled", "base.trainer.progress=false", "variants=[standard]",
-             "replicate.seeds=[0, 3]"]
-    out = tmp_path / "rep"
+             "replicate.seeds=[0, 3]", "replicate.reference=standard"]
+    out = tmp_path / "my runs" / "rep"  # a space in the path
     text = _script(capsys, "--cluster", "generic", "--nodes", "1", "--gpus-per-node", "2",
                    "--grid", "1,1,1,2", "--config", "configs/experiments/goldfish-extreme.yaml",
                    "--out", str(out), "--port", str(free_port()), "--dry-run", "--", *micro)
     assert "#SBATCH --array=0-1" in text and "#SBATCH --output=%x-%A_%a.out" in text
+    assert 'scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"' in text  # this task alone
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     for task in ("0", "1"):
-        env = dict(os.environ, SLURM_JOB_ID=f"77{task}", SLURM_ARRAY_TASK_ID=task,
+        env = dict(os.environ, SLURM_JOB_ID=f"77{task}", SLURM_ARRAY_JOB_ID="770", SLURM_ARRAY_TASK_ID=task,
                    SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="1", SLURM_SUBMIT_DIR=str(ROOT),
                    OMP_NUM_THREADS="1", MEMORIZE_CACHE=str(tmp_path / "cache"))
         done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
@@ -238,8 +239,11 @@ def test_replicates_become_a_job_array_whose_tasks_the_header_averages(tmp_path,
         report = json.loads((out / f"seed-{seed}" / "report.json").read_text())
         assert report["config"]["base"]["seed"] == report["config"]["base"]["trainer"]["seed"] == seed
         assert report["config"]["replicate"]["seeds"] == []  # each task is one seed's experiment
+        assert report["config"]["name"] == f"goldfish-extreme-seed{seed}"
+        assert report["config"]["base"]["wandb"]["group"] == "goldfish-extreme"
     average = re.search(r"^#   (python -m memorization aggregate .*)$", text, re.M).group(1)
     done = subprocess.run(average, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, MEMORIZE_CACHE=str(tmp_path / "cache")))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((out / "report.json").read_text())["replicate"]["seeds"] == [0, 3]
+    average = json.loads((out / "report.json").read_text())["replicate"]
+    assert average["seeds"] == [0, 3] and average["reference"] == "standard"

@@ -173,21 +173,24 @@ def _fmt(v: Any, spec: str) -> str:
         return str(v)
 
 
-def _num_spec(spec: str, signed: bool = False) -> str:
-    """The column's number format for a mean (a plain '{}' or '{:,}' column holds counts: 3 digits)."""
+def _num_spec(spec: str, sign: str = "") -> str:
+    """The column's number format for a mean (a plain '{}' or '{:,}' column holds counts: 3 digits), with
+    `sign` '+' (a difference) or '-' (a half-width: no sign) in place of the column's own."""
     if spec in ("{}", "{:,}") or not spec.startswith("{:"):
         spec = "{:.3g}"
-    return "{:+" + spec[2:] if signed and spec[2:3] not in "+- " else spec
+    if not sign:
+        return spec
+    return "{:" + ("+" if sign == "+" else "") + spec[2:].lstrip("+- ")
 
 
 def _pm(st: dict[str, Any], fmt: str, n: int, signed: bool = False) -> str:
     """'mean ± half' ('in every seed' when they all agree, '*' where a difference's interval excludes 0,
     '(k of n)' when only k seeds have it)."""
-    text = _num_spec(fmt, signed).format(st["mean"])
-    if st["sd"] is not None and st["sd"] <= 1e-12 * max(1.0, abs(st["mean"])):  # equal but for rounding
-        text += " in every seed"
+    text = _num_spec(fmt, "+" if signed else "").format(st["mean"])
+    if st["n"] == n and st["sd"] is not None and st["sd"] <= 1e-12 * max(1.0, abs(st["mean"])):
+        text += " in every seed"  # equal but for rounding
     elif st["half"] is not None:
-        text += " ± " + _num_spec(fmt).format(st["half"]) + ("*" if st.get("excludes_zero") else "")
+        text += " ± " + _num_spec(fmt, "-").format(st["half"]) + ("*" if st.get("excludes_zero") else "")
     return text + (f" ({st['n']} of {n})" if st["n"] < n else "")
 
 
@@ -197,7 +200,7 @@ def plot(rows: list[dict[str, Any]], spec: dict[str, Any], path: Path, seeds: Se
             if not _COST.search(k) and any("mean" in r["stats"].get(k, {}) for r in rows)][:PLOTTED]
     if not keys:
         return None
-    labels = [str(r[spec["columns"][0][0]]) for r in rows]
+    labels = [", ".join(str(r.get(c, "")) for c in spec["index"]) for r in rows]
     fig, axes = figure(len(keys), width=max(3.6, 0.5 * len(rows) + 1.5), height=3.8)
     for ax, (key, title) in zip(axes, keys):
         legend = True

@@ -42,6 +42,7 @@ from memorization.experiments.mitigations import (
     beyond_table,
     members_and_nonmembers,
 )
+from memorization.experiments.mitigations import REFERENCE as REFERENCE  # replicates: against 'none' too
 from memorization.experiments.mitigations import Config as MitigationsConfig
 from memorization.experiments.questions import (
     PrivacyUtility,

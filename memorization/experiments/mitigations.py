@@ -342,7 +342,7 @@ def _relative_cost(arms: list[dict[str, Any]]) -> None:
         a["cost"]["step_time_vs_none"] = st / ref if ref and st else None
 
 
-BEYOND_INDEX = ("arm", "docs", "scheme")  # which row of beyond_table is which
+BEYOND_INDEX = ("arm", "part", "scheme")  # which row of beyond_table is which (not its document count)
 
 
 def beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tuple]:
@@ -352,7 +352,8 @@ def beyond_table(arms: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], tupl
         for part, v in a["sampled"].items():
             ns, p = v["np"]["ns"], v["np"]["p"]
             for scheme, per in v["np"]["schemes"].items():
-                rows.append({"arm": a["name"], "docs": f"{part} ({v['docs']})", "scheme": scheme,
+                rows.append({"arm": a["name"], "part": part, "docs": f"{part} ({v['docs']})",
+                             "scheme": scheme,
                              "pz": v["pz_at_least_1e-3"].get(scheme),
                              **{f"n{n}": per[f"n={n}"]["fraction"] for n in ns}})
     cols = [("arm", "arm", "{}"), ("docs", "documents", "{}"), ("scheme", "decoding", "{}")]

@@ -36,6 +36,7 @@ from memorize_core import fail
 
 # none: standard loss; dedup: standard loss on the corpus after `dedup` (near-document dedup by default);
 # dedup+S: goldfish strategy S on that corpus
+REFERENCE = "none"  # replicates' paired differences: each strategy against standard loss, cell by cell
 CHOICES = ("none",) + STRATEGIES + ("dedup",) + tuple(f"dedup+{s}" for s in STRATEGIES)
 
 

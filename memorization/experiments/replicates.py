@@ -115,17 +115,18 @@ def aggregate(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: P
     A `reference` no table holds is refused where `strict` (nothing written: OUT is made after every
     check), else noted and replaced by the default, so finished training is never thrown away."""
     specs = avg.table_specs(reports)
+    specs = {t: s for t, s in specs.items() if any(rep["tables"].get(t) for rep in reports)}
     if not specs:
         raise fail("reports", [str(s) for s in sources], "hold no tables; rerun the experiments")
     first = next(iter(specs))
     labels = {avg.label(r, s["index"]) for rep in reports for t, s in specs.items()
               for r in rep["tables"].get(t, [])}
-    default = preferred if preferred in labels else avg.label(reports[0]["tables"][first][0],
-                                                              specs[first]["index"])
+    default = preferred if preferred in labels else _pairing_label(reports, first, specs[first], confidence)
     notes = []
     if reference and reference not in labels:
         if strict:
-            names = sorted({avg.label(r, specs[first]["index"]) for r in reports[0]["tables"][first]})
+            names = sorted({avg.label(r, specs[first]["index"]) for rep in reports
+                            for r in rep["tables"].get(first, [])})
             raise fail(reference_field, reference, f"name a row of the tables, e.g. one of "
                        f"{', '.join(names)}")
         notes.append(f"WARNING: {reference_field} '{reference}' names no row of the tables; the differences "
@@ -156,6 +157,18 @@ def aggregate(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: P
                    plots=plots, extra={"replicate": {
                        "seeds": seeds, "reference": ref, "confidence": confidence,
                        "sources": [_rel(s, out) for s in sources]}})
+
+
+def _pairing_label(reports: Sequence[dict[str, Any]], title: str, spec: dict[str, Any],
+                   confidence: float) -> str:
+    """The first row label of the first table that other rows of that table pair with (a "base model"
+    row of another context pairs with none), else the first label."""
+    matched = avg.match(reports, title, spec["index"])
+    firsts = [avg.label(next(r for r in cells if r is not None), spec["index"]) for cells in matched.values()]
+    for candidate in dict.fromkeys(firsts):
+        if avg.delta_rows(matched, spec, candidate, confidence):
+            return candidate
+    return firsts[0]
 
 
 def _notes(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: Path, seeds: list, ref: str,

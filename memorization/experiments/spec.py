@@ -32,8 +32,9 @@ class Replicate:
     one row (memorization.experiments.replicates)."""
 
     seeds: list[int] = field(default_factory=list)  # empty: one run at base.seed, into OUT itself
-    # the row (first-column value) differences are taken against; "": the experiment's own REFERENCE
-    # (mitigations: none, unlearning: retrain) where its tables have it, else the first table's first row
+    # the row label (a table's first index value) differences are taken against; "": the experiment's own
+    # REFERENCE (mitigations: none, unlearning: retrain) where its tables have it, else the first row of the
+    # first table that other rows pair with
     reference: str = ""
     confidence: float = 0.95  # of every interval
 

@@ -66,6 +66,11 @@ def _stages(m: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(_stage(m), _final(m))] + [(f"+ {a} attack", v) for a, v in m["attacks"].items()]
 
 
+def _attack(stage: str) -> str:
+    """The attack a stage is after ("" as left): what replicates pair a method with retrain within."""
+    return stage[2:-len(" attack")] if stage.startswith("+ ") else ""
+
+
 MARKERS = {"leads": "x", "prefixes": "+", "near-copies": "^"}  # the plot's mark of each attack
 ATTACK_WORDS = {
     "leads": "half the forget leads, whole ('relearned'; the probed leads, secrets and duplicated leads are "
@@ -114,7 +119,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
              ("val", "held-out loss", "{:.3f}"))
     tables = [Table("Forget and retain after unlearning", rows, tuple(cols)),
               Table("After each pass over the forget rows", per_pass, pcols, ("name", "pass"))]
-    attack = [{"name": m["name"], "stage": stage, **flat(v, mia)}
+    attack = [{"name": m["name"], "stage": stage, "attack": _attack(stage), **flat(v, mia)}
               for m in methods if m["attacks"] for stage, v in _stages(m)]
     if attack:
         tables.append(Table("Relearning attacks: what comes back", attack, (
@@ -125,14 +130,15 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
             ("auc_forget", f"MIA AUC {mia} forget", "{}"),
             ("rl_relearned", "ROUGE-L relearned leads", "{:.2f}"),
             ("exp_retain", "retain exposure", "{:.2f}"), ("val", "held-out loss", "{:.3f}")),
-            ("name", "stage")))
+            ("name", "attack")))
     by_count = []
     stages = [(FINE_TUNED, "", before)] + [(m["name"], stage, v) for m in methods for stage, v in _stages(m)]
     for name, stage, v in stages:
         for n in cfg.counts:
             f = [c for c in v["canaries"]["forget"] if c["count"] == n]
             r = [c for c in v["canaries"]["retain"] if c["count"] == n]
-            by_count.append({"name": name, "stage": stage, "copies": n, "n_forget": len(f),
+            by_count.append({"name": name, "stage": stage, "attack": _attack(stage), "copies": n,
+                             "n_forget": len(f),
                              "exp_forget": _mean([c["exposure"] for c in f]),
                              "ext_forget": _mean([float(c["extracted"]) for c in f]),
                              "exp_retain": _mean([c["exposure"] for c in r])})
@@ -140,7 +146,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         ("name", "model", "{}"), ("stage", "stage", "{}"), ("copies", "copies", "{}"),
         ("n_forget", "forget secrets", "{}"), ("exp_forget", "forget exposure", "{:.2f}"),
         ("ext_forget", "forget extracted", "{:.0%}"), ("exp_retain", "retain exposure", "{:.2f}")),
-        ("name", "stage", "copies")))
+        ("name", "attack", "copies")))
     records = [{"name": FINE_TUNED, "sampled": {"forget": before["sampled"]}}] if before.get("sampled") \
         else []
     for m in methods:
