@@ -265,3 +265,18 @@ def test_the_first_index_name_is_the_label_and_the_others_pair_within(tmp_path):
     assert "'standard', paired" in delta.title
     assert [(r["run"], r["loss"], r["em"]) for r in delta.rows] == [("a", "goldfish", "-30% in every seed"),
                                                                     ("b", "goldfish", "-30% in every seed")]
+
+
+def test_an_index_key_need_not_be_shown(tmp_path):
+    """Unlearning's attack table: stages read 'retrained' and 'unlearned', a hidden key pairs them."""
+    stages = (("retrain", "retrained", "", 0.1), ("retrain", "+ leads attack", "leads", 0.2),
+              ("npo", "unlearned", "", 0.15), ("npo", "+ leads attack", "leads", 0.5))
+    reports = _three()
+    for i, rep in enumerate(reports):
+        rep["tables"]["Summary"] = [{"run": run, "stage": stage, "attack": attack, "em": em + 0.01 * i}
+                                    for run, stage, attack, em in stages]
+        rep["table_specs"]["Summary"] = {"columns": [["run", "method", "{}"], ["stage", "model", "{}"],
+                                                     ["em", "EM", "{:.0%}"]], "index": ["run", "attack"]}
+    o = aggregate(reports, [tmp_path / f"s{i}" for i in range(3)], tmp_path / "avg", reference="retrain")
+    delta = next(t for t in o.tables if t.title.startswith("Summary") and "paired" in t.title).rows
+    assert [r["em"] for r in delta] == ["+5% in every seed", "+30% in every seed"]  # as left, after leads

@@ -143,7 +143,7 @@ def aggregate(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: P
         averaged[title] = rows
         diff = avg.delta_rows(matched, spec, ref, confidence)
         moved = [(k, t, "{}") for k, t, _ in avg.moved_columns(diff, spec)]
-        if diff and len(moved) > len(spec["index"]):
+        if diff and any(c[0] not in spec["index"] for c in moved):
             deltas.append(Table(f"{title}: each row − '{ref}', paired by seed (mean ± {confidence:.0%} CI; "
                                 "* the interval excludes 0)", diff, tuple(moved), tuple(spec["index"])))
     seeds = [((rep.get("config") or {}).get("base") or {}).get("seed") for rep in reports]
