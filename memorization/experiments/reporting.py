@@ -1,8 +1,10 @@
 """Experiment outputs: report.json, report.md, PNG figures, the printed table and one W&B run."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -182,7 +184,7 @@ def _log_wandb(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> str |
     for t in o.tables:
         keys = [k for k, _, _ in t.columns]
         rows = [[_cell(r.get(k)) for k in keys] for r in t.rows]
-        sink.log_table(t.title.lower().replace(" ", "_"), keys, rows)
+        sink.log_table(table_key(t.title), keys, rows)
     if o.samples:
         sink.log_table("samples", o.sample_columns, o.samples)
     for p in o.plots:
@@ -191,6 +193,13 @@ def _log_wandb(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> str |
     where = sink.run_dir
     sink.close()
     return where
+
+
+def table_key(title: str) -> str:
+    """A table's W&B key: its title in lower-case words joined by '_', cut to 60 characters with a digest
+    of the whole title (W&B names the table's artifact after it and refuses names over 128 characters)."""
+    key = re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_") or "table"
+    return key if len(key) <= 60 else f"{key[:51]}_{hashlib.sha1(title.encode()).hexdigest()[:8]}"
 
 
 def _cell(v: Any) -> Any:
