@@ -81,10 +81,13 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
     row: dict[str, Any] = {"stats": {}}
     for key, _, fmt in spec["columns"]:
         raw = [r.get(key) for r in present]
+        values = [_value(r, key) if r is not None else None for r in cells]
         if all(json.dumps(v, default=str) == json.dumps(raw[0], default=str) for v in raw):
             row[key] = _fmt(raw[0], fmt)
+            nums = [v for v in values if v is not None]
+            if nums and all(_number(v) for v in nums):  # kept for the plot and report.json
+                row["stats"][key] = {**interval(nums, confidence), "values": values}
             continue
-        values = [_value(r, key) if r is not None else None for r in cells]
         if any(v is not None and not _number(v) for v in values):
             row[key], row["stats"][key] = "varies", {"values": [r.get(key) if r else None for r in cells]}
             continue
@@ -194,10 +197,15 @@ def _pm(st: dict[str, Any], fmt: str, n: int, signed: bool = False) -> str:
     return text + (f" ({st['n']} of {n})" if st["n"] < n else "")
 
 
-def plot(rows: list[dict[str, Any]], spec: dict[str, Any], path: Path, seeds: Sequence[Any]) -> Path | None:
-    """The first table's varying measures: each seed's value as a dot, the mean with its interval."""
-    keys = [(k, t) for k, t, _ in spec["columns"]
-            if not _COST.search(k) and any("mean" in r["stats"].get(k, {}) for r in rows)][:PLOTTED]
+def plot(rows: list[dict[str, Any]], spec: dict[str, Any], path: Path, seeds: Sequence[Any],
+         prefer: Sequence[str] = ()) -> Path | None:
+    """The first table's measures (those in `prefer`, the columns its differences moved, else those that
+    vary between seeds): each seed's value as a dot, the mean with its interval."""
+    varies = [k for k, _, _ in spec["columns"] if any(len({json.dumps(v) for v in r["stats"].get(k, {}).get(
+        "values", [])}) > 1 for r in rows)]
+    titles = {k: t for k, t, _ in spec["columns"]}
+    keys = [(k, titles[k]) for k in (list(prefer) or varies) if k in titles and not _COST.search(k)
+            and k not in spec["index"]][:PLOTTED]
     if not keys:
         return None
     labels = [", ".join(str(r.get(c, "")) for c in spec["index"]) for r in rows]

@@ -133,7 +133,7 @@ def aggregate(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: P
                      f"are against '{default}'.")
     ref = reference if reference in labels else default
     n = len(reports)
-    tables, deltas, averaged = [], [], {}
+    tables, deltas, averaged, moved_first = [], [], {}, []
     for title, spec in specs.items():
         matched = avg.match(reports, title, spec["index"])
         rows = [avg.mean_row(cells, spec, confidence) for cells in matched.values()]
@@ -143,12 +143,14 @@ def aggregate(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: P
         averaged[title] = rows
         diff = avg.delta_rows(matched, spec, ref, confidence)
         moved = [(k, t, "{}") for k, t, _ in avg.moved_columns(diff, spec)]
+        if title == first:
+            moved_first = [c[0] for c in moved]
         if diff and any(c[0] not in spec["index"] for c in moved):
             deltas.append(Table(f"{title}: each row − '{ref}', paired by seed (mean ± {confidence:.0%} CI; "
                                 "* the interval excludes 0)", diff, tuple(moved), tuple(spec["index"])))
     seeds = [((rep.get("config") or {}).get("base") or {}).get("seed") for rep in reports]
     out.mkdir(parents=True, exist_ok=True)  # every refusal above has had its chance
-    plots = [p for p in [avg.plot(averaged[first], specs[first], out / PLOT, seeds)] if p]
+    plots = [p for p in [avg.plot(averaged[first], specs[first], out / PLOT, seeds, moved_first)] if p]
     return Outputs(title=f"{reports[0].get('title')} (over {n} seeds)", kind=reports[0].get("kind", ""),
                    runs=[{"name": f"seed {s}", "seed": s, "report": _rel(src / "report.json", out),
                           "seconds": rep.get("seconds")} for s, src, rep in zip(seeds, sources, reports)],
