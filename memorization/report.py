@@ -19,7 +19,8 @@ TABLE_COLUMNS = (
 )
 
 
-def _fmt(value: Any, spec: str) -> str:
+def format_cell(value: Any, spec: str) -> str:
+    """A table cell: `spec` applied to the value, '-' for None, the value as text where spec does not fit."""
     if value is None:
         return "-"
     try:
@@ -31,7 +32,7 @@ def _fmt(value: Any, spec: str) -> str:
 def table_rows(runs: Sequence[dict[str, Any]], columns=TABLE_COLUMNS) -> tuple[list[str], list[list[str]]]:
     """Header and formatted rows for the summary table."""
     header = [title for _, title, _ in columns]
-    rows = [[_fmt(run.get(key), spec) for key, _, spec in columns] for run in runs]
+    rows = [[format_cell(run.get(key), spec) for key, _, spec in columns] for run in runs]
     return header, rows
 
 

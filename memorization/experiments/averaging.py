@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memorization.experiments.reporting import figure, save
+from memorization.report import format_cell
 
 PLOTTED = 4  # columns of the first table drawn
 _COST = re.compile(r"seconds|time|rss|peak|params|trainable|steps?$")  # what a run cost, not what it learnt
@@ -83,7 +84,7 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
         raw = [r.get(key) for r in present]
         values = [_value(r, key) if r is not None else None for r in cells]
         if all(json.dumps(v, default=str) == json.dumps(raw[0], default=str) for v in raw):
-            row[key] = _fmt(raw[0], fmt)
+            row[key] = format_cell(raw[0], fmt)
             nums = [v for v in values if v is not None]
             if nums and all(_number(v) for v in nums):  # kept for the plot and report.json
                 row["stats"][key] = {**interval(nums, confidence), "values": values}
@@ -114,7 +115,8 @@ def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confide
         if ref_key is None or ref_key == key:
             continue
         refs, n = matched[ref_key], len(cells)
-        row: dict[str, Any] = {c: _fmt(_any(cells).get(c), f) for c, _, f in spec["columns"] if c in index}
+        shown = _any(cells)
+        row: dict[str, Any] = {c: format_cell(shown.get(c), f) for c, _, f in spec["columns"] if c in index}
         both = sum(a is not None and b is not None for a, b in zip(cells, refs))
         if both < n:
             first = spec["columns"][0][0]
@@ -165,15 +167,6 @@ def _value(row: dict[str, Any], key: str) -> Any:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _fmt(v: Any, spec: str) -> str:
-    if v is None:
-        return "-"
-    try:
-        return spec.format(v)
-    except (ValueError, TypeError):
-        return str(v)
 
 
 def _num_spec(spec: str, sign: str = "") -> str:
