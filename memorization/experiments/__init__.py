@@ -70,9 +70,9 @@ def run_experiment(config_path: str | Path, *, out: str | Path | None = None,
     `grid` is the --grid text (None: the base config's `grid`); each sub-run resolves it into the
     ProcessGrid that fits its own model (memorization.train.parallel.resolve_grid)."""
     module, cfg = load_experiment(config_path, overrides)
-    replicas = [seeded(cfg, s) for s in cfg.replicate.seeds] or [cfg]
-    for each in replicas:
-        check_runs(module.run_configs(each), spec=grid)  # every sub-run, before anything is written
+    # every sub-run, before anything is written (a seed changes no plan: the first replicate stands for all)
+    first = seeded(cfg, cfg.replicate.seeds[0]) if cfg.replicate.seeds else cfg
+    check_runs(module.run_configs(first), spec=grid)
     _init_distributed(grid_spec(grid, cfg.base), cfg.base.trainer.collective_timeout_s)
     out = Path(out or Path("runs") / cfg.name)
     if cfg.replicate.seeds:

@@ -108,14 +108,14 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
 def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confidence: float) -> list[dict]:
     """Each row minus the reference row with the same other index values, seed by seed."""
     index = spec["index"]
-    by_rest = {_rest(key): key for key, cells in matched.items() if label(_any(cells), index) == ref}
+    by_rest = {_rest(key): key for key, cells in matched.items() if label(present(cells), index) == ref}
     out = []
     for key, cells in matched.items():
         ref_key = by_rest.get(_rest(key))
         if ref_key is None or ref_key == key:
             continue
         refs, n = matched[ref_key], len(cells)
-        shown = _any(cells)
+        shown = present(cells)
         row: dict[str, Any] = {c: format_cell(shown.get(c), f) for c, _, f in spec["columns"] if c in index}
         both = sum(a is not None and b is not None for a, b in zip(cells, refs))
         if both < n:
@@ -146,7 +146,8 @@ def moved_columns(rows: list[dict], spec: dict[str, Any]) -> list[tuple]:
         any(v not in (None, 0) for v in r["stats"].get(c[0], {}).get("values", [])) for r in rows)]
 
 
-def _any(cells: list) -> dict[str, Any]:
+def present(cells: list) -> dict[str, Any]:
+    """The first seed's copy of a matched row (some seed has it)."""
     return next(r for r in cells if r is not None)
 
 

@@ -166,7 +166,7 @@ def _pairing_label(reports: Sequence[dict[str, Any]], title: str, spec: dict[str
     """The first row label of the first table that other rows of that table pair with (a "base model"
     row of another context pairs with none), else the first label."""
     matched = avg.match(reports, title, spec["index"])
-    firsts = [avg.label(next(r for r in cells if r is not None), spec["index"]) for cells in matched.values()]
+    firsts = [avg.label(avg.present(cells), spec["index"]) for cells in matched.values()]
     for candidate in dict.fromkeys(firsts):
         if avg.delta_rows(matched, spec, candidate, confidence):
             return candidate

@@ -61,14 +61,10 @@ def _final(m: dict[str, Any]) -> dict[str, Any]:
     return m["passes"][-1]
 
 
-def _stages(m: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(stage, answers): the method's model as it was left, then after each relearning attack."""
-    return [(_stage(m), _final(m))] + [(f"+ {a} attack", v) for a, v in m["attacks"].items()]
-
-
-def _attack(stage: str) -> str:
-    """The attack a stage is after ("" as left): what replicates pair a method with retrain within."""
-    return stage[2:-len(" attack")] if stage.startswith("+ ") else ""
+def _stages(m: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(attack, stage, answers): the method's model as it was left (attack ""), then after each relearning
+    attack. The attack is what replicates pair a method with retrain within."""
+    return [("", _stage(m), _final(m))] + [(a, f"+ {a} attack", v) for a, v in m["attacks"].items()]
 
 
 MARKERS = {"leads": "x", "prefixes": "+", "near-copies": "^"}  # the plot's mark of each attack
@@ -119,8 +115,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
              ("val", "held-out loss", "{:.3f}"))
     tables = [Table("Forget and retain after unlearning", rows, tuple(cols)),
               Table("After each pass over the forget rows", per_pass, pcols, ("name", "pass"))]
-    attack = [{"name": m["name"], "stage": stage, "attack": _attack(stage), **flat(v, mia)}
-              for m in methods if m["attacks"] for stage, v in _stages(m)]
+    attack = [{"name": m["name"], "stage": stage, "attack": a, **flat(v, mia)}
+              for m in methods if m["attacks"] for a, stage, v in _stages(m)]
     if attack:
         tables.append(Table("Relearning attacks: what comes back", attack, (
             ("name", "method", "{}"), ("stage", "model", "{}"),
@@ -132,13 +128,13 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
             ("exp_retain", "retain exposure", "{:.2f}"), ("val", "held-out loss", "{:.3f}")),
             ("name", "attack")))
     by_count = []
-    stages = [(FINE_TUNED, "", before)] + [(m["name"], stage, v) for m in methods for stage, v in _stages(m)]
-    for name, stage, v in stages:
+    stages = [(FINE_TUNED, "", "", before)] + [(m["name"], a, stage, v) for m in methods
+                                               for a, stage, v in _stages(m)]
+    for name, a, stage, v in stages:
         for n in cfg.counts:
             f = [c for c in v["canaries"]["forget"] if c["count"] == n]
             r = [c for c in v["canaries"]["retain"] if c["count"] == n]
-            by_count.append({"name": name, "stage": stage, "attack": _attack(stage), "copies": n,
-                             "n_forget": len(f),
+            by_count.append({"name": name, "stage": stage, "attack": a, "copies": n, "n_forget": len(f),
                              "exp_forget": _mean([c["exposure"] for c in f]),
                              "ext_forget": _mean([float(c["extracted"]) for c in f]),
                              "exp_retain": _mean([c["exposure"] for c in r])})
@@ -150,7 +146,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     records = [{"name": FINE_TUNED, "sampled": {"forget": before["sampled"]}}] if before.get("sampled") \
         else []
     for m in methods:
-        for stage, v in _stages(m):
+        for _, stage, v in _stages(m):
             if v.get("sampled"):
                 records.append({"name": f"{m['name']} ({stage})", "sampled": {"forget": v["sampled"]}})
     b, c = cfg.base, cfg.canaries
