@@ -92,6 +92,24 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
             for name in ("none", "dedup")}
     assert rows["dedup"] < rows["none"]
     assert (out / "mitigations-tradeoff.png").is_file() and (out / "mitigations-bars.png").is_file()
+    # per-document paired tests of every row against 'none', from the per-document answers in evals.json
+    paired = report["paired_tests"]
+    assert paired["reference"] == "none"
+    assert list(paired["tests"]) == ["base model", "goldfish", "dedup", "dp", "lora"]
+    answers = {n: json.loads((out / "runs" / n / "evals.json").read_text())["values"]["per_document"]
+               for n in ("none", "goldfish")}
+    em = [answers[n]["seen_once_exact_match"] for n in ("goldfish", "none")]
+    test = paired["tests"]["goldfish"]["em_once"]
+    pairs = list(zip(*em))
+    assert (test["a_only"], test["b_only"]) == (sum(a > b for a, b in pairs), sum(a < b for a, b in pairs))
+    nll = paired["tests"]["goldfish"]["nll"]
+    assert nll["diff"] == pytest.approx(sum(answers["goldfish"]["nonmember_nll"]) / nll["n"]
+                                        - sum(answers["none"]["nonmember_nll"]) / nll["n"])
+    assert "auc_ref_ratio" not in paired["tests"]["base model"]  # its reference is itself
+    assert set(paired["tests"]["goldfish"]) >= {"em_once", "rouge_once", "em_dup", "exposure", "nll",
+                                                 "auc_loss"}
+    title = next(t for t in report["tables"] if t.startswith("Paired tests"))
+    assert report["table_specs"][title]["per_seed"] is True and title in md
 
 
 @pytest.mark.parametrize("arms,needle", [

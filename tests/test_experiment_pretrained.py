@@ -58,6 +58,25 @@ def test_experiment_end_to_end(pretrained, tmp_path, cache_dir):
     assert std["passes"][0]["mia"]["ref_ratio"]["auc"] == pytest.approx(0.5)
     assert (out / "report.md").is_file() and (out / "pretrained-mia.png").is_file()
     assert (out / "runs" / "pretrained-standard" / "passes.jsonl").read_text().count("\n") == 3
+    # paired tests against the pretrained standard run, from the last pass's per-document scores in run.json
+    tests = report["paired_tests"]
+    assert list(tests) == ["pretrained-goldfish", "random-init-standard"]
+    per = {n: json.loads((out / "runs" / n / "run.json").read_text())["summary"]["per_document"]
+           for n in ("pretrained-standard", "pretrained-goldfish")}
+    gold_per = per["pretrained-goldfish"]
+    assert len(gold_per["exact_match"]) == len(gold_per["members"]["loss"]) == len(gold_per["rougeL"])
+    em = tests["pretrained-goldfish"]["em"]
+    assert em["reference"] == "pretrained-standard"
+    assert em["rate_a"] == pytest.approx(gold["exact_match_rate"]) and em["rate_b"] == pytest.approx(
+        std["exact_match_rate"])
+    pairs = list(zip(gold_per["exact_match"], per["pretrained-standard"]["exact_match"]))
+    assert (em["a_only"], em["b_only"]) == (sum(a > b for a, b in pairs), sum(a < b for a, b in pairs))
+    rouge = tests["pretrained-goldfish"]["rougeL"]
+    assert rouge["diff"] == pytest.approx(gold["rougeL"] - std["rougeL"])
+    auc = tests["pretrained-goldfish"]["auc_loss"]
+    assert auc["auc_a"] == pytest.approx(gold["passes"][-1]["mia"]["loss"]["auc"])
+    assert "Paired tests: each run − 'pretrained-standard'" in (out / "report.md").read_text()
+    assert all("per_document" not in p for p in gold["passes"])  # kept once, in run.json, not per pass
     # a second invocation reuses every finished run
     assert main(["run", str(cfg), "--out", str(out)]) == 0
     again = json.loads((out / "report.json").read_text())

@@ -41,12 +41,13 @@ def t_quantile(confidence: float, n: int) -> float:
 
 
 def table_specs(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every table's columns and index, in the first report's order (a table only later seeds have, last)."""
+    """Every table's columns and index, in the first report's order (a table only later seeds have, last);
+    tests within one seed (`per_seed`: p-values, not figures to average) are left out."""
     specs: dict[str, dict[str, Any]] = {}
     for rep in reports:
         given = rep.get("table_specs") or {}
         for title, rows in rep.get("tables", {}).items():
-            if title in specs:
+            if title in specs or given.get(title, {}).get("per_seed"):
                 continue
             if title in given:
                 specs[title] = {"columns": [tuple(c) for c in given[title]["columns"]],

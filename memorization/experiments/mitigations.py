@@ -39,6 +39,7 @@ from memorization.experiments.canary_exposure import (
     save_manifest,
     score_injected,
 )
+from memorization.experiments.paired_tests import Question, mia_questions, paired_table, per_document
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import (
     MiaSettings,
@@ -162,15 +163,17 @@ class ArmQuestions:
                     "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
                     "candidates": cfg.canaries.candidates,
                     "other": [cfg.other_held_out, cfg.other_held_out_limit],
-                    "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot]}
+                    "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
+                    "per_document": 1}  # what paired tests read (answers cached without it: asked again)
 
     def __call__(self, model: Any, downstream: bool = True) -> dict[str, Any]:
         """Every answer of `model` (the downstream tasks too when asked and the experiment names some)."""
         b, data = self.cfg.base, self.data
         e = b.eval
         members, dup_docs, schemes = self.members, self.dup_docs, self.schemes
-        seen_once = summarize(extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
-                                      tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode))
+        results = extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
+                          batch_size=e.batch_size, decode=e.decode)
+        seen_once = summarize(results)
         beyond = {name: beyond_summary(sampled_extraction(
                       model, docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=schemes, offsets=[0],
                       ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))
@@ -179,9 +182,12 @@ class ArmQuestions:
         near = {name: split_rows(near_verbatim(model, docs, schemes=schemes, **e.near_args()))[0]
                 for name, docs in (("seen_once", members), ("duplicated", dup_docs))
                 if e.near_verbatim and schemes and docs}
+        answers = self.questions(model, downstream=downstream, per_document=True)
+        answers["per_document"].update(seen_once_exact_match=[float(r.exact_match) for r in results],
+                                       seen_once_rougeL=[r.rougeL for r in results])
         return {"seen_once": {k: seen_once[k] for k in ("docs", "exact_match_rate", "rougeL")},
                 "injected": score_injected(model, self.cfg, data.tokenizer, self.manifest, self.dup_tokens),
-                "sampled": beyond, "near_verbatim": near, **self.questions(model, downstream=downstream)}
+                "sampled": beyond, "near_verbatim": near, **answers}
 
     def baseline(self, exp: Experiment, reference: Any) -> dict[str, Any]:
         """The answers of the base model (`reference`, the weights every run starts from), cached in
@@ -221,11 +227,13 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         return ask(model)
 
     baseline = None
+    answers: dict[str, Any] = {}  # every row's answers, for the per-document paired tests
     if cfg.baseline:  # the model every arm starts from, asked the same questions (cached in OUT/baseline)
         say("base model: its evaluation before fine-tuning")
         values = ask.baseline(exp, reference)
         baseline = baseline_record(values, cfg.counts)
         base_downstream = values.get("downstream")
+        answers[BASELINE_ROW] = _without_ref_ratio(values)
     else:
         base_downstream = questions.downstream(reference)  # what fine-tuning starts from (None: no tasks)
     del reference
@@ -249,18 +257,47 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         if not exp.is_main:
             continue
         arms.append(arm_record(arm, summary, cfg.counts))
+        answers[arm.name] = summary
         samples += extraction_samples(arm.name, exp.run_dir(arm.name), data.tokenizer, min(cfg.samples, 2))
     if not exp.is_main:
         return None
     _relative_cost(arms)
     return _outputs(cfg, arms, len(members), len(nonmembers), len(data.train_docs),
                     len(dedup_data.train_docs) if dedup_data else None, exp.out, samples, base_downstream,
-                    baseline)
+                    baseline, answers)
 
 
 REFERENCE = "none"  # replicates' paired differences: each arm against the unmitigated fine-tune
 BASELINE_ROW = "base model"  # the un-fine-tuned row (arm names are folder names: no spaces, no clash)
 PZ_FLOOR = 1e-3  # "hidden" memorization: a suffix some scheme emits at least once in a thousand draws
+
+
+def _without_ref_ratio(values: dict[str, Any]) -> dict[str, Any]:
+    """The base model's answers without its per-document ref_ratio scores (against itself: 0 for every
+    document), as baseline_record drops its AUC."""
+    per = values.get("per_document")
+    if not per:
+        return values
+    sides = ("members", "nonmembers")
+    per = {k: ({m: v for m, v in side.items() if m != "ref_ratio"} if k in sides else side)
+           for k, side in per.items()}
+    return {**values, "per_document": per}
+
+
+def paired_questions(methods: list[str]) -> list[Question]:
+    """What the paired tests compare between two models of the comparison (docs/mitigations.md)."""
+    def injected(part: str, field: str) -> Any:
+        return lambda a: [float(x[field]) for x in (a.get("injected") or {}).get(part, [])] or None
+
+    return [Question("em_once", "EM leads seen once", "binary", per_document("seen_once_exact_match"),
+                     "{:+.0%}"),
+            Question("rouge_once", "ROUGE-L leads seen once", "number", per_document("seen_once_rougeL")),
+            Question("em_dup", "EM duplicated leads", "binary", injected("duplicates", "exact_match"),
+                     "{:+.0%}"),
+            Question("exposure", "canary exposure (bits)", "number", injected("canaries", "exposure"),
+                     "{:+.2f}"),
+            Question("nll", "held-out NLL per lead", "number", per_document("nonmember_nll")),
+            *mia_questions(methods)]
 
 
 def beyond_summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -377,7 +414,8 @@ def _mean(values: list[float]) -> float | None:
 def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembers: int, n_rows: int,
              n_dedup: int | None, out: Path, samples: list[list[Any]],
              base_downstream: dict[str, Any] | None = None,
-             baseline: dict[str, Any] | None = None) -> Outputs:
+             baseline: dict[str, Any] | None = None,
+             answers: dict[str, Any] | None = None) -> Outputs:
     methods = cfg.mia_methods
     trained, arms = arms, ([baseline] if baseline else []) + arms  # the tables and plots lead with the base
     rows = []
@@ -473,13 +511,21 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                      "(d = 0: the exact copy), from a beam search kept inside that neighbourhood "
                      "(evals/near_verbatim.py); a fraction counts the "
                      "documents whose bound alone passes the (n, p) test.")
+    reference = next((a["name"] for a in trained if a["name"] == REFERENCE), None) or \
+        next((a["name"] for a in trained if a["mitigation"] == "none"), trained[0]["name"] if trained else "")
+    pairs = [(name, reference) for name in (answers or {}) if name != reference]
+    paired, tests, paired_notes = paired_table(answers or {}, pairs, paired_questions(methods),
+                                               resamples=cfg.bootstrap or 1000, seed=b.seed)
+    extra_tables += [paired] if paired else []
+    notes += paired_notes
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=trained,
                    tables=[Table("Arms", rows, tuple(cols)),
                            Table("By copy count", by_count, tuple(ccols), ("arm", "copies")), *extra_tables],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"arms": trained, "baseline": baseline, "passes": cfg.passes,
-                          "base_downstream": base_downstream})
+                          "base_downstream": base_downstream, "paired_tests": {"reference": reference,
+                                                                                "tests": tests}})
 
 
 def _downstream_acc(a: dict[str, Any]) -> tuple[float | None, float | None]:

@@ -27,6 +27,7 @@ from memorization.config import RunConfig
 from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
 from memorization.experiments.catastrophic import ModelSize
 from memorization.experiments.corpus_scan import ScanSettings, scan_training_set
+from memorization.experiments.paired_tests import Question, mia_questions, paired_table, per_document
 from memorization.experiments.questions import (
     MiaSettings,
     PrivacyUtility,
@@ -137,7 +138,10 @@ class Evaluator:
         results = extraction_results(model, self.cfg.base, self.split.prepared, grid=grid)
         stats = summarize(results)
         record = {"exact_match_rate": stats["exact_match_rate"], "rougeL": stats["rougeL"],
-                  "token_accuracy": stats["token_accuracy"], **self.questions(model, grid, downstream)}
+                  "token_accuracy": stats["token_accuracy"],
+                  **self.questions(model, grid, downstream, per_document=True)}
+        record["per_document"].update(exact_match=[float(r.exact_match) for r in results],
+                                      rougeL=[r.rougeL for r in results])
         if self.cfg.scan_corpus:  # the fraction of the training set extractable, beside the per-document EM
             e = self.cfg.base.eval
             record.update(scan_training_set(model, self.split.prepared.train_docs, prefix=e.prefix,
@@ -154,11 +158,13 @@ class PassEvaluation(Callback):
         self.evaluate, self.passes, self.last = evaluate, passes, last
         self.records: list[dict[str, Any]] = []
         self.last_results: list[Any] = []  # the latest pass's extraction results
+        self.last_per_document: dict[str, Any] = {}  # and its per-document scores (the paired tests')
 
     def _score(self, trainer: Trainer, done: int) -> None:
         # the model as it is, on its grid: a collective under a grid, every rank takes part
         record, self.last_results = self.evaluate(trainer.model, trainer.grid,
                                                   downstream=done in (0, self.last))
+        self.last_per_document = record.pop("per_document")  # the last pass's only: run.json, not each pass
         rec = {"pass": done, "step": trainer.state.step, **record}
         self.records.append(rec)
         head = (rec.get("downstream") or {}).get("headline") or {}
@@ -238,6 +244,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     data = split.prepared
     exp.check(run_configs(cfg), data)
     runs, samples = [], []
+    answers: dict[str, Any] = {}  # each run's summary (its last pass's per-document scores: paired tests)
     evaluator, evaluated = None, object()  # one size's questions (and reference) at a time
     for size, loss, pretrained, arm in _arms(cfg):
         rc = run_config(cfg, loss, pretrained, size, arm)
@@ -249,7 +256,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             with start_run(rc, run_dir, data, overwrite=True, grid_spec=exp.grid_spec,
                            progress=rc.trainer.progress, callbacks=[probe]) as run:
                 train(run)  # the last pass is always scored: its extraction is the run's
-                summary = finish(run, scored=probe.last_results, extra={"passes": probe.records})
+                summary = finish(run, scored=probe.last_results,
+                                 extra={"passes": probe.records, "per_document": probe.last_per_document})
             if exp.is_main:
                 with open(run_dir / "passes.jsonl", "w", encoding="utf-8") as fh:
                     fh.writelines(json.dumps(r) + "\n" for r in probe.records)
@@ -270,10 +278,32 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         record["weights"] = ("random init" if not pretrained else "pretrained" if is_pretrained(rc.model.name)
                              else "zoo stand-in (random weights)")
         runs.append(record)
+        answers[rc.name] = summary
         samples += extraction_samples(rc.name, exp.run_dir(rc.name), data.tokenizer, min(cfg.samples, 4))
     if not exp.is_main:
         return None
-    return _outputs(cfg, runs, split, exp.out, samples)
+    return _outputs(cfg, runs, split, exp.out, samples, answers)
+
+
+def paired_pairs(cfg: Config) -> list[tuple[str, str]]:
+    """(run, reference) of the paired tests: every other run of a size against that size's pretrained
+    standard-loss run (the first run of the size when the experiment trains none)."""
+    pairs = []
+    for size in cfg.sizes or [None]:
+        names = [(run_config(cfg, loss, pretrained, s, arm).name,
+                  loss == "standard" and pretrained and arm is None)
+                 for s, loss, pretrained, arm in _arms(cfg) if s is size]
+        ref = next((n for n, standard in names if standard), names[0][0])
+        pairs += [(n, ref) for n, _ in names if n != ref]
+    return pairs
+
+
+def paired_questions(methods: list[str]) -> list[Question]:
+    """What the paired tests compare between two runs after the last pass (docs/experiments.md)."""
+    return [Question("em", "EM", "binary", per_document("exact_match"), "{:+.0%}"),
+            Question("rougeL", "RougeL", "number", per_document("rougeL")),
+            Question("nll", "held-out NLL per document", "number", per_document("nonmember_nll")),
+            *mia_questions(methods)]
 
 
 def _run_record(summary: dict[str, Any], loss: str, pretrained: bool) -> dict[str, Any]:
@@ -293,7 +323,7 @@ def _first_pass(run: dict[str, Any], threshold: float) -> int | None:
 
 
 def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Path,
-             samples: list[list[Any]]) -> Outputs:
+             samples: list[list[Any]], answers: dict[str, Any] | None = None) -> Outputs:
     methods = cfg.mia_methods
     summary_rows, pass_rows = [], []
     for r in runs:
@@ -359,11 +389,17 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
     extra_tables, np_plots = beyond_greedy(runs, out, "pretrained")
     if extra_tables:
         notes.append(NP_NOTE.format(passes=cfg.passes))
+    paired, tests, paired_notes = paired_table(answers or {}, paired_pairs(cfg), paired_questions(methods),
+                                               label="run", resamples=cfg.bootstrap or 1000, seed=b.seed,
+                                               missing="retrain those runs: their scores are taken while "
+                                                       "training, pass by pass")
+    extra_tables += [paired] if paired else []
+    notes += paired_notes
     return Outputs(title="Memorization of a pretrained model, pass by pass", kind=cfg.kind, runs=runs,
                    tables=[Table("Summary", summary_rows, tuple(cols)),
                            Table("Per pass", pass_rows, tuple(pcols), ("run", "pass")), *extra_tables],
                    notes=notes, plots=plots + np_plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
-                   extra={"passes": cfg.passes, "mia_methods": methods})
+                   extra={"passes": cfg.passes, "mia_methods": methods, "paired_tests": tests})
 
 
 def _style(r: dict[str, Any]) -> dict[str, Any]:

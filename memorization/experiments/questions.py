@@ -110,9 +110,11 @@ class PrivacyUtility:
         return {**res, "headline": headline(res)}
 
     def __call__(self, model: torch.nn.Module, grid: ProcessGrid | None = None,
-                 downstream: bool = False) -> dict[str, Any]:
+                 downstream: bool = False, per_document: bool = False) -> dict[str, Any]:
         """{"mia": {method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}}, "val_loss", "other_val_loss"}
-        (+ "downstream" when asked and the experiment names tasks).
+        (+ "downstream" when asked and the experiment names tasks; + "per_document" when asked: {"members":
+        {method: score per member}, "nonmembers": {...}, "nonmember_nll": mean token NLL per non-member},
+        what memorization.experiments.paired_tests compares between two models of one run).
 
         One forward pass over members and non-members gives every MIA score and, from the
         non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1
@@ -137,6 +139,11 @@ class PrivacyUtility:
         out = {"mia": mia, "val_loss": val_loss, "other_val_loss": other}
         if downstream and (tasks := self.downstream(model, grid)) is not None:
             out["downstream"] = tasks
+        if per_document:
+            out["per_document"] = {
+                **{side: {m: [float(v) for v in scores[side][m]] for m in self.s.mia_methods}
+                   for side in self.sets},
+                "nonmember_nll": [float(-v) for v in scores["nonmembers"]["loss"]]}
         return out
 
 

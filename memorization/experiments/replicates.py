@@ -190,7 +190,11 @@ def _notes(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: Path
             "interval). A column whose every difference is 0 is left out.",
             "A seed sets base.seed (the member/non-member split, where copies and canaries land, the canary "
             "secrets, a random-init model, LoRA factors) and base.trainer.seed (data order, DP-SGD's "
-            "batches and noise). The goldfish hash keeps its own fixed table: it is part of the method."]
+            "batches and noise). The goldfish hash keeps its own fixed table: it is part of the method."] + (
+            ["Tests within one seed (per-document paired tests, with p-values) are not averaged: each seed's "
+             "report has its own."]
+            if any(s.get("per_seed") for rep in reports for s in (rep.get("table_specs") or {}).values())
+            else [])
 
 
 def aggregate_folders(dirs: Sequence[str | Path], out: str | Path, *, reference: str = "",

@@ -38,12 +38,15 @@ class Table:
     """A titled table of row dicts rendered with `columns`; `index` names the columns that say which
     row is which (default: the first column), so the same row is found in another seed's table. Its first
     name is the row's label (what replicates' differences are taken between: goldfish vs standard), the
-    others the context they are paired within (the same model size, pass or copy count)."""
+    others the context they are paired within (the same model size, pass or copy count). `per_seed`: the
+    table holds tests within this one run (p-values: memorization.experiments.paired_tests), which replicates
+    over seeds do not average; the averaged report points to each seed's."""
 
     title: str
     rows: list[dict[str, Any]]
     columns: Columns
     index: tuple[str, ...] = ()
+    per_seed: bool = False
 
     def key_columns(self) -> list[str]:
         """The index columns (the first column when none are named)."""
@@ -152,7 +155,9 @@ def write_outputs(out_dir: Path, o: Outputs, exp_cfg: Any, seconds: float) -> di
     report = json_safe({"title": o.title, "kind": o.kind, "name": exp_cfg.name, "seconds": round(seconds, 1),
                      "runs": o.runs, "tables": {t.title: with_values(t.rows) for t in o.tables},
                      "table_specs": {t.title: {"columns": [list(c) for c in t.columns],
-                                               "index": t.key_columns()} for t in o.tables},
+                                               "index": t.key_columns(),
+                                               **({"per_seed": True} if t.per_seed else {})}
+                                     for t in o.tables},
                      "plots": [p.name for p in o.plots], "notes": o.notes, "config": to_dict(exp_cfg),
                      **o.extra})
     report["wandb"] = _log_wandb(out_dir, o, exp_cfg, seconds)

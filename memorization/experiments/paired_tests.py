@@ -1,0 +1,112 @@
+"""Per-document paired tests within one run: each row (arm, run) against its reference row, as a table.
+
+Every model of an experiment answers the same documents (the leads, the injected items, the members and
+non-members), so a difference between two of them can be tested document by document (evals.paired):
+exact McNemar for a yes/no per document, a bootstrap interval and the Wilcoxon signed-rank p for a number
+per document, a paired bootstrap for a membership AUC. The p-values of one table are adjusted together
+(Benjamini-Hochberg) and '*' marks an adjusted p below 0.05. The table is `per_seed`: replicates over
+seeds (memorization.experiments.replicates) average figures, not p-values, and leave it in each seed's
+report.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from evals.paired import adjust, format_test, mcnemar, paired_auc, paired_difference
+from memorization.experiments.reporting import Table
+
+LEVEL = 0.05  # the adjusted p below which a cell is starred
+
+
+@dataclass(frozen=True)
+class Question:
+    """One column: `get(answers)` gives a model's per-document values (for `kind` "binary" or "number": one
+    value per document; for "auc": (member scores, non-member scores)), or None where it has none."""
+
+    key: str
+    title: str
+    kind: str  # binary | number | auc
+    get: Callable[[Mapping[str, Any]], Any]
+    fmt: str = "{:+.3f}"
+
+
+def per_document(key: str, *path: str) -> Callable[[Mapping[str, Any]], Any]:
+    """A getter of answers["per_document"][key][path...] (None where the answers lack it)."""
+    def get(answers: Mapping[str, Any]) -> Any:
+        value: Any = (answers.get("per_document") or {}).get(key)
+        for step in path:
+            value = value.get(step) if isinstance(value, Mapping) else None
+        return value
+    return get
+
+
+def mia_questions(methods: Sequence[str]) -> list[Question]:
+    """One AUC column per MIA method, from answers["per_document"]["members" / "nonmembers"][method]."""
+    def scores(m: str) -> Callable[[Mapping[str, Any]], Any]:
+        def get(answers: Mapping[str, Any]) -> Any:
+            pos, neg = per_document("members", m)(answers), per_document("nonmembers", m)(answers)
+            return None if pos is None or neg is None else (pos, neg)
+        return get
+
+    return [Question(f"auc_{m}", f"MIA AUC {m}", "auc", scores(m)) for m in methods]
+
+
+def _test(q: Question, a: Any, b: Any, resamples: int, seed: int) -> dict[str, Any]:
+    if q.kind == "binary":
+        return mcnemar(a, b)
+    if q.kind == "number":
+        return paired_difference(a, b, resamples=resamples, seed=seed)
+    return paired_auc(a[0], a[1], b[0], b[1], resamples=resamples, seed=seed)
+
+
+def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequence[tuple[str, str]],
+                 questions: Sequence[Question], *, label: str = "arm", resamples: int = 1000, seed: int = 0,
+                 missing: str = "delete OUT/runs/*/evals.json and rerun: scored again, not retrained"
+                 ) -> tuple[Table | None, dict[str, dict[str, Any]], list[str]]:
+    """(the table, {row: {question key: test, with its "reference"}}, notes): each (row, reference) of
+    `pairs` (names of `answers`, each model's answers) tested on every question both answer, in that order.
+
+    No table (None) when no pair has per-document answers on both sides (answers kept before they were
+    stored): the note says so and how to get them (`missing`)."""
+    tests: dict[str, dict[str, Any]] = {}
+    against: dict[str, str] = {}
+    for name, ref in pairs:
+        ans, base = answers.get(name), answers.get(ref)
+        if not ans or not base:
+            continue
+        row = {}
+        for q in questions:
+            a, b = q.get(ans), q.get(base)
+            if a is not None and b is not None:
+                row[q.key] = _test(q, a, b, resamples, seed)
+        if row:
+            tests[name], against[name] = row, ref
+    if not tests:
+        return None, {}, ([f"No per-document paired tests: the answers hold no per-document scores (kept "
+                           f"before they were stored; {missing})."] if pairs else [])
+    flat = [(name, key) for name, row in tests.items() for key in row]
+    for (name, key), p in zip(flat, adjust([tests[n][k]["p_value"] for n, k in flat])):
+        tests[name][key]["p_adjusted"] = p
+    fmts = {q.key: q.fmt for q in questions}
+    refs = sorted(set(against.values()))
+    many = len(refs) > 1
+    rows = [{label: name, **({"reference": against[name]} if many else {}),
+             **{k: format_test(t, fmts[k], t["p_adjusted"], LEVEL) for k, t in row.items()}}
+            for name, row in tests.items()]
+    asked = [q for q in questions if any(q.key in row for row in tests.values())]
+    cols = ((label, label, "{}"), *((("reference", "minus", "{}"),) if many else ()),
+            *((q.key, q.title, "{}") for q in asked))
+    title = (f"Paired tests: each {label} − its reference, document by document (this run)" if many else
+             f"Paired tests: each {label} − '{refs[0]}', document by document (this run)")
+    notes = [f"{title}: exact match by the exact McNemar test (in brackets: the documents only the row gets "
+             "right vs only the reference does); numbers per document by the mean difference, its "
+             f"{resamples}-resample bootstrap 95% interval and the Wilcoxon signed-rank p; MIA AUCs by a "
+             "paired bootstrap of members and non-members (p from z = difference / bootstrap sd). "
+             f"'*': Benjamini-Hochberg adjusted p < {LEVEL} over the table's {len(flat)} tests. These say "
+             "how sure this run is about these documents; seeds (replicate.seeds) add the draw's spread."]
+    for name, row in tests.items():
+        for t in row.values():
+            t["reference"] = against[name]
+    return Table(title, rows, cols, (label,), per_seed=True), tests, notes
