@@ -93,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--confidence", type=float, default=0.95, help="level of every interval (default 0.95)")
     a.add_argument("--overwrite", action="store_true", help="replace an averaged report already in --out")
 
+    m = sub.add_parser("compare", help="per-document paired tests: does RUN memorize less than REF on the "
+                       "same documents? (exact McNemar, bootstrap, paired AUC)")
+    m.add_argument("reference", metavar="REF", help="the reference folder (a run, an experiment's "
+                   "OUT/runs/NAME, or a memorize eval --out folder), e.g. runs/demo/standard")
+    m.add_argument("runs", nargs="+", metavar="RUN",
+                   help="folders tested against REF, e.g. runs/demo/goldfish")
+    m.add_argument("--out", default=None,
+                   help="also write report.json and report.md here (default: print only)")
+    m.add_argument("--overwrite", action="store_true", help="replace a comparison already in --out")
+    m.add_argument("--n", type=int, default=1000,
+                   help="draws of the (n, p)-extractability test (default 1000)")
+    m.add_argument("--p", type=float, default=0.5, help="its probability (default 0.5)")
+    m.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the resamples (default 0)")
+
     x = sub.add_parser("export", help="consolidate a checkpoint into a Hugging Face model folder")
     x.add_argument("checkpoint", help="a checkpoint folder, e.g. OUT/checkpoints/step-00000100")
     x.add_argument("out", help="where to write the save_pretrained folder")
@@ -380,6 +395,13 @@ def cmd_aggregate(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    """Per-document paired tests of result folders against a reference (memorization.compare)."""
+    from memorization.compare import cmd_compare as run  # deferred: scipy and numpy only for this command
+
+    return run(args)
+
+
 def cmd_coverage(args) -> int:
     """Goldfish mask coverage of a corpus' duplicate clusters, without training."""
     from memorization.mitigations.coverage import cmd_coverage as run  # deferred: see the module docstring
@@ -403,7 +425,7 @@ def cmd_tasks(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "train": cmd_train, "eval": cmd_eval, "run": cmd_run,
-            "aggregate": cmd_aggregate, "export": cmd_export,
+            "aggregate": cmd_aggregate, "compare": cmd_compare, "export": cmd_export,
             "tasks": cmd_tasks, "scan": cmd_scan, "coverage": cmd_coverage}
 
 

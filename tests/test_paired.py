@@ -1,5 +1,5 @@
 """Paired tests of two models on the same documents (evals.paired) and the report table built from them
-(memorization.experiments.paired_tests), against hand computations."""
+(memorization.paired), against hand computations."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import pytest
 from evals.mia import roc_metrics
 from evals.paired import adjust, format_test, mcnemar, paired_auc, paired_difference
 from memorization.experiments.averaging import table_specs
-from memorization.experiments.paired_tests import Question, paired_table, per_document
+from memorization.paired import Question, paired_table, per_document
 from memorize_core import ConfigError
 
 
@@ -101,14 +101,14 @@ def test_paired_table_tests_every_row_against_the_reference_and_adjusts_across_t
     answers = {"none": ref, "goldfish": strong, "other": weak, "stale": old}
     table, tests, notes = paired_table(answers, [(n, "none") for n in answers if n != "none"], questions,
                                        resamples=200)
-    assert [r["arm"] for r in table.rows] == ["goldfish", "other"] and table.per_seed
+    assert [r["arm"] for r in table["rows"]] == ["goldfish", "other"] and table["index"] == ("arm",)
     assert tests["goldfish"]["em"]["b_only"] == 12 and tests["goldfish"]["em"]["p_value"] == pytest.approx(
         2 / 2 ** 12)
     assert tests["other"]["nll"]["p_value"] == 1.0 and tests["other"]["em"]["p_value"] == 1.0
     ps = [tests[n][k]["p_value"] for n in ("goldfish", "other") for k in ("em", "nll")]
     assert [tests[n][k]["p_adjusted"] for n in ("goldfish", "other") for k in ("em", "nll")] == \
         pytest.approx(adjust(ps))
-    assert table.rows[0]["em"].endswith("*") and not table.rows[1]["em"].endswith("*")
+    assert table["rows"][0]["em"].endswith("*") and not table["rows"][1]["em"].endswith("*")
     assert "Benjamini-Hochberg" in notes[0]
     # a reference without per-document answers: no table, and a note that says how to get one
     none_table, _, why = paired_table({"none": old, "goldfish": strong}, [("goldfish", "none")], questions,
@@ -117,8 +117,8 @@ def test_paired_table_tests_every_row_against_the_reference_and_adjusts_across_t
     # rows against their own references (one per model size): a column says which
     two, tests, _ = paired_table({"a": ref, "b": strong, "c": ref, "d": weak}, [("b", "a"), ("d", "c")],
                                  questions, label="run", resamples=50)
-    assert [(r["run"], r["reference"]) for r in two.rows] == [("b", "a"), ("d", "c")]
-    assert tests["d"]["em"]["reference"] == "c" and "its reference" in two.title
+    assert [(r["run"], r["reference"]) for r in two["rows"]] == [("b", "a"), ("d", "c")]
+    assert tests["d"]["em"]["reference"] == "c" and "its reference" in two["title"]
 
 
 def test_replicates_leave_per_seed_tables_out():

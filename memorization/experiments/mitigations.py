@@ -39,7 +39,6 @@ from memorization.experiments.canary_exposure import (
     save_manifest,
     score_injected,
 )
-from memorization.experiments.paired_tests import Question, mia_questions, paired_table, per_document
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import (
     MiaSettings,
@@ -56,6 +55,7 @@ from memorization.experiments.runner import Experiment, PeakRSS, digest, load_do
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
+from memorization.paired import Question, mia_questions, paired_table, per_document
 from memorization.train.pipeline import run_training
 from memorization.train.prepare import PreparedData, prepare_deduplicated
 from memorization.train.run_plan import run_schemes
@@ -516,7 +516,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     pairs = [(name, reference) for name in (answers or {}) if name != reference]
     paired, tests, paired_notes = paired_table(answers or {}, pairs, paired_questions(methods),
                                                resamples=cfg.bootstrap or 1000, seed=b.seed)
-    extra_tables += [paired] if paired else []
+    extra_tables += [Table(**paired, per_seed=True)] if paired else []
     notes += paired_notes
     return Outputs(title="Which mitigation? Privacy, utility and cost on one fine-tune", kind=cfg.kind,
                    runs=trained,

@@ -27,7 +27,6 @@ from memorization.config import RunConfig
 from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
 from memorization.experiments.catastrophic import ModelSize
 from memorization.experiments.corpus_scan import ScanSettings, scan_training_set
-from memorization.experiments.paired_tests import Question, mia_questions, paired_table, per_document
 from memorization.experiments.questions import (
     MiaSettings,
     PrivacyUtility,
@@ -51,6 +50,7 @@ from memorization.experiments.spec import (
 )
 from memorization.models import is_pretrained, zoo_names
 from memorization.outputs import check_name
+from memorization.paired import Question, mia_questions, paired_table, per_document
 from memorization.train.evaluation import extraction_results
 from memorization.train.pipeline import finish, start_run, train
 from memorize_core import fail
@@ -393,7 +393,7 @@ def _outputs(cfg: Config, runs: list[dict[str, Any]], split: SplitData, out: Pat
                                                label="run", resamples=cfg.bootstrap or 1000, seed=b.seed,
                                                missing="retrain those runs: their scores are taken while "
                                                        "training, pass by pass")
-    extra_tables += [paired] if paired else []
+    extra_tables += [Table(**paired, per_seed=True)] if paired else []
     notes += paired_notes
     return Outputs(title="Memorization of a pretrained model, pass by pass", kind=cfg.kind, runs=runs,
                    tables=[Table("Summary", summary_rows, tuple(cols)),

@@ -114,7 +114,7 @@ class PrivacyUtility:
         """{"mia": {method: {auc, tpr_at_1fpr, auc_ci, tpr_at_1fpr_ci}}, "val_loss", "other_val_loss"}
         (+ "downstream" when asked and the experiment names tasks; + "per_document" when asked: {"members":
         {method: score per member}, "nonmembers": {...}, "nonmember_nll": mean token NLL per non-member},
-        what memorization.experiments.paired_tests compares between two models of one run).
+        what memorization.paired compares between two models of one run).
 
         One forward pass over members and non-members gives every MIA score and, from the
         non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1

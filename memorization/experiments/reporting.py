@@ -39,7 +39,7 @@ class Table:
     row is which (default: the first column), so the same row is found in another seed's table. Its first
     name is the row's label (what replicates' differences are taken between: goldfish vs standard), the
     others the context they are paired within (the same model size, pass or copy count). `per_seed`: the
-    table holds tests within this one run (p-values: memorization.experiments.paired_tests), which replicates
+    table holds tests within this one run (p-values: memorization.paired), which replicates
     over seeds do not average; the averaged report points to each seed's."""
 
     title: str

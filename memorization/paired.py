@@ -1,12 +1,12 @@
-"""Per-document paired tests within one run: each row (arm, run) against its reference row, as a table.
+"""Per-document paired tests of models that answered the same documents: each row against its reference.
 
 Every model of an experiment answers the same documents (the leads, the injected items, the members and
 non-members), so a difference between two of them can be tested document by document (evals.paired):
 exact McNemar for a yes/no per document, a bootstrap interval and the Wilcoxon signed-rank p for a number
 per document, a paired bootstrap for a membership AUC. The p-values of one table are adjusted together
-(Benjamini-Hochberg) and '*' marks an adjusted p below 0.05. The table is `per_seed`: replicates over
-seeds (memorization.experiments.replicates) average figures, not p-values, and leave it in each seed's
-report.
+(Benjamini-Hochberg) and '*' marks an adjusted p below 0.05. The experiments (mitigations,
+pretrained-memorization) report it as a table of one run, which replicates over seeds leave in each seed's
+report (they average figures, not p-values); `memorize compare` asks it of any runs' result files.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from evals.paired import adjust, format_test, mcnemar, paired_auc, paired_difference
-from memorization.experiments.reporting import Table
 
 LEVEL = 0.05  # the adjusted p below which a cell is starred
 
@@ -64,8 +63,9 @@ def _test(q: Question, a: Any, b: Any, resamples: int, seed: int) -> dict[str, A
 def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequence[tuple[str, str]],
                  questions: Sequence[Question], *, label: str = "arm", resamples: int = 1000, seed: int = 0,
                  missing: str = "delete OUT/runs/*/evals.json and rerun: scored again, not retrained"
-                 ) -> tuple[Table | None, dict[str, dict[str, Any]], list[str]]:
-    """(the table, {row: {question key: test, with its "reference"}}, notes): each (row, reference) of
+                 ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]], list[str]]:
+    """(the table: {title, rows, columns, index}; {row: {question key: test, with its "reference"}};
+    notes): each (row, reference) of
     `pairs` (names of `answers`, each model's answers) tested on every question both answer, in that order.
 
     No table (None) when no pair has per-document answers on both sides (answers kept before they were
@@ -98,15 +98,16 @@ def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequenc
     asked = [q for q in questions if any(q.key in row for row in tests.values())]
     cols = ((label, label, "{}"), *((("reference", "minus", "{}"),) if many else ()),
             *((q.key, q.title, "{}") for q in asked))
-    title = (f"Paired tests: each {label} − its reference, document by document (this run)" if many else
-             f"Paired tests: each {label} − '{refs[0]}', document by document (this run)")
+    title = (f"Paired tests: each {label} − its reference, document by document" if many else
+             f"Paired tests: each {label} − '{refs[0]}', document by document")
     notes = [f"{title}: exact match by the exact McNemar test (in brackets: the documents only the row gets "
              "right vs only the reference does); numbers per document by the mean difference, its "
              f"{resamples}-resample bootstrap 95% interval and the Wilcoxon signed-rank p; MIA AUCs by a "
              "paired bootstrap of members and non-members (p from z = difference / bootstrap sd). "
-             f"'*': Benjamini-Hochberg adjusted p < {LEVEL} over the table's {len(flat)} tests. These say "
-             "how sure this run is about these documents; seeds (replicate.seeds) add the draw's spread."]
+             f"'*': Benjamini-Hochberg adjusted p < {LEVEL} over the table's {len(flat)} tests. They hold "
+             "the trained models fixed (do these models differ on these documents?); another draw of the "
+             "corpus and data order adds its own spread (seeds: replicate.seeds)."]
     for name, row in tests.items():
         for t in row.values():
             t["reference"] = against[name]
-    return Table(title, rows, cols, (label,), per_seed=True), tests, notes
+    return {"title": title, "rows": rows, "columns": cols, "index": (label,)}, tests, notes

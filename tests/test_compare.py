@@ -1,0 +1,125 @@
+"""`memorize compare`: per-document paired tests of result folders, on hand-made folders (exact counts) and
+on two real tiny runs (the files `memorize train` writes)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memorization.cli import main
+from memorization.compare import compare_folders
+
+
+def _folder(path, em, rouge, mia=None, logpz=None, targets=None):
+    path.mkdir(parents=True)
+    with open(path / "extraction.jsonl", "w") as fh:
+        for i, (e, r) in enumerate(zip(em, rouge)):
+            target = (targets or {}).get(i, [3, 4])
+            fh.write(json.dumps({"doc": f"d{i}", "prefix_ids": [1, 2], "target_ids": target,
+                                 "generated_ids": [3, 4] if e else [5, 6], "exact_match": bool(e),
+                                 "token_accuracy": 1.0 if e else 0.0, "lcp": 2 if e else 0,
+                                 "rougeL": r}) + "\n")
+    if mia is not None:
+        members, nonmembers = mia
+        with open(path / "mia.jsonl", "w") as fh:
+            for member, scores in ((True, members), (False, nonmembers)):
+                for i, s in enumerate(scores):
+                    row = {"id": f"{'m' if member else 'n'}{i}", "member": member, "loss": s}
+                    fh.write(json.dumps(row) + "\n")
+    if logpz is not None:
+        with open(path / "sampled.jsonl", "w") as fh:
+            for i, v in enumerate(logpz):
+                fh.write(json.dumps({"offset": 0, "doc": f"d{i}", "logpz": {"t=1.0": v}}) + "\n")
+    return path
+
+
+def test_compare_counts_discordant_documents_and_tests_every_part(tmp_path, capsys):
+    ref = _folder(tmp_path / "standard", [1] * 10 + [0] * 2, [1.0] * 10 + [0.2] * 2,
+                  mia=([2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 1.5, 2.5]), logpz=[0.0] * 8 + [-50.0] * 4)
+    run = _folder(tmp_path / "goldfish", [0] * 9 + [1] * 3, [0.5] * 9 + [1.0] * 3,
+                  mia=([1.0, 2.0, 0.5, 1.2], [0.0, 1.0, 1.5, 2.5]), logpz=[-50.0] * 8 + [None] * 4)
+    report = compare_folders(str(ref), [str(run)], bootstrap=200, out=str(tmp_path / "cmp"))
+    t = report["tests"]["goldfish"]
+    # documents 0-8: only the reference; 10, 11: only goldfish; 9: both
+    assert (t["em"]["a_only"], t["em"]["b_only"]) == (2, 9) and t["em"]["rate_b"] == pytest.approx(10 / 12)
+    assert t["rougeL"]["diff"] == pytest.approx((0.5 * 9 + 3.0) / 12 - (10 + 0.4) / 12)
+    # (1000, 0.5)-extractable: log p_z 0 is, -50 and p_z = 0 are not: 8 documents lost, none gained
+    np_test = t["np@0:t=1.0"]
+    assert (np_test["a_only"], np_test["b_only"]) == (0, 8)
+    assert np_test["p_value"] == pytest.approx(2 / 2 ** 8)
+    # the reference ranks 15 of the 16 member/non-member pairs right (2.0 < 2.5); goldfish 7 and a tie
+    # (1.0 vs 1.0: half): 1.5 + 3 + 1 + 2 of 16
+    assert t["mia:loss"]["auc_b"] == pytest.approx(15 / 16)
+    assert t["mia:loss"]["auc_a"] == pytest.approx(7.5 / 16)
+    assert report["counts"] == {"documents": 12, "windows": 12, "members": 4, "nonmembers": 4}
+    printed = capsys.readouterr().out
+    assert "Paired tests: each run − 'standard'" in printed and "(2 vs 9)" in printed
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert "(1000, 0.5)-extractable t=1.0" in md and "MIA AUC loss" in md
+    written = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert written["tests"]["goldfish"]["em"]["b_only"] == 9
+    # the comparison is never silently replaced
+    assert main(["compare", str(ref), str(run), "--out", str(tmp_path / "cmp")]) == 2
+    assert "already holds report.json, report.md" in capsys.readouterr().err
+    assert main(["compare", str(ref), str(run), "--out", str(tmp_path / "cmp"), "--overwrite",
+                 "--bootstrap", "50"]) == 0
+    assert json.loads((tmp_path / "cmp" / "report.json").read_text())["bootstrap"] == 50
+
+
+def test_only_documents_every_folder_scored_are_paired(tmp_path):
+    ref = _folder(tmp_path / "a", [1, 1, 1, 0], [1.0, 1.0, 1.0, 0.0])
+    run = _folder(tmp_path / "b", [0, 0, 1], [0.0, 0.0, 1.0])  # no d3
+    report = compare_folders(str(ref), [str(run)], bootstrap=20)
+    assert report["counts"]["documents"] == 3 and report["tests"]["b"]["em"]["b_only"] == 2
+    assert set(report["tests"]["b"]) == {"em", "rougeL", "token_accuracy"}  # no MIA or sampled files
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("targets", "scored document 'd1' with another prefix or suffix"),
+    ("empty", "holds none of extraction.jsonl"),
+    ("same", "names one folder twice"),
+    ("out", "is one of the compared folders"),
+    ("disjoint", "share no scored document"),
+])
+def test_bad_folders_are_refused_with_one_line_and_nothing_written(tmp_path, capsys, case, needle):
+    ref = _folder(tmp_path / "a", [1, 0], [1.0, 0.0])
+    other = {"targets": lambda: _folder(tmp_path / "b", [1, 0], [1.0, 0.0], targets={1: [9, 9]}),
+             "empty": lambda: (tmp_path / "b").mkdir() or tmp_path / "b",
+             "same": lambda: ref, "out": lambda: _folder(tmp_path / "b", [1, 0], [1.0, 0.0]),
+             "disjoint": lambda: _folder(tmp_path / "b", [], [])}[case]()
+    out = ref if case == "out" else tmp_path / "cmp"
+    before = sorted(p.name for p in ref.iterdir())
+    assert main(["compare", str(ref), str(other), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+    assert sorted(p.name for p in ref.iterdir()) == before and not (tmp_path / "cmp").exists()
+
+
+RUN = """
+name: {name}
+seed: 0
+data: {{corpus: wiki-leads, limit: 16, vocab_size: 300, block_len: 40, min_tokens: 40, held_out_fraction: 0.5,
+        held_out: ""}}
+model:
+  name: tiny
+  overrides: {{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4}}
+goldfish: {{enabled: {goldfish}, k: 2}}
+trainer: {{batch_size: 4, epochs: 6, lr: 1.0e-2, warmup_steps: 1, progress: false}}
+eval: {{prefix: 16, suffix: 16, batch_size: 8, mia: true, bootstrap: 20, sampling: "t=1.0"}}
+wandb: {{mode: disabled}}
+"""
+
+
+def test_compare_reads_what_memorize_train_writes(tmp_path, cache_dir):
+    for name, goldfish in (("standard", "false"), ("goldfish", "true")):
+        (tmp_path / f"{name}.yaml").write_text(RUN.format(name=name, goldfish=goldfish))
+        assert main(["train", str(tmp_path / f"{name}.yaml"), "--out", str(tmp_path / name)]) == 0
+    report = compare_folders(str(tmp_path / "standard"), [str(tmp_path / "goldfish")], bootstrap=50)
+    tests = report["tests"]["goldfish"]
+    assert {"em", "rougeL", "np@0:t=1.0", "mia:loss"} <= set(tests)
+    rows = [json.loads(x) for x in (tmp_path / "goldfish" / "extraction.jsonl").read_text().splitlines()]
+    assert tests["em"]["n"] == len(rows) == report["counts"]["documents"]
+    assert tests["em"]["rate_a"] == pytest.approx(sum(r["exact_match"] for r in rows) / len(rows))
+    summary = json.loads((tmp_path / "goldfish" / "run.json").read_text())["summary"]
+    assert tests["mia:loss"]["auc_a"] == pytest.approx(summary["mia"]["methods"]["loss"]["auc"])
+    assert "np@0:greedy" not in tests  # greedy's p_z is the exact match already tested
