@@ -143,7 +143,7 @@ def format_test(test: dict[str, Any] | None, fmt: str = "{:+.3f}", adjusted: flo
         return ""
     p = test["p_value"]
     star = "*" if (adjusted if adjusted is not None else p) < level else ""
-    p_text = f"p={p:.2g}" if p >= 1e-4 else "p<1e-4"
+    p_text = f"p={p:.2g}"
     if "a_only" in test:
         return f"{fmt.format(test['diff'])} ({test['a_only']} vs {test['b_only']}) {p_text}{star}"
     lo, hi = test["ci"]

@@ -1,7 +1,9 @@
 """`memorize compare REF RUN [RUN ...]`: does RUN memorize less (or more) than REF, document by document?
 
 Any folders that hold per-document result files can be compared: a `memorize train` or `memorize demo`
-run, a `memorize eval --out` folder, an experiment's sub-run (OUT/runs/NAME). From each it reads
+run, a `memorize eval --out` folder, an experiment's sub-run that scored itself in place
+(pretrained-memorization's OUT/runs/NAME; mitigations' arms keep their answers in evals.json and test
+them in their own report). From each it reads
   extraction.jsonl  the greedy suffix of every document: exact match, RougeL, token accuracy
   sampled.jsonl     log p_z per sampling scheme of every (offset, document): (n, p)-extractable or not
                     (greedy's row is the exact match already tested)
