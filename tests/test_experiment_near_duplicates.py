@@ -58,6 +58,17 @@ def test_smallest_grid_end_to_end(tmp_path):
     assert (tmp_path / "goldfish-near-duplicates.png").stat().st_size > 0
     assert "copies supervise" in (tmp_path / "report.md").read_text()
     assert "within 2 changed, best scheme" in (tmp_path / "report.md").read_text()
+    # goldfish's cells against standard loss on the same corpus, original by original
+    tests = json.loads((tmp_path / "report.json").read_text())["paired_tests"]
+    assert list(tests) == ["apertus-x1-r0", "apertus-x3-r0", "apertus-x3-r0.2"]
+    em = tests["apertus-x3-r0.2"]["em"]
+    evals = {n: json.loads((tmp_path / "runs" / n / "evals.json").read_text())["values"]["extraction"]
+             for n in ("apertus-x3-r0.2", "none-x3-r0.2")}
+    pairs = [(a["exact_match"], b["exact_match"])
+             for a, b in zip(evals["apertus-x3-r0.2"], evals["none-x3-r0.2"])]
+    assert em["reference"] == "none-x3-r0.2" and em["n"] == 2
+    assert (em["a_only"], em["b_only"]) == (sum(a > b for a, b in pairs), sum(a < b for a, b in pairs))
+    assert "Paired tests: each cell − its reference" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow

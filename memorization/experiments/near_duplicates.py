@@ -30,6 +30,7 @@ from memorization.experiments.spec import ExperimentConfig, choice_list, int_lis
 from memorization.mitigations.coverage import Cluster, audit, clusters_from_manifest
 from memorization.mitigations.goldfish import STRATEGIES
 from memorization.models import is_pretrained, run_tokenizer
+from memorization.paired import Question, paired_table, per_document
 from memorization.train.prepare import PreparedData, prepare_deduplicated, prepare_documents
 from memorization.train.run_plan import run_schemes
 from memorize_core import fail
@@ -180,6 +181,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     eval_key = {"prefix": b.eval.prefix, "suffix": b.eval.suffix, "held_out_loss": True,
                 "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p], **b.eval.near_key()}
     rows, base = [], None  # the cells; the base model's row
+    answers: dict[str, Any] = {}  # each cell's per-original extraction, for the paired tests
     pretrained = is_pretrained(b.model.name) and not b.model.random_init
     if cfg.baseline and pretrained:
         key = {"model": b.model.name, "overrides": b.model.overrides, "originals": digest(originals),
@@ -202,6 +204,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                               eval_key=eval_key)
             if not exp.is_main:
                 continue
+            answers[rc.name] = {"per_document": {
+                "em": [float(x["exact_match"]) for x in summary["extraction"]],
+                "rougeL": [float(x["rougeL"]) for x in summary["extraction"]]}}
             g = goldfish_of(strategy) or "none"
             cov = audit(clusters, [g], gold.k, gold.h, prefix=b.eval.prefix, suffix=b.eval.suffix,
                         seed=rc.goldfish.seed)["strategies"][g]
@@ -258,9 +263,26 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         notes.append(f"Within {b.eval.near_verbatim} {word}: the share of originals whose lower bound of "
                      f"P(a sample lies within {b.eval.near_verbatim} {phrase} of the suffix) passes the same "
                      "(n, p) test, under the scheme where it is largest (evals/near_verbatim.py).")
+    paired, tests, paired_notes = paired_table(answers, paired_pairs(cfg), PAIRED_QUESTIONS, label="cell",
+                                               resamples=1000, seed=b.seed)
+    notes += paired_notes
     return Outputs(title=title, kind=cfg.kind, runs=grid, notes=notes, plots=[plot],
-                   tables=[Table("Cells", table, columns, ("strategy", "copies", "edit_rate"))],
-                   extra={"baseline": base})
+                   tables=[Table("Cells", table, columns, ("strategy", "copies", "edit_rate")),
+                           *([Table(**paired, per_seed=True)] if paired else [])],
+                   extra={"baseline": base, "paired_tests": tests})
+
+
+PAIRED_QUESTIONS = [Question("em", "EM of the originals", "binary", per_document("em"), "{:+.0%}"),
+                    Question("rougeL", "RougeL", "number", per_document("rougeL"))]
+
+
+def paired_pairs(cfg: Config) -> list[tuple[str, str]]:
+    """(cell, reference) of the paired tests: every strategy's cell against standard loss (none) on the same
+    corpus (copies, edit rate); none when the grid trains no `none` cell."""
+    if REFERENCE not in cfg.strategies:
+        return []
+    return [(cell_config(cfg, s, n, r).name, cell_config(cfg, REFERENCE, n, r).name)
+            for n, r in cells(cfg) for s in cfg.strategies if s != REFERENCE]
 
 
 def _expand(rows: list[dict[str, Any]], cfg: Config) -> list[dict[str, Any]]:
