@@ -5,7 +5,8 @@ tell a real change from the noise of which documents happened to be drawn:
   mcnemar            a yes/no per document (exact match): the exact McNemar test, the two-sided binomial
                      test of the discordant documents (one model right, the other wrong) against 1/2
   paired_difference  a number per document (ROUGE-L, loss): the mean of the per-document differences, its
-                     percentile bootstrap interval (documents resampled) and the Wilcoxon signed-rank p
+                     percentile bootstrap interval (documents resampled) and the p of a sign-flip
+                     permutation test of that mean (exact up to 13 documents, else 9,999 random flips)
   paired_auc         a membership-inference AUC on the same members and non-members: the difference of the
                      two AUCs, its paired stratified bootstrap interval (one resample of members and one of
                      non-members scores both models) and p from the bootstrap z = diff / sd
@@ -25,6 +26,12 @@ from evals.mia import roc_metrics, roc_on_resamples
 from memorize_core import fail
 
 __all__ = ["adjust", "format_test", "mcnemar", "paired_auc", "paired_difference"]
+
+PERMUTATIONS = 9_999  # random sign flips of paired_difference's test above 13 documents (2^13 = 8,192 exact)
+
+
+def _mean(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    return x.mean(axis=axis)
 
 
 def _pair(a: Any, b: Any, names: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
@@ -73,10 +80,13 @@ def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int = 1000, seed: int = 0,
                       confidence: float = 0.95) -> dict[str, Any]:
     """Mean of a - b over documents (same order) with its percentile bootstrap interval and the two-sided
-    Wilcoxon signed-rank p (documents with a difference of 0 dropped; p = 1.0 when every difference is 0).
+    p of the paired sign-flip permutation test of that mean (scipy.stats.permutation_test: under "no
+    difference" each document's difference is as likely negated; every flip when there are at most
+    PERMUTATIONS of them, else PERMUTATIONS random ones, seeded). The interval and the p are about the
+    same statistic, the mean; a difference of 0 flips to itself (p = 1.0 when every difference is 0).
 
     {"n", "mean_a", "mean_b", "diff", "ci": [lo, hi], "p_value"}."""
-    from scipy.stats import wilcoxon  # deferred: scipy.stats, as in mcnemar
+    from scipy.stats import permutation_test  # deferred: scipy.stats, as in mcnemar
 
     x, y = _pair(a, b, ("a", "b"))
     _check_resampling(resamples, seed, confidence)
@@ -87,7 +97,10 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int 
                             for s in range(0, resamples, chunk)])
     tail = 100 * (1 - confidence) / 2
     lo, hi = (float(v) for v in np.percentile(means, [tail, 100 - tail]))
-    p = float(wilcoxon(d, zero_method="wilcox").pvalue) if np.any(d != 0) else 1.0
+    p = 1.0
+    if np.any(d != 0):
+        p = float(permutation_test((d,), _mean, permutation_type="samples", vectorized=True,
+                                   n_resamples=PERMUTATIONS, rng=np.random.default_rng(seed)).pvalue)
     return {"n": int(d.size), "mean_a": float(x.mean()), "mean_b": float(y.mean()), "diff": float(d.mean()),
             "ci": [lo, hi], "p_value": p}
 
@@ -99,8 +112,9 @@ def paired_auc(members_a: Sequence[float], nonmembers_a: Sequence[float], member
 
     Each resample draws members and non-members with replacement (each class keeps its size) and scores
     both models on that one draw, so the interval is of the difference on shared documents. p: two-sided,
-    from z = diff / sd of the resampled differences (normal), as pROC's bootstrap test; 1.0 when the
-    resampled differences do not vary (the two models rank every pair alike).
+    from z = diff / sd of the resampled differences (normal), as pROC's bootstrap test; where the resampled
+    differences do not vary, 1.0 if the difference is 0 (the models rank every pair alike) and 0.0 if not
+    (every resample shows the same difference, e.g. a perfect attack against a constant score).
 
     {"members", "nonmembers", "auc_a", "auc_b", "diff", "ci": [lo, hi], "p_value"}."""
     pos_a, pos_b = _pair(members_a, members_b, ("members_a", "members_b"))
@@ -120,7 +134,7 @@ def paired_auc(members_a: Sequence[float], nonmembers_a: Sequence[float], member
     lo, hi = (float(v) for v in np.percentile(delta, [tail, 100 - tail]))
     diff = auc_a - auc_b
     sd = float(delta.std(ddof=1)) if delta.size > 1 else 0.0
-    p = math.erfc(abs(diff) / sd / math.sqrt(2)) if sd > 0 else 1.0  # 2 * (1 - Phi(|z|))
+    p = math.erfc(abs(diff) / sd / math.sqrt(2)) if sd > 0 else float(diff == 0)  # 2 * (1 - Phi(|z|))
     return {"members": int(pos_a.size), "nonmembers": int(neg_a.size), "auc_a": auc_a, "auc_b": auc_b,
             "diff": diff, "ci": [lo, hi], "p_value": float(p)}
 

@@ -2,7 +2,7 @@
 
 Every model of an experiment answers the same documents (the leads, the injected items, the members and
 non-members), so a difference between two of them can be tested document by document (evals.paired):
-exact McNemar for a yes/no per document, a bootstrap interval and the Wilcoxon signed-rank p for a number
+exact McNemar for a yes/no per document, a bootstrap interval and a sign-flip permutation p for a number
 per document, a paired bootstrap for a membership AUC. The p-values of one table are adjusted together
 (Benjamini-Hochberg) and '*' marks an adjusted p below 0.05. The experiments (mitigations,
 pretrained-memorization) report it as a table of one run, which replicates over seeds leave in each seed's
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evals.paired import adjust, format_test, mcnemar, paired_auc, paired_difference
+from memorize_core import ConfigError
 
 LEVEL = 0.05  # the adjusted p below which a cell is starred
 
@@ -62,30 +63,43 @@ def _test(q: Question, a: Any, b: Any, resamples: int, seed: int) -> dict[str, A
 
 def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequence[tuple[str, str]],
                  questions: Sequence[Question], *, label: str = "arm", resamples: int = 1000, seed: int = 0,
-                 missing: str = "delete OUT/runs/*/evals.json and rerun: scored again, not retrained"
+                 missing: str = "delete OUT/runs/*/evals.json and rerun: scored again, not retrained",
+                 aligned: Mapping[str, Mapping[str, Any]] | None = None
                  ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]], list[str]]:
     """(the table: {title, rows, columns, index}; {row: {question key: test, with its "reference"}};
-    notes): each (row, reference) of
-    `pairs` (names of `answers`, each model's answers) tested on every question both answer, in that order.
+    notes): each (row, reference) of `pairs` (names of `answers`, each model's answers) tested on every
+    question both answer, in that order. `aligned[row]`, where given, is the reference's answers on that
+    row's documents (when each row shares a different set of documents with the reference).
 
-    No table (None) when no pair has per-document answers on both sides (answers kept before they were
-    stored): the note says so and how to get them (`missing`)."""
+    A row without per-document answers (kept before they were stored) or whose answers cannot be paired
+    is left out with a note saying which and why (`missing`: how to get them); no table (None) when no row
+    is left."""
     tests: dict[str, dict[str, Any]] = {}
     against: dict[str, str] = {}
+    lacking, refused = [], []
     for name, ref in pairs:
-        ans, base = answers.get(name), answers.get(ref)
-        if not ans or not base:
-            continue
+        ans, base = answers.get(name), (aligned or {}).get(name) or answers.get(ref)
         row = {}
-        for q in questions:
-            a, b = q.get(ans), q.get(base)
-            if a is not None and b is not None:
-                row[q.key] = _test(q, a, b, resamples, seed)
+        try:
+            for q in questions:
+                a, b = (q.get(ans), q.get(base)) if ans and base else (None, None)
+                if a is not None and b is not None:
+                    row[q.key] = _test(q, a, b, resamples, seed)
+        except ConfigError as e:  # answers that do not pair (another length, a non-finite value)
+            refused.append(f"{name} ({e})")
+            continue
         if row:
             tests[name], against[name] = row, ref
+        else:
+            lacking.append(name)
+    notes = []
+    if lacking:
+        notes.append(f"No per-document paired tests for {', '.join(lacking)}: no per-document scores on both "
+                     f"sides (kept before they were stored; {missing}).")
+    if refused:
+        notes.append("WARNING: per-document scores that do not pair, not tested: " + "; ".join(refused) + ".")
     if not tests:
-        return None, {}, ([f"No per-document paired tests: the answers hold no per-document scores (kept "
-                           f"before they were stored; {missing})."] if pairs else [])
+        return None, {}, notes
     flat = [(name, key) for name, row in tests.items() for key in row]
     for (name, key), p in zip(flat, adjust([tests[n][k]["p_value"] for n, k in flat])):
         tests[name][key]["p_adjusted"] = p
@@ -100,13 +114,15 @@ def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequenc
             *((q.key, q.title, "{}") for q in asked))
     title = (f"Paired tests: each {label} − its reference, document by document" if many else
              f"Paired tests: each {label} − '{refs[0]}', document by document")
-    notes = [f"{title}: exact match by the exact McNemar test (in brackets: the documents only the row gets "
-             "right vs only the reference does); numbers per document by the mean difference, its "
-             f"{resamples}-resample bootstrap 95% interval and the Wilcoxon signed-rank p; MIA AUCs by a "
-             "paired bootstrap of members and non-members (p from z = difference / bootstrap sd). "
-             f"'*': Benjamini-Hochberg adjusted p < {LEVEL} over the table's {len(flat)} tests. They hold "
-             "the trained models fixed (do these models differ on these documents?); another draw of the "
-             "corpus and data order adds its own spread (seeds: replicate.seeds)."]
+    notes.insert(0, " ".join([
+        f"{title}: exact match by the exact McNemar test (in brackets: the documents only the row gets right",
+        "vs only the reference does); numbers per document by the mean difference, its",
+        f"{resamples}-resample bootstrap 95% interval and the p of a sign-flip permutation test of the mean;",
+        "MIA AUCs by a paired bootstrap of members and non-members (p from z = difference / bootstrap sd).",
+        f"Each cell shows its test's own p; '*' marks a Benjamini-Hochberg adjusted p < {LEVEL} over the",
+        f"table's {len(flat)} tests (report.json: p_adjusted). They hold the trained models fixed (do these",
+        "models differ on these documents?); another draw of the corpus and data order adds its own spread",
+        "(seeds: replicate.seeds)."]))
     for name, row in tests.items():
         for t in row.values():
             t["reference"] = against[name]

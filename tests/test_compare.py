@@ -51,7 +51,7 @@ def test_compare_counts_discordant_documents_and_tests_every_part(tmp_path, caps
     # (1.0 vs 1.0: half): 1.5 + 3 + 1 + 2 of 16
     assert t["mia:loss"]["auc_b"] == pytest.approx(15 / 16)
     assert t["mia:loss"]["auc_a"] == pytest.approx(7.5 / 16)
-    assert report["counts"] == {"documents": 12, "windows": 12, "members": 4, "nonmembers": 4}
+    assert report["counts"] == {"goldfish": {"documents": 12, "windows": 12, "members": 4, "nonmembers": 4}}
     printed = capsys.readouterr().out
     assert "Paired tests: each run − 'standard'" in printed and "(2 vs 9)" in printed
     md = (tmp_path / "cmp" / "report.md").read_text()
@@ -70,8 +70,30 @@ def test_only_documents_every_folder_scored_are_paired(tmp_path):
     ref = _folder(tmp_path / "a", [1, 1, 1, 0], [1.0, 1.0, 1.0, 0.0])
     run = _folder(tmp_path / "b", [0, 0, 1], [0.0, 0.0, 1.0])  # no d3
     report = compare_folders(str(ref), [str(run)], bootstrap=20)
-    assert report["counts"]["documents"] == 3 and report["tests"]["b"]["em"]["b_only"] == 2
+    assert report["counts"]["b"]["documents"] == 3 and report["tests"]["b"]["em"]["b_only"] == 2
     assert set(report["tests"]["b"]) == {"em", "rougeL", "token_accuracy"}  # no MIA or sampled files
+
+
+def test_documents_pair_by_id_not_by_line_and_each_run_pairs_on_its_own(tmp_path):
+    ref = _folder(tmp_path / "ref", [1, 1, 0, 0, 1, 0], [1.0, 0.9, 0.1, 0.2, 0.8, 0.3],
+                  mia=([3.0, 2.0, 1.0], [0.0, 0.5, 1.5]))
+    run = _folder(tmp_path / "run", [1, 0, 1, 0, 1, 1], [0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
+                  mia=([0.1, 2.0, 1.0], [0.0, 0.5, 1.5]))
+    # shuffle every line of the run's files and drop d2 (from the middle) and member m1
+    for name, drop in (("extraction.jsonl", '"d2"'), ("mia.jsonl", '"m1"')):
+        lines = [x for x in (run / name).read_text().splitlines() if drop not in x]
+        (run / name).write_text("\n".join(lines[::-1]) + "\n")
+    full = _folder(tmp_path / "full", [1, 1, 0, 0, 1, 0], [1.0, 0.9, 0.1, 0.2, 0.8, 0.3])
+    report = compare_folders(str(ref), [str(run), str(full)], bootstrap=20)
+    t = report["tests"]["run"]
+    # by id on d0, d1, d3, d4, d5: ref (1,1,0,1,0), run (1,0,0,1,1): one each way
+    assert (t["em"]["a_only"], t["em"]["b_only"], t["em"]["n"]) == (1, 1, 5)
+    mean_run, mean_ref = (0.4 + 0.5 + 0.7 + 0.8 + 0.9) / 5, (1.0 + 0.9 + 0.2 + 0.8 + 0.3) / 5  # d2 left out
+    assert t["rougeL"]["diff"] == pytest.approx(mean_run - mean_ref)
+    # members m0, m2 against the non-members 0.0, 0.5, 1.5: ref 3.0, 1.0 win 3 + 2 pairs; run 0.1, 1.0, 1 + 2
+    assert t["mia:loss"]["auc_b"] == pytest.approx(5 / 6) and t["mia:loss"]["auc_a"] == pytest.approx(3 / 6)
+    # another run is paired on its own documents: all six, not the five the first run shares
+    assert report["tests"]["full"]["em"]["n"] == 6 and report["counts"]["full"]["documents"] == 6
 
 
 @pytest.mark.parametrize("case,needle", [
@@ -79,14 +101,16 @@ def test_only_documents_every_folder_scored_are_paired(tmp_path):
     ("empty", "holds none of extraction.jsonl"),
     ("same", "names one folder twice"),
     ("out", "is one of the compared folders"),
-    ("disjoint", "share no scored document"),
+    ("disjoint", "shares no scored document"),
+    ("nullscore", "has no valid 'rougeL'"),
 ])
 def test_bad_folders_are_refused_with_one_line_and_nothing_written(tmp_path, capsys, case, needle):
     ref = _folder(tmp_path / "a", [1, 0], [1.0, 0.0])
     other = {"targets": lambda: _folder(tmp_path / "b", [1, 0], [1.0, 0.0], targets={1: [9, 9]}),
              "empty": lambda: (tmp_path / "b").mkdir() or tmp_path / "b",
              "same": lambda: ref, "out": lambda: _folder(tmp_path / "b", [1, 0], [1.0, 0.0]),
-             "disjoint": lambda: _folder(tmp_path / "b", [], [])}[case]()
+             "disjoint": lambda: _folder(tmp_path / "b", [], []),
+             "nullscore": lambda: _folder(tmp_path / "b", [1, 0], [1.0, None])}[case]()
     out = ref if case == "out" else tmp_path / "cmp"
     before = sorted(p.name for p in ref.iterdir())
     assert main(["compare", str(ref), str(other), "--out", str(out)]) == 2
@@ -118,7 +142,7 @@ def test_compare_reads_what_memorize_train_writes(tmp_path, cache_dir):
     tests = report["tests"]["goldfish"]
     assert {"em", "rougeL", "np@0:t=1.0", "mia:loss"} <= set(tests)
     rows = [json.loads(x) for x in (tmp_path / "goldfish" / "extraction.jsonl").read_text().splitlines()]
-    assert tests["em"]["n"] == len(rows) == report["counts"]["documents"]
+    assert tests["em"]["n"] == len(rows) == report["counts"]["goldfish"]["documents"]
     assert tests["em"]["rate_a"] == pytest.approx(sum(r["exact_match"] for r in rows) / len(rows))
     summary = json.loads((tmp_path / "goldfish" / "run.json").read_text())["summary"]
     assert tests["mia:loss"]["auc_a"] == pytest.approx(summary["mia"]["methods"]["loss"]["auc"])

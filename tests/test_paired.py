@@ -29,7 +29,7 @@ def test_mcnemar_is_the_exact_binomial_test_of_the_discordant_documents():
     assert (s["a_only"], s["b_only"]) == (1, 5) and s["p_value"] == pytest.approx(t["p_value"])
 
 
-def test_paired_difference_interval_and_wilcoxon_match_their_definitions():
+def test_paired_difference_interval_and_permutation_p_match_their_definitions():
     rng = np.random.default_rng(1)
     b = rng.normal(size=40)
     a = b + 0.5 + 0.1 * rng.normal(size=40)
@@ -40,8 +40,17 @@ def test_paired_difference_interval_and_wilcoxon_match_their_definitions():
     idx = np.random.default_rng(3).integers(0, 40, (2000, 40))
     lo, hi = np.percentile(d[idx].mean(axis=1), [2.5, 97.5])
     assert t["ci"] == pytest.approx([lo, hi])
-    # every difference positive: the exact signed-rank p is 2 / 2^40
-    assert t["p_value"] == pytest.approx(2 / 2 ** 40, rel=1e-6)
+    # every difference positive, 40 documents: no random sign flip reaches the mean: p = 2 / (9,999 + 1)
+    assert t["p_value"] == pytest.approx(2 / 10_000)
+    # 10 documents: every one of the 2^10 flips; only "all +" and "all -" reach |mean|: p = 2 / 1024 exactly
+    assert paired_difference(list(range(1, 11)), [0] * 10, resamples=10)["p_value"] == pytest.approx(2 / 1024)
+    # the p is about the mean, as the interval is: many small drops and a few large gains, the mean up by
+    # +0.386 near its interval's lower edge; a signed-rank test, led by the 30 drops, says p = 0.008
+    skew = paired_difference([-0.05] * 30 + [3.0] * 5, [0.0] * 35, resamples=500)
+    assert skew["diff"] > 0 and skew["ci"][0] > 0 and 0.02 < skew["p_value"] < 0.2
+    # unchanged documents do not make a few small changes look surer: 5 of +1/16 among 40 zeros
+    few = paired_difference([1 / 16] * 5 + [0.0] * 40, [0.0] * 45, resamples=10)
+    assert few["p_value"] == pytest.approx(2 / 32, abs=0.01)
     same = paired_difference([0.3, 0.5, 0.9], [0.3, 0.5, 0.9], resamples=10)
     assert same["diff"] == 0 and same["ci"] == [0.0, 0.0] and same["p_value"] == 1.0
 
@@ -55,6 +64,9 @@ def test_paired_auc_resamples_both_models_on_one_draw():
     # the same scores for both models: every resampled difference is 0, so the interval is [0, 0], p = 1
     same = paired_auc(members, nonmembers, members, nonmembers, resamples=50)
     assert same["diff"] == 0 and same["ci"] == [0.0, 0.0] and same["p_value"] == 1.0
+    # a perfect attack against a constant score: +0.5 on every resample, so p = 0, not 1
+    flat = paired_auc([2.0, 3.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0], resamples=50)
+    assert flat["diff"] == 0.5 and flat["ci"] == [0.5, 0.5] and flat["p_value"] == 0.0
     # a monotone transform of the scores ranks alike: AUC unchanged, no difference
     monotone = paired_auc(members, nonmembers, np.exp(members), np.exp(nonmembers), resamples=50)
     assert monotone["diff"] == 0 and monotone["p_value"] == 1.0

@@ -9,19 +9,21 @@ them in their own report). From each it reads
                     (greedy's row is the exact match already tested)
   mia.jsonl         every attack's score of every member and non-member: the attack's AUC
 and tests each RUN against REF on the documents every folder scored (memorization.paired: exact McNemar,
-bootstrap + Wilcoxon, paired-bootstrap AUC; Benjamini-Hochberg over the table). A document scored against
+bootstrap + permutation, paired-bootstrap AUC; Benjamini-Hochberg over the table). A document scored against
 different target tokens in two folders is refused: they did not ask the same question. The table is
 printed; with --out it is also written as report.json and report.md.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from evals.mia import METHODS
 from evals.sampling import extractable
 from memorization.outputs import check_writable, write_files
 from memorization.paired import Question, paired_table, per_document
@@ -32,108 +34,116 @@ FILES = ("extraction.jsonl", "sampled.jsonl", "mia.jsonl")
 WRITES = ("report.json", "report.md")  # what --out receives (and --overwrite replaces)
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _lines(path: Path, need: dict[str, Callable[[Any], bool]]) -> list[dict[str, Any]]:
+    """The JSON rows of `path`, each checked to hold every `need` key with a value its check accepts."""
     rows = []
     with path.open(encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise fail(str(path), f"line {i}", f"is not JSON ({e.msg}); the file is damaged: "
-                               "score the model again (memorize eval --out)") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise fail(f"{path}", f"line {i}", f"is not JSON ({e.msg}); the file is damaged: score the "
+                           "model again (memorize eval --out)") from None
+            bad = next((k for k, ok in need.items() if not isinstance(row, dict) or k not in row
+                        or not ok(row[k])), None)
+            if bad is not None:
+                raise fail(f"{path}", f"line {i}", f"has no valid {bad!r} (got "
+                           f"{row.get(bad) if isinstance(row, dict) else row!r}); compare reads the files "
+                           "memorize train / eval write: score the model again")
+            rows.append(row)
     return rows
 
 
 def read_folder(path: Path) -> dict[str, dict[Any, Any]]:
     """A folder's per-document answers: {"extraction": {doc: row}, "sampled": {(offset, doc): {scheme:
-    log p_z}}, "mia": {(id, member): {attack: score}}} (a part missing where its file is)."""
+    log p_z or None}}, "mia": {(id, member): {attack: score}}} (a part missing where its file is). Every
+    row is checked as it is read; an attack is a key of evals.mia.METHODS."""
     if not path.is_dir():
         raise fail("RUN", str(path), "is not a folder; pass a run folder (memorize train / demo, an "
                    "experiment's OUT/runs/NAME) or a memorize eval --out folder")
     got: dict[str, dict[Any, Any]] = {}
     if (path / "extraction.jsonl").is_file():
-        got["extraction"] = {str(r["doc"]): r for r in _lines(path / "extraction.jsonl")}
+        rows = _lines(path / "extraction.jsonl", {"doc": lambda v: v is not None,
+                                                  "exact_match": lambda v: isinstance(v, bool),
+                                                  "rougeL": _number, "token_accuracy": _number})
+        got["extraction"] = {str(r["doc"]): r for r in rows}
     if (path / "sampled.jsonl").is_file():
-        got["sampled"] = {(int(r["offset"]), str(r["doc"])): r["logpz"]
-                          for r in _lines(path / "sampled.jsonl")}
+        rows = _lines(path / "sampled.jsonl", {
+            "offset": lambda v: isinstance(v, int), "doc": lambda v: v is not None,
+            "logpz": lambda v: isinstance(v, dict) and all(x is None or _number(x) for x in v.values())})
+        got["sampled"] = {(int(r["offset"]), str(r["doc"])): r["logpz"] for r in rows}
     if (path / "mia.jsonl").is_file():
-        got["mia"] = {(str(r["id"]), bool(r["member"])): {k: v for k, v in r.items()
-                                                          if k not in ("id", "member")}
-                      for r in _lines(path / "mia.jsonl")}
+        rows = _lines(path / "mia.jsonl", {"id": lambda v: v is not None,
+                                           "member": lambda v: isinstance(v, bool)})
+        methods = [m for m in METHODS if all(m in r for r in rows)]
+        for i, r in enumerate(rows):
+            bad = next((m for m in methods if not _number(r[m])), None)
+            if bad is not None:
+                raise fail(f"{path / 'mia.jsonl'}", f"row {i + 1}", f"has no finite {bad!r} score (got "
+                           f"{r[bad]!r}); score the model again")
+        got["mia"] = {(str(r["id"]), r["member"]): {m: float(r[m]) for m in methods} for r in rows}
     if not got:
         raise fail("RUN", str(path), f"holds none of {', '.join(FILES)}; train with evaluation on, or score "
                    "the model with memorize eval --out DIR and compare DIR")
     return got
 
 
-def _common(folders: dict[str, dict[str, dict[Any, Any]]], part: str) -> list:
-    """The keys of `part` every folder holds, in the first folder's order ([] if any folder lacks it)."""
-    parts = [f.get(part) for f in folders.values()]
-    if any(p is None for p in parts):
-        return []
-    first, *rest = parts
-    return [k for k in first if all(k in p for p in rest)]
+def _shared(a: dict[Any, Any] | None, b: dict[Any, Any] | None) -> list:
+    """The keys both parts hold, in a's order ([] when either folder lacks the part)."""
+    return [k for k in a if k in b] if a is not None and b is not None else []
 
 
-def _check_targets(folders: dict[str, dict[str, dict[Any, Any]]], docs: list[str]) -> None:
-    ref_name, ref = next(iter(folders.items()))
-    for name, f in list(folders.items())[1:]:
-        for doc in docs:
-            a, b = ref["extraction"][doc], f["extraction"][doc]
-            if a.get("target_ids") != b.get("target_ids") or a.get("prefix_ids") != b.get("prefix_ids"):
-                raise fail("RUN", name, f"scored document {doc!r} with another prefix or suffix than "
-                           f"{ref_name}; compare runs evaluated with the same eval.prefix / eval.suffix on "
-                           "the same corpus")
-
-
-def _answers(folders: dict[str, dict[str, dict[Any, Any]]], n: int, p: float
-             ) -> tuple[dict[str, dict[str, Any]], list[Question], dict[str, int]]:
-    """Each folder's per-document values on the shared documents, the questions, and how many documents
-    each part pairs."""
-    docs = _common(folders, "extraction")
-    if docs:
-        _check_targets(folders, docs)
-    windows = _common(folders, "sampled")
-    scored = _common(folders, "mia")
-    schemes = [s for s in (folders[next(iter(folders))]["sampled"][windows[0]] if windows else {})
-               if s != "greedy" and all(s in f["sampled"][windows[0]] for f in folders.values())]
-    offsets = sorted({o for o, _ in windows})
-    attacks = [m for m in (folders[next(iter(folders))]["mia"][scored[0]] if scored else {})
-               if all(m in f["mia"][scored[0]] for f in folders.values())]
-    members = [k for k in scored if k[1]]
-    nonmembers = [k for k in scored if not k[1]]
+def _pair(ref_name: str, ref: dict[str, dict[Any, Any]], name: str, run: dict[str, dict[Any, Any]], n: int,
+          p: float) -> tuple[dict[str, Any], dict[str, Any], list[Question], dict[str, int]]:
+    """(the run's per-document values, the reference's on the same documents, the questions they answer,
+    how many documents each part pairs) for one RUN against REF, on the documents both scored."""
+    docs = _shared(ref.get("extraction"), run.get("extraction"))
+    for doc in docs:
+        a, b = ref["extraction"][doc], run["extraction"][doc]
+        if a.get("target_ids") != b.get("target_ids") or a.get("prefix_ids") != b.get("prefix_ids"):
+            raise fail("RUN", name, f"scored document {doc!r} with another prefix or suffix than {ref_name}; "
+                       "compare runs evaluated with the same eval.prefix / eval.suffix on the same corpus")
+    windows = _shared(ref.get("sampled"), run.get("sampled"))
+    schemes = sorted({s for w in windows for s in ref["sampled"][w]} - {"greedy"})
+    schemes = [s for s in schemes if all(s in ref["sampled"][w] and s in run["sampled"][w] for w in windows)]
+    scored = _shared(ref.get("mia"), run.get("mia"))
+    members, nonmembers = [k for k in scored if k[1]], [k for k in scored if not k[1]]
+    attacks = [m for m in METHODS if scored and m in ref["mia"][scored[0]] and m in run["mia"][scored[0]]]
     if len(members) < 2 or len(nonmembers) < 2:
         attacks = []
-    answers: dict[str, dict[str, Any]] = {}
-    for name, f in folders.items():
-        per: dict[str, Any] = {}
+    values: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    for per, f in zip(values, (run, ref)):
         if docs:
             rows = [f["extraction"][d] for d in docs]
             per.update(em=[float(r["exact_match"]) for r in rows], rougeL=[float(r["rougeL"]) for r in rows],
                        token_accuracy=[float(r["token_accuracy"]) for r in rows])
-        for o in offsets:
+        for o in sorted({o for o, _ in windows}):
             at = [w for w in windows if w[0] == o]
             for s in schemes:
                 lz = np.array([-np.inf if f["sampled"][w][s] is None else f["sampled"][w][s] for w in at])
                 per[f"np@{o}:{s}"] = [float(x) for x in extractable(lz, n, p)]
         for m in attacks:
-            per[f"mia:{m}"] = ([float(f["mia"][k][m]) for k in members],
-                               [float(f["mia"][k][m]) for k in nonmembers])
-        answers[name] = {"per_document": per}
+            per[f"mia:{m}"] = ([f["mia"][k][m] for k in members], [f["mia"][k][m] for k in nonmembers])
+    offsets = sorted({o for o, _ in windows}) if schemes else []
     questions = []
     if docs:
         questions += [Question("em", "EM", "binary", per_document("em"), "{:+.0%}"),
                       Question("rougeL", "RougeL", "number", per_document("rougeL")),
                       Question("token_accuracy", "token accuracy", "number", per_document("token_accuracy"))]
-    at_title = (lambda o: f" @{o}") if len(offsets) > 1 else (lambda o: "")
-    questions += [Question(f"np@{o}:{s}", f"({n}, {p})-extractable {s}{at_title(o)}", "binary",
+    where = (lambda o: f" @{o}") if len(offsets) > 1 else (lambda o: "")
+    questions += [Question(f"np@{o}:{s}", f"({n}, {p})-extractable {s}{where(o)}", "binary",
                            per_document(f"np@{o}:{s}"), "{:+.0%}") for o in offsets for s in schemes]
     questions += [Question(f"mia:{m}", f"MIA AUC {m}", "auc", per_document(f"mia:{m}")) for m in attacks]
     counts = {"documents": len(docs),
-              "windows": len([w for w in windows if w[0] == offsets[0]]) if offsets and schemes else 0,
+              "windows": len([w for w in windows if w[0] == offsets[0]]) if offsets else 0,
               "members": len(members) if attacks else 0, "nonmembers": len(nonmembers) if attacks else 0}
-    return answers, questions, counts
+    return {"per_document": values[0]}, {"per_document": values[1]}, questions, counts
 
 
 def _names(paths: Sequence[Path]) -> list[str]:
@@ -169,24 +179,35 @@ def compare_folders(reference: str, runs: Sequence[str], *, n: int = 1000, p: fl
                        "--overwrite")
     names = _names(paths)
     folders = {name: read_folder(pth) for name, pth in zip(names, paths)}
-    answers, questions, counts = _answers(folders, n, p)
-    if not questions:
-        raise fail("RUN", [str(pth) for pth in paths], "share no scored document (no extraction, sampled or "
-                   "MIA rows in common); compare runs evaluated on the same corpus and split")
-    table, tests, paired_notes = paired_table(answers, [(name, names[0]) for name in names[1:]], questions,
-                                              label="run", resamples=bootstrap, seed=seed)
-    if table is None:  # every folder answers every question asked: only a run with no test at all
-        raise fail("RUN", names[1:], "no test could be run against the reference")
-    scored = [f"{counts['documents']} documents (greedy extraction)"] if counts["documents"] else []
-    scored += [f"{counts['windows']} documents per offset (sampled; (n, p) = ({n}, {p}))"] \
-        if counts["windows"] else []
-    scored += [f"{counts['members']} members and {counts['nonmembers']} non-members (MIA)"] \
-        if counts["members"] else []
+    ref_name = names[0]
+    answers: dict[str, Any] = {}
+    aligned: dict[str, Any] = {}
+    questions: dict[str, Question] = {}
+    counts: dict[str, dict[str, int]] = {}
+    for name in names[1:]:
+        answers[name], aligned[name], asked, counts[name] = _pair(ref_name, folders[ref_name], name,
+                                                                  folders[name], n, p)
+        if not asked:
+            raise fail("RUN", str(paths[names.index(name)]), f"shares no scored document with {ref_name} "
+                       "(no extraction, sampled or MIA rows in common); compare runs evaluated on the same "
+                       "corpus and split")
+        questions.update({q.key: q for q in asked})
+    table, tests, paired_notes = paired_table(answers, [(name, ref_name) for name in names[1:]],
+                                              list(questions.values()), label="run", resamples=bootstrap,
+                                              seed=seed, aligned=aligned)
+    if table is None:  # every run answers some question: only answers that cannot be paired get here
+        raise fail("RUN", names[1:], "; ".join(paired_notes) or "no test could be run against the reference")
+    scored = []
+    for name, c in counts.items():
+        parts = [f"{c['documents']} documents (greedy)"] if c["documents"] else []
+        parts += [f"{c['windows']} per offset (sampled, (n, p) = ({n}, {p}))"] if c["windows"] else []
+        parts += [f"{c['members']} members, {c['nonmembers']} non-members (MIA)"] if c["members"] else []
+        scored.append(f"{name}: {', '.join(parts)}")
     report = {"title": table["title"], "reference": str(paths[0]), "runs": [str(pth) for pth in paths[1:]],
               "names": names, "counts": counts, "np": {"n": n, "p": p}, "bootstrap": bootstrap, "seed": seed,
               "tests": tests, "rows": table["rows"], "columns": [list(c) for c in table["columns"]],
-              "notes": [f"Scored in every folder: {'; '.join(scored)}; documents only some folders scored "
-                        "are left out.", *paired_notes]}
+              "notes": [f"Paired with {ref_name} on the documents both scored: {'; '.join(scored)}.",
+                        *paired_notes]}
     print(text_table(table["rows"], table["columns"]))
     for line in report["notes"]:
         print(f"- {line}")

@@ -524,8 +524,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
                            Table("By copy count", by_count, tuple(ccols), ("arm", "copies")), *extra_tables],
                    notes=notes, plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
                    extra={"arms": trained, "baseline": baseline, "passes": cfg.passes,
-                          "base_downstream": base_downstream, "paired_tests": {"reference": reference,
-                                                                                "tests": tests}})
+                          "base_downstream": base_downstream, "paired_tests": tests})
 
 
 def _downstream_acc(a: dict[str, Any]) -> tuple[float | None, float | None]:
