@@ -10,7 +10,8 @@ them in their own report). From each it reads
   mia.jsonl         every attack's score of every member and non-member: the attack's AUC
 and tests each RUN against REF on the documents every folder scored (memorization.paired: exact McNemar,
 bootstrap + permutation, paired-bootstrap AUC; Benjamini-Hochberg over the table). A document scored against
-different target tokens in two folders is refused: they did not ask the same question. The table is
+different prefix or target tokens in two folders is refused: they did not ask the same question (checked
+where both hold extraction.jsonl: sampled.jsonl and mia.jsonl rows carry no tokens, only ids). The table is
 printed; with --out it is also written as report.json and report.md.
 """
 from __future__ import annotations
