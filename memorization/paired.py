@@ -42,6 +42,20 @@ def per_document(key: str, *path: str) -> Callable[[Mapping[str, Any]], Any]:
     return get
 
 
+def align(row: Mapping[str, Mapping[Any, Any]], ref: Mapping[str, Mapping[Any, Any]]
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two models' per-document values keyed by document id ({question key: {id: value}}) as answers whose
+    lists pair document by document: for each key both hold, the ids both scored, in the reference's order."""
+    a: dict[str, list] = {}
+    b: dict[str, list] = {}
+    for key, ref_values in ref.items():
+        values = row.get(key)
+        if values is not None:
+            ids = [i for i in ref_values if i in values]
+            a[key], b[key] = [values[i] for i in ids], [ref_values[i] for i in ids]
+    return {"per_document": a}, {"per_document": b}
+
+
 def mia_questions(methods: Sequence[str]) -> list[Question]:
     """One AUC column per MIA method, from answers["per_document"]["members" / "nonmembers"][method]."""
     def scores(m: str) -> Callable[[Mapping[str, Any]], Any]:

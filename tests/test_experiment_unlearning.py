@@ -189,6 +189,27 @@ def test_each_method_is_asked_of_its_model_after_every_pass_and_after_relearning
         assert all(m["attacks"][attack]["rows"] == rows for m in report["methods"])
 
 
+def test_paired_tests_match_each_model_to_retrain_at_the_same_stage_item_by_item(finished):
+    _, out = finished
+    report = _report(out)
+    tests = report["paired_tests"]
+    assert list(tests)[:2] == ["fine-tuned", "ga"] and "npo + near-copies attack" in tests
+    assert tests["ga + leads attack"]["em_forget"]["reference"] == "retrain + leads attack"
+    assert tests["fine-tuned"]["exp_forget"]["reference"] == "retrain"
+    methods = {m["name"]: m for m in report["methods"]}
+    ga, gold = methods["ga"]["passes"][-1], methods["retrain"]["passes"][-1]
+    # exposures paired by canary id, leads by id: the counts and the means come from the same items
+    by = {c["id"]: c["exposure"] for c in gold["canaries"]["forget"]}
+    diff = [c["exposure"] - by[c["id"]] for c in ga["canaries"]["forget"]]
+    assert tests["ga"]["exp_forget"]["diff"] == pytest.approx(sum(diff) / len(diff))
+    lead, ref = ga["leads"]["forget"], gold["leads"]["forget"]
+    only_ga = len(set(lead["extracted"]) - set(ref["extracted"]))
+    only_ref = len(set(ref["extracted"]) - set(lead["extracted"]))
+    em = tests["ga"]["em_forget"]
+    assert (em["a_only"], em["b_only"], em["n"]) == (only_ga, only_ref, len(lead["ids"]))
+    assert "Paired tests: each model − its reference" in (out / "report.md").read_text()
+
+
 def test_a_rerun_reuses_and_longer_unlearning_retrains_only_what_follows(finished, pretrained, capsys):
     tmp, out = finished
     capsys.readouterr()

@@ -8,6 +8,7 @@ from memorization.experiments.beyond_greedy import NP_NOTE
 from memorization.experiments.mitigations import BASELINE_ROW, BEYOND_INDEX, PZ_FLOOR, beyond_table
 from memorization.experiments.questions import format_acc, format_auc, task_label
 from memorization.experiments.reporting import Outputs, Table, figure, save
+from memorization.paired import Question, align, paired_table, per_document
 
 FINE_TUNED = "fine-tuned"  # the row of the model before any method (OUT/runs/fine-tune)
 
@@ -193,12 +194,58 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         notes.append(np_note + " Forget documents: the probed leads and the "
                      f"forget duplicated leads. 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
                      "emits at least once in a thousand draws.")
+    paired, tests, paired_notes = _paired(methods, before, b.seed)
+    tables += [Table(**paired, per_seed=True)] if paired else []
+    notes += paired_notes
     plots = [_plot(methods, before, baseline, mia, out / "unlearning.png")]
     return Outputs(title="Unlearning: forgetting chosen items after fine-tuning, and whether they stay gone",
                    kind=cfg.kind, runs=methods, tables=tables, notes=notes, plots=plots,
                    extra={"methods": methods, "fine_tuned": before, "baseline": baseline,
+                          "paired_tests": tests,
                           "forget": {"canaries": split.canaries, "duplicates": split.duplicates,
                                      "rows": n_forget}})
+
+
+PAIRED_QUESTIONS = [Question(key, title, kind, per_document(key), fmt) for key, title, kind, fmt in (
+    ("em_forget", "EM forget leads", "binary", "{:+.0%}"),
+    ("dup_forget", "EM forget dup.", "binary", "{:+.0%}"),
+    ("exp_forget", "forget exposure", "number", "{:+.2f}"),
+    ("em_retain", "EM retain leads", "binary", "{:+.0%}"),
+    ("exp_retain", "retain exposure", "number", "{:+.2f}"))]
+
+
+def by_id(v: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """One model's per-item answers keyed by item id: each lead's exact match (from the ids asked and the
+    ids extracted), each duplicated lead's, each secret's exposure ({} for answers kept without ids)."""
+    out: dict[str, dict[str, float]] = {}
+    for g in ("forget", "retain"):
+        lead = v["leads"][g]
+        if "ids" in lead and "extracted" in lead:
+            hit = set(lead["extracted"])
+            out[f"em_{g}"] = {i: float(i in hit) for i in lead["ids"]}
+        out[f"exp_{g}"] = {c["id"]: float(c["exposure"]) for c in v["canaries"][g]}
+    out["dup_forget"] = {d["id"]: float(d["exact_match"]) for d in v["duplicates"]["forget"]}
+    return out
+
+
+def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int
+            ) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
+    """Each model against retrain at the same stage (the fine-tune and every method as left, then after each
+    attack against retrain after that attack), item by item (memorization.paired)."""
+    gold = next((m for m in methods if m["method"] == "retrain"), None)
+    if gold is None:
+        return None, {}, []
+    ref = {a: (f"{gold['name']}" + (f" + {a} attack" if a else ""), v) for a, _, v in _stages(gold)}
+    rows = [(FINE_TUNED, before, "")] + [(m["name"] + (f" + {a} attack" if a else ""), v, a)
+                                        for m in methods if m is not gold
+                                        for a, _, v in _stages(m) if a in ref]
+    answers, aligned, pairs = {}, {}, []
+    for name, v, a in rows:
+        answers[name], aligned[name] = align(by_id(v), by_id(ref[a][1]))
+        pairs.append((name, ref[a][0]))
+    return paired_table(answers, pairs, PAIRED_QUESTIONS, label="model", resamples=1000, seed=seed,
+                        aligned=aligned,
+                        missing="rerun the methods: their answers are taken while unlearning")
 
 
 def _plot(methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None, mia: str,
