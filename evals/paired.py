@@ -6,7 +6,7 @@ tell a real change from the noise of which documents happened to be drawn:
                      test of the discordant documents (one model right, the other wrong) against 1/2
   paired_difference  a number per document (ROUGE-L, loss): the mean of the per-document differences, its
                      percentile bootstrap interval (documents resampled) and the p of a sign-flip
-                     permutation test of that mean (exact up to 13 documents, else 9,999 random flips)
+                     permutation test of that mean (every flip up to 13 documents, else 9,999 random ones)
   paired_auc         a membership-inference AUC on the same members and non-members: the difference of the
                      two AUCs, its paired stratified bootstrap interval (one resample of members and one of
                      non-members scores both models) and p from the bootstrap z = diff / sd
@@ -25,13 +25,36 @@ import numpy as np
 from evals.mia import roc_metrics, roc_on_resamples
 from memorize_core import fail
 
-__all__ = ["adjust", "format_test", "mcnemar", "paired_auc", "paired_difference"]
+__all__ = ["adjust", "format_test", "mcnemar", "paired_auc", "paired_difference", "sign_flip_p"]
 
 PERMUTATIONS = 9_999  # random sign flips of paired_difference's test above 13 documents (2^13 = 8,192 exact)
 
 
-def _mean(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    return x.mean(axis=axis)
+def sign_flip_p(d: np.ndarray, seed: int = 0, flips: int = PERMUTATIONS) -> float:
+    """Two-sided p of the paired sign-flip permutation test of mean(d): under "no difference" each document's
+    difference is as likely negated. Every one of the 2^n flips where there are at most `flips`, else `flips`
+    random ones (seeded; p = (k + 1) / (flips + 1) per tail, as scipy.stats.permutation_test counts); p is
+    twice the smaller tail, at most 1. Chunks bound memory at any number of documents."""
+    d = np.asarray(d, dtype=np.float64)
+    n, obs = d.size, float(d.mean())
+    tol = 1e-14 * max(1.0, abs(obs))  # ties within rounding count as ties (scipy's gamma)
+    le = ge = 0
+    exact = n < 63 and 2 ** n <= flips
+    total = 2 ** n if exact else flips
+    rng = np.random.default_rng(seed)
+    chunk = max(1, 4_000_000 // n)
+    for start in range(0, total, chunk):
+        k = min(chunk, total - start)
+        if exact:
+            bits = (np.arange(start, start + k)[:, None] >> np.arange(n)) & 1
+        else:
+            bits = rng.integers(0, 2, (k, n))
+        null = (1 - 2 * bits) @ d / n
+        le += int((null <= obs + tol).sum())
+        ge += int((null >= obs - tol).sum())
+    if exact:
+        return float(min(1.0, 2 * min(le, ge) / total))
+    return float(min(1.0, 2 * (min(le, ge) + 1) / (total + 1)))
 
 
 def _pair(a: Any, b: Any, names: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
@@ -51,8 +74,8 @@ def _pair(a: Any, b: Any, names: tuple[str, str]) -> tuple[np.ndarray, np.ndarra
 def _check_resampling(resamples: Any, seed: Any, confidence: Any) -> None:
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise fail("resamples", resamples, "pass an integer >= 1, e.g. 1000")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise fail("seed", seed, "pass an integer seed, e.g. 0")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise fail("seed", seed, "pass an integer seed >= 0, e.g. 0")
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 < confidence < 1:
         raise fail("confidence", confidence, "pass a level in (0, 1), e.g. 0.95")
 
@@ -80,14 +103,11 @@ def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int = 1000, seed: int = 0,
                       confidence: float = 0.95) -> dict[str, Any]:
     """Mean of a - b over documents (same order) with its percentile bootstrap interval and the two-sided
-    p of the paired sign-flip permutation test of that mean (scipy.stats.permutation_test: under "no
-    difference" each document's difference is as likely negated; every flip when there are at most
-    PERMUTATIONS of them, else PERMUTATIONS random ones, seeded). The interval and the p are about the
+    p of the paired sign-flip permutation test of that mean (`sign_flip_p`: every flip when there are at
+    most PERMUTATIONS of them, else PERMUTATIONS random ones, seeded). The interval and the p are about the
     same statistic, the mean; a difference of 0 flips to itself (p = 1.0 when every difference is 0).
 
     {"n", "mean_a", "mean_b", "diff", "ci": [lo, hi], "p_value"}."""
-    from scipy.stats import permutation_test  # deferred: scipy.stats, as in mcnemar
-
     x, y = _pair(a, b, ("a", "b"))
     _check_resampling(resamples, seed, confidence)
     d = x - y
@@ -99,8 +119,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, resamples: int 
     lo, hi = (float(v) for v in np.percentile(means, [tail, 100 - tail]))
     p = 1.0
     if np.any(d != 0):
-        p = float(permutation_test((d,), _mean, permutation_type="samples", vectorized=True,
-                                   n_resamples=PERMUTATIONS, rng=np.random.default_rng(seed)).pvalue)
+        p = sign_flip_p(d, seed)
     return {"n": int(d.size), "mean_a": float(x.mean()), "mean_b": float(y.mean()), "diff": float(d.mean()),
             "ci": [lo, hi], "p_value": p}
 
@@ -113,8 +132,9 @@ def paired_auc(members_a: Sequence[float], nonmembers_a: Sequence[float], member
     Each resample draws members and non-members with replacement (each class keeps its size) and scores
     both models on that one draw, so the interval is of the difference on shared documents. p: two-sided,
     from z = diff / sd of the resampled differences (normal), as pROC's bootstrap test; where the resampled
-    differences do not vary, 1.0 if the difference is 0 (the models rank every pair alike) and 0.0 if not
-    (every resample shows the same difference, e.g. a perfect attack against a constant score).
+    differences do not vary, 1.0 if the difference is 0 (the models rank every pair alike), else 2 over the
+    number of ways to split these documents into members and non-members (every resample shows the same
+    difference, e.g. a perfect attack against a constant score: as sure as sets this size can make it).
 
     {"members", "nonmembers", "auc_a", "auc_b", "diff", "ci": [lo, hi], "p_value"}."""
     pos_a, pos_b = _pair(members_a, members_b, ("members_a", "members_b"))
@@ -134,7 +154,10 @@ def paired_auc(members_a: Sequence[float], nonmembers_a: Sequence[float], member
     lo, hi = (float(v) for v in np.percentile(delta, [tail, 100 - tail]))
     diff = auc_a - auc_b
     sd = float(delta.std(ddof=1)) if delta.size > 1 else 0.0
-    p = math.erfc(abs(diff) / sd / math.sqrt(2)) if sd > 0 else float(diff == 0)  # 2 * (1 - Phi(|z|))
+    if sd > 0:
+        p = math.erfc(abs(diff) / sd / math.sqrt(2))  # 2 * (1 - Phi(|z|))
+    else:  # never varies: no z; the smallest p any relabelling of these sets could give (none for 0)
+        p = 1.0 if diff == 0 else min(1.0, 2 / math.comb(pos_a.size + neg_a.size, pos_a.size))
     return {"members": int(pos_a.size), "nonmembers": int(neg_a.size), "auc_a": auc_a, "auc_b": auc_b,
             "diff": diff, "ci": [lo, hi], "p_value": float(p)}
 

@@ -94,24 +94,24 @@ def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequenc
     for name, ref in pairs:
         ans, base = answers.get(name), (aligned or {}).get(name) or answers.get(ref)
         row = {}
-        try:
-            for q in questions:
-                a, b = (q.get(ans), q.get(base)) if ans and base else (None, None)
-                if a is not None and b is not None:
+        for q in questions:
+            a, b = (q.get(ans), q.get(base)) if ans and base else (None, None)
+            if a is not None and b is not None:
+                try:
                     row[q.key] = _test(q, a, b, resamples, seed)
-        except ConfigError as e:  # answers that do not pair (another length, a non-finite value)
-            refused.append(f"{name} ({e})")
-            continue
+                except ConfigError as e:  # answers that do not pair (another length, a non-finite value)
+                    refused.append((name, f"{name}, {q.title} ({e})"))
         if row:
             tests[name], against[name] = row, ref
-        else:
+        elif all(n != name for n, _ in refused):
             lacking.append(name)
     notes = []
     if lacking:
         notes.append(f"No per-document paired tests for {', '.join(lacking)}: no per-document scores on both "
                      f"sides (kept before they were stored; {missing}).")
     if refused:
-        notes.append("WARNING: per-document scores that do not pair, not tested: " + "; ".join(refused) + ".")
+        notes.append("WARNING: per-document scores that do not pair, not tested: "
+                     + "; ".join(why for _, why in refused) + ".")
     if not tests:
         return None, {}, notes
     flat = [(name, key) for name, row in tests.items() for key in row]

@@ -51,7 +51,8 @@ def test_compare_counts_discordant_documents_and_tests_every_part(tmp_path, caps
     # (1.0 vs 1.0: half): 1.5 + 3 + 1 + 2 of 16
     assert t["mia:loss"]["auc_b"] == pytest.approx(15 / 16)
     assert t["mia:loss"]["auc_a"] == pytest.approx(7.5 / 16)
-    assert report["counts"] == {"goldfish": {"documents": 12, "windows": 12, "members": 4, "nonmembers": 4}}
+    assert report["counts"] == {"goldfish": {"documents": 12, "windows": {"0": 12}, "members": 4,
+                                             "nonmembers": 4}}
     printed = capsys.readouterr().out
     assert "Paired tests: each run − 'standard'" in printed and "(2 vs 9)" in printed
     md = (tmp_path / "cmp" / "report.md").read_text()
@@ -96,6 +97,34 @@ def test_documents_pair_by_id_not_by_line_and_each_run_pairs_on_its_own(tmp_path
     assert report["tests"]["full"]["em"]["n"] == 6 and report["counts"]["full"]["documents"] == 6
 
 
+def _repeat(folder):
+    lines = (folder / "extraction.jsonl").read_text().splitlines()
+    (folder / "extraction.jsonl").write_text("\n".join(lines + lines[:1]) + "\n")
+    return folder
+
+
+def _binary(folder):
+    (folder / "extraction.jsonl").write_bytes(b"\xff\xfe\x00bad")
+    return folder
+
+
+def test_one_shared_document_and_several_offsets(tmp_path):
+    ref = _folder(tmp_path / "a", [1], [1.0])
+    run = _folder(tmp_path / "b", [0], [0.5])
+    one = compare_folders(str(ref), [str(run)], bootstrap=10)["tests"]["b"]
+    assert one["rougeL"]["n"] == 1 and one["rougeL"]["p_value"] == 1.0  # one flip each way: no evidence
+    # offsets 0 and 16: greedy's exact match at 16 is tested ("EM @16"), at 0 it is extraction.jsonl's EM
+    for folder, greedy16 in ((ref, 0.0), (run, None)):
+        rows = [{"offset": 0, "doc": "d0", "logpz": {"greedy": 0.0, "t=1.0": -1.0}},
+                {"offset": 16, "doc": "d0", "logpz": {"greedy": greedy16, "t=1.0": -90.0}}]
+        (folder / "sampled.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = compare_folders(str(ref), [str(run)], bootstrap=10)
+    assert report["counts"]["b"]["windows"] == {"0": 1, "16": 1}
+    t = report["tests"]["b"]
+    assert "np@0:greedy" not in t and (t["np@16:greedy"]["a_only"], t["np@16:greedy"]["b_only"]) == (0, 1)
+    assert "EM @16" in " ".join(c[1] for c in report["columns"])
+
+
 @pytest.mark.parametrize("case,needle", [
     ("targets", "scored document 'd1' with another prefix or suffix"),
     ("empty", "holds none of extraction.jsonl"),
@@ -103,6 +132,9 @@ def test_documents_pair_by_id_not_by_line_and_each_run_pairs_on_its_own(tmp_path
     ("out", "is one of the compared folders"),
     ("disjoint", "shares no scored document"),
     ("nullscore", "has no valid 'rougeL'"),
+    ("repeated", "repeats 'd0' of line 1"),
+    ("binary", "cannot be read"),
+    ("seed", "--seed=-1"),
 ])
 def test_bad_folders_are_refused_with_one_line_and_nothing_written(tmp_path, capsys, case, needle):
     ref = _folder(tmp_path / "a", [1, 0], [1.0, 0.0])
@@ -110,10 +142,14 @@ def test_bad_folders_are_refused_with_one_line_and_nothing_written(tmp_path, cap
              "empty": lambda: (tmp_path / "b").mkdir() or tmp_path / "b",
              "same": lambda: ref, "out": lambda: _folder(tmp_path / "b", [1, 0], [1.0, 0.0]),
              "disjoint": lambda: _folder(tmp_path / "b", [], []),
-             "nullscore": lambda: _folder(tmp_path / "b", [1, 0], [1.0, None])}[case]()
+             "nullscore": lambda: _folder(tmp_path / "b", [1, 0], [1.0, None]),
+             "repeated": lambda: _repeat(_folder(tmp_path / "b", [1, 0], [1.0, 0.0])),
+             "binary": lambda: _binary(_folder(tmp_path / "b", [1, 0], [1.0, 0.0])),
+             "seed": lambda: _folder(tmp_path / "b", [1, 0], [1.0, 0.0])}[case]()
     out = ref if case == "out" else tmp_path / "cmp"
     before = sorted(p.name for p in ref.iterdir())
-    assert main(["compare", str(ref), str(other), "--out", str(out)]) == 2
+    seed = ["--seed", "-1"] if case == "seed" else []
+    assert main(["compare", str(ref), str(other), "--out", str(out), *seed]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
     assert sorted(p.name for p in ref.iterdir()) == before and not (tmp_path / "cmp").exists()

@@ -8,7 +8,7 @@ them in their own report). From each it reads
   sampled.jsonl     log p_z per sampling scheme of every (offset, document): (n, p)-extractable or not
                     (greedy's row is the exact match already tested)
   mia.jsonl         every attack's score of every member and non-member: the attack's AUC
-and tests each RUN against REF on the documents every folder scored (memorization.paired: exact McNemar,
+and tests each RUN against REF on the documents those two scored (memorization.paired: exact McNemar,
 bootstrap + permutation, paired-bootstrap AUC; Benjamini-Hochberg over the table). A document scored against
 different prefix or target tokens in two folders is refused: they did not ask the same question (checked
 where both hold extraction.jsonl: sampled.jsonl and mia.jsonl rows carry no tokens, only ids). The table is
@@ -39,26 +39,45 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _lines(path: Path, need: dict[str, Callable[[Any], bool]]) -> list[dict[str, Any]]:
-    """The JSON rows of `path`, each checked to hold every `need` key with a value its check accepts."""
+def _lines(path: Path, need: dict[str, Callable[[Any], bool]]) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, row) of every JSON row of `path`, each checked to hold every `need` key with a value its
+    check accepts."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise fail(str(path), type(e).__name__, f"cannot be read ({e}); check the file and its permissions, "
+                   "or score the model again (memorize eval --out)") from None
     rows = []
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise fail(f"{path}", f"line {i}", f"is not JSON ({e.msg}); the file is damaged: score the "
-                           "model again (memorize eval --out)") from None
-            bad = next((k for k, ok in need.items() if not isinstance(row, dict) or k not in row
-                        or not ok(row[k])), None)
-            if bad is not None:
-                raise fail(f"{path}", f"line {i}", f"has no valid {bad!r} (got "
-                           f"{row.get(bad) if isinstance(row, dict) else row!r}); compare reads the files "
-                           "memorize train / eval write: score the model again")
-            rows.append(row)
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise fail(f"{path}", f"line {i}", f"is not JSON ({e.msg}); the file is damaged: score the "
+                       "model again (memorize eval --out)") from None
+        bad = next((k for k, ok in need.items() if not isinstance(row, dict) or k not in row
+                    or not ok(row[k])), None)
+        if bad is not None:
+            raise fail(f"{path}", f"line {i}", f"has no valid {bad!r} (got "
+                       f"{row.get(bad) if isinstance(row, dict) else row!r}); compare reads the files "
+                       "memorize train / eval write: score the model again")
+        rows.append((i, row))
     return rows
+
+
+def _keyed(path: Path, rows: list[tuple[int, dict[str, Any]]], key: Callable[[dict[str, Any]], Any]
+           ) -> dict[Any, dict[str, Any]]:
+    """The rows by `key`, refusing a key two rows share (a concatenated or edited file: which one counts?)."""
+    out: dict[Any, dict[str, Any]] = {}
+    first: dict[Any, int] = {}
+    for i, row in rows:
+        k = key(row)
+        if k in out:
+            raise fail(str(path), f"line {i}", f"repeats {k!r} of line {first[k]}; each document is scored "
+                       "once: score the model again into a folder of its own")
+        out[k], first[k] = row, i
+    return out
 
 
 def read_folder(path: Path) -> dict[str, dict[Any, Any]]:
@@ -73,22 +92,24 @@ def read_folder(path: Path) -> dict[str, dict[Any, Any]]:
         rows = _lines(path / "extraction.jsonl", {"doc": lambda v: v is not None,
                                                   "exact_match": lambda v: isinstance(v, bool),
                                                   "rougeL": _number, "token_accuracy": _number})
-        got["extraction"] = {str(r["doc"]): r for r in rows}
+        got["extraction"] = _keyed(path / "extraction.jsonl", rows, lambda r: str(r["doc"]))
     if (path / "sampled.jsonl").is_file():
         rows = _lines(path / "sampled.jsonl", {
             "offset": lambda v: isinstance(v, int), "doc": lambda v: v is not None,
             "logpz": lambda v: isinstance(v, dict) and all(x is None or _number(x) for x in v.values())})
-        got["sampled"] = {(int(r["offset"]), str(r["doc"])): r["logpz"] for r in rows}
+        windows = _keyed(path / "sampled.jsonl", rows, lambda r: (int(r["offset"]), str(r["doc"])))
+        got["sampled"] = {k: r["logpz"] for k, r in windows.items()}
     if (path / "mia.jsonl").is_file():
         rows = _lines(path / "mia.jsonl", {"id": lambda v: v is not None,
                                            "member": lambda v: isinstance(v, bool)})
-        methods = [m for m in METHODS if all(m in r for r in rows)]
-        for i, r in enumerate(rows):
+        methods = [m for m in METHODS if all(m in r for _, r in rows)]
+        for i, r in rows:
             bad = next((m for m in methods if not _number(r[m])), None)
             if bad is not None:
-                raise fail(f"{path / 'mia.jsonl'}", f"row {i + 1}", f"has no finite {bad!r} score (got "
+                raise fail(f"{path / 'mia.jsonl'}", f"line {i}", f"has no finite {bad!r} score (got "
                            f"{r[bad]!r}); score the model again")
-        got["mia"] = {(str(r["id"]), r["member"]): {m: float(r[m]) for m in methods} for r in rows}
+        scored = _keyed(path / "mia.jsonl", rows, lambda r: (str(r["id"]), r["member"]))
+        got["mia"] = {k: {m: float(r[m]) for m in methods} for k, r in scored.items()}
     if not got:
         raise fail("RUN", str(path), f"holds none of {', '.join(FILES)}; train with evaluation on, or score "
                    "the model with memorize eval --out DIR and compare DIR")
@@ -111,8 +132,15 @@ def _pair(ref_name: str, ref: dict[str, dict[Any, Any]], name: str, run: dict[st
             raise fail("RUN", name, f"scored document {doc!r} with another prefix or suffix than {ref_name}; "
                        "compare runs evaluated with the same eval.prefix / eval.suffix on the same corpus")
     windows = _shared(ref.get("sampled"), run.get("sampled"))
-    schemes = sorted({s for w in windows for s in ref["sampled"][w]} - {"greedy"})
-    schemes = [s for s in schemes if all(s in ref["sampled"][w] and s in run["sampled"][w] for w in windows)]
+    offsets = sorted({o for o, _ in windows})
+    schemes = {}  # per offset; greedy at offset 0 is the exact match extraction.jsonl already gives
+    for o in offsets:
+        at = [w for w in windows if w[0] == o]
+        names = sorted({s for w in at for s in ref["sampled"][w]})
+        names = [s for s in names if all(s in ref["sampled"][w] and s in run["sampled"][w] for w in at)
+                 and not (s == "greedy" and o == 0 and docs)]
+        if names:
+            schemes[o] = (at, names)
     scored = _shared(ref.get("mia"), run.get("mia"))
     members, nonmembers = [k for k in scored if k[1]], [k for k in scored if not k[1]]
     attacks = [m for m in METHODS if scored and m in ref["mia"][scored[0]] and m in run["mia"][scored[0]]]
@@ -124,25 +152,25 @@ def _pair(ref_name: str, ref: dict[str, dict[Any, Any]], name: str, run: dict[st
             rows = [f["extraction"][d] for d in docs]
             per.update(em=[float(r["exact_match"]) for r in rows], rougeL=[float(r["rougeL"]) for r in rows],
                        token_accuracy=[float(r["token_accuracy"]) for r in rows])
-        for o in sorted({o for o, _ in windows}):
-            at = [w for w in windows if w[0] == o]
-            for s in schemes:
+        for o, (at, names) in schemes.items():
+            for s in names:
                 lz = np.array([-np.inf if f["sampled"][w][s] is None else f["sampled"][w][s] for w in at])
-                per[f"np@{o}:{s}"] = [float(x) for x in extractable(lz, n, p)]
+                # greedy: its p_z is 1 (log 0) when it emits the suffix, else 0: the exact match at o
+                hit = lz > -1e-6 if s == "greedy" else extractable(lz, n, p)
+                per[f"np@{o}:{s}"] = [float(x) for x in hit]
         for m in attacks:
             per[f"mia:{m}"] = ([f["mia"][k][m] for k in members], [f["mia"][k][m] for k in nonmembers])
-    offsets = sorted({o for o, _ in windows}) if schemes else []
     questions = []
     if docs:
         questions += [Question("em", "EM", "binary", per_document("em"), "{:+.0%}"),
                       Question("rougeL", "RougeL", "number", per_document("rougeL")),
                       Question("token_accuracy", "token accuracy", "number", per_document("token_accuracy"))]
-    where = (lambda o: f" @{o}") if len(offsets) > 1 else (lambda o: "")
-    questions += [Question(f"np@{o}:{s}", f"({n}, {p})-extractable {s}{where(o)}", "binary",
-                           per_document(f"np@{o}:{s}"), "{:+.0%}") for o in offsets for s in schemes]
+    where = (lambda o: f" @{o}") if len(schemes) > 1 else (lambda o: "")
+    questions += [Question(f"np@{o}:{s}", (f"EM @{o}" if s == "greedy" else f"({n}, {p})-extractable {s}")
+                           + ("" if s == "greedy" else where(o)), "binary", per_document(f"np@{o}:{s}"),
+                           "{:+.0%}") for o, (_, names) in schemes.items() for s in names]
     questions += [Question(f"mia:{m}", f"MIA AUC {m}", "auc", per_document(f"mia:{m}")) for m in attacks]
-    counts = {"documents": len(docs),
-              "windows": len([w for w in windows if w[0] == offsets[0]]) if offsets else 0,
+    counts = {"documents": len(docs), "windows": {str(o): len(at) for o, (at, _) in schemes.items()},
               "members": len(members) if attacks else 0, "nonmembers": len(nonmembers) if attacks else 0}
     return {"per_document": values[0]}, {"per_document": values[1]}, questions, counts
 
@@ -156,7 +184,8 @@ def _names(paths: Sequence[Path]) -> list[str]:
 def compare_folders(reference: str, runs: Sequence[str], *, n: int = 1000, p: float = 0.5,
                     bootstrap: int = 1000, seed: int = 0, out: str | None = None,
                     overwrite: bool = False) -> dict[str, Any]:
-    """Test every folder of `runs` against `reference` on the documents all of them scored; the report."""
+    """Test every folder of `runs` against `reference`, each on the documents it and the reference both
+    scored; the report."""
     if not runs:
         raise fail("RUN", "[]", "name at least one folder to compare with the reference")
     paths = [Path(reference), *map(Path, runs)]
@@ -164,6 +193,8 @@ def compare_folders(reference: str, runs: Sequence[str], *, n: int = 1000, p: fl
         raise fail("RUN", [str(pth) for pth in paths], "names one folder twice; compare different runs")
     if isinstance(bootstrap, bool) or not isinstance(bootstrap, int) or bootstrap < 1:
         raise fail("--bootstrap", bootstrap, "pass the number of resamples, an integer >= 1, e.g. 1000")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise fail("--seed", seed, "pass an integer seed >= 0, e.g. 0")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise fail("--n", n, "the number of draws must be an integer >= 1, e.g. 1000")
     if not 0 < p < 1:
@@ -201,7 +232,8 @@ def compare_folders(reference: str, runs: Sequence[str], *, n: int = 1000, p: fl
     scored = []
     for name, c in counts.items():
         parts = [f"{c['documents']} documents (greedy)"] if c["documents"] else []
-        parts += [f"{c['windows']} per offset (sampled, (n, p) = ({n}, {p}))"] if c["windows"] else []
+        parts += ["sampled at offset " + ", ".join(f"{o}: {k}" for o, k in c["windows"].items())
+                  + f" ((n, p) = ({n}, {p}))"] if c["windows"] else []
         parts += [f"{c['members']} members, {c['nonmembers']} non-members (MIA)"] if c["members"] else []
         scored.append(f"{name}: {', '.join(parts)}")
     report = {"title": table["title"], "reference": str(paths[0]), "runs": [str(pth) for pth in paths[1:]],
