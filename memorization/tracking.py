@@ -15,8 +15,9 @@ def _say(msg: str) -> None:
 
 def uniform_columns(rows: list[list[Any]]) -> list[list[Any]]:
     """The rows with every column of one type (W&B refuses a table mixing numbers, text and booleans in a
-    column, e.g. a '-' among pass numbers): a mixed column is written as text; None stays empty."""
-    rows = [list(r) for r in rows]
+    column, e.g. a '-' among pass numbers): a mixed column is written as text; None stays empty. Text of a
+    str subclass (a report's Shown cell) becomes plain str: W&B types a column by the cells' classes."""
+    rows = [[str(v) if isinstance(v, str) and type(v) is not str else v for v in r] for r in rows]
     for j in range(len(rows[0]) if rows else 0):
         kinds = {"text" if isinstance(r[j], str) else "bool" if isinstance(r[j], bool) else "number"
                  for r in rows if r[j] is not None}
