@@ -12,7 +12,7 @@ from test_experiments_runs import CONFIGS, MICRO
 
 from memorization.cli import main
 from memorization.experiments import run_experiment
-from memorization.experiments.averaging import interval
+from memorization.experiments.averaging import interval, text_cell
 from memorization.experiments.goldfish_extreme import Config as ExtremeConfig
 from memorization.experiments.questions import format_auc
 from memorization.experiments.replicates import aggregate, aggregate_folders, check_replicates, seeded
@@ -58,6 +58,44 @@ def _three() -> list[dict]:
     return reports
 
 
+def test_text_cells_over_seeds_show_each_seeds_numbers_or_say_they_vary():
+    assert text_cell(["a (3)", "a (3)"]) == "a (3)"
+    assert text_cell(["seen_once (39)", "seen_once (42)", "seen_once (40)"]) == "seen_once (39/42/40)"
+    assert text_cell(["x 1.5 of 2", "x 2.25 of 3"]) == "x 1.5/2.25 of 2/3"
+    assert text_cell(["seen once", "duplicated"]) == "varies"
+    assert text_cell(["a (3)", "a (3) b"]) == "varies"
+
+
+def test_a_row_told_apart_by_an_index_key_the_table_does_not_show_keeps_its_label_in_the_differences(
+        tmp_path):
+    """Rows named by (arm, part, scheme) where `part` is no column: the difference table carries the shown
+    text column ('documents') that tells the parts apart, and leaves text columns out where the index is
+    shown whole."""
+    cols = [["arm", "arm", "{}"], ["docs", "documents", "{}"], ["scheme", "decoding", "{}"],
+            ["em", "EM", "{:.0%}"]]
+    reports = []
+    for i in range(3):
+        rows = [{"arm": arm, "part": part, "docs": f"{part} ({n + i})", "scheme": "greedy",
+                 "em": em + 0.1 * i}
+                for arm, em0 in (("none", 0.5), ("goldfish", 0.0))
+                for part, n, em in (("seen_once", 39, em0), ("duplicated", 6, em0 + 0.3))]
+        rep = _report(i, [_row("none", 0.5, 0.9), _row("goldfish", 0.1, 0.8)], [])
+        rep["tables"]["Beyond"] = rows
+        rep["table_specs"]["Beyond"] = {"columns": cols, "index": ["arm", "part", "scheme"]}
+        reports.append(rep)
+    o = aggregate(reports, [tmp_path / f"seed-{i}" for i in range(3)], tmp_path / "avg", reference="none")
+    tables = {t.title: t for t in o.tables}
+    mean = next(t for k, t in tables.items() if k.startswith("Beyond: mean"))
+    assert [r["docs"] for r in mean.rows] == ["seen_once (39/40/41)", "duplicated (6/7/8)"] * 2
+    delta = next(t for k, t in tables.items() if k.startswith("Beyond: each row"))
+    assert [c[0] for c in delta.columns] == ["arm", "docs", "scheme", "em"]
+    assert [(r["arm"], r["docs"], r["em"]) for r in delta.rows] == [
+        ("goldfish", "seen_once (39/40/41)", "-50% in every seed"),
+        ("goldfish", "duplicated (6/7/8)", "-50% in every seed")]
+    summary = next(t for k, t in tables.items() if k.startswith("Summary: each row"))
+    assert "loss" not in [c[0] for c in summary.columns]  # a text column, and the index is shown whole
+
+
 def test_the_interval_is_the_student_t_interval():
     st = interval([1.0, 2.0, 3.0], 0.95)
     assert st["mean"] == 2.0 and st["sd"] == pytest.approx(1.0)
@@ -74,7 +112,7 @@ def test_tables_are_averaged_row_by_row_and_differenced_by_seed(tmp_path):
     assert rows["standard"]["stats"]["em"]["values"] == [0.6, 0.7, 0.8]  # in seed order
     assert rows["standard"]["em"] == "70% ± 25%"  # 0.1 · t / sqrt(3) = 0.248
     assert rows["standard"]["loss"] == "standard" and rows["standard"]["note"] == "same"
-    assert rows["goldfish"]["note"] == "varies"
+    assert rows["goldfish"]["note"] == "seed 0/1/2"  # texts differing only in a number: each seed's
     # the AUC cell is text with a number behind it: averaged by that number
     assert rows["goldfish"]["stats"]["auc"]["mean"] == pytest.approx((0.8 + 0.85 + 0.86) / 3)
     assert rows["dedup (1 of 3)"]["em"] == "20%"

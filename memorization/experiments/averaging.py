@@ -91,7 +91,8 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
                 row["stats"][key] = {**interval(nums, confidence), "values": values}
             continue
         if any(v is not None and not _number(v) for v in values):
-            row[key], row["stats"][key] = "varies", {"values": [r.get(key) if r else None for r in cells]}
+            row[key] = text_cell(raw)
+            row["stats"][key] = {"values": [r.get(key) if r else None for r in cells]}
             continue
         nums = [v for v in values if v is not None]
         if not nums:
@@ -109,6 +110,7 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
 def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confidence: float) -> list[dict]:
     """Each row minus the reference row with the same other index values, seed by seed."""
     index = spec["index"]
+    hidden = set(index) - {c for c, _, _ in spec["columns"]}
     by_rest = {_rest(key): key for key, cells in matched.items() if label(present(cells), index) == ref}
     out = []
     for key, cells in matched.items():
@@ -126,6 +128,9 @@ def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confide
         for c, _, fmt in spec["columns"]:
             if c in index:
                 continue
+            if hidden and _text_column(cells, c):  # what tells rows apart where the index is not shown
+                row[c] = text_cell([r.get(c) for r in cells if r is not None])
+                continue
             diffs = [_value(a, c) - _value(b, c) if a is not None and b is not None
                      and _number(_value(a, c)) and _number(_value(b, c)) else None
                      for a, b in zip(cells, refs)]
@@ -142,9 +147,31 @@ def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confide
 
 
 def moved_columns(rows: list[dict], spec: dict[str, Any]) -> list[tuple]:
-    """The index columns and those in which some row's difference is not 0 in some seed."""
+    """The index columns, the text carried where part of the index is not a column (delta_rows), and those
+    in which some row's difference is not 0 in some seed."""
     return [tuple(c) for c in spec["columns"] if c[0] in spec["index"] or any(
+        c[0] in r and c[0] not in r["stats"] and r[c[0]] not in ("-", "") or
         any(v not in (None, 0) for v in r["stats"].get(c[0], {}).get("values", [])) for r in rows)]
+
+
+def text_cell(texts: Sequence[Any]) -> str:
+    """The seeds' texts of one cell as one: the text where they agree; where they differ only in their
+    numbers, the text with each seed's number in turn ('seen_once (39/42/40)'); else 'varies'."""
+    shown = [str(t) for t in texts]
+    if len(set(shown)) == 1:
+        return shown[0]
+    number = re.compile(r"\d+(?:\.\d+)?")
+    if len({number.sub("#", t) for t in shown}) > 1:
+        return "varies"
+    slots = zip(*(number.findall(t) for t in shown))
+    parts = number.split(shown[0])
+    return parts[0] + "".join("/".join(s) + rest for s, rest in zip(slots, parts[1:]))
+
+
+def _text_column(cells: list, key: str) -> bool:
+    """Whether every seed's cell is text that stands for no number (no `<key>_value` twin)."""
+    rows = [r for r in cells if r is not None]
+    return bool(rows) and all(isinstance(r.get(key), str) and f"{key}_value" not in r for r in rows)
 
 
 def present(cells: list) -> dict[str, Any]:

@@ -181,8 +181,9 @@ def _notes(reports: Sequence[dict[str, Any]], sources: Sequence[Path], out: Path
             f"{links}.",
             f"A cell: the mean over the seeds ± the half-width of the {confidence:.0%} Student-t interval "
             f"(t = {avg.t_quantile(confidence, n):.2f} at {n} seeds, times sd / sqrt({n})); a cell equal in "
-            "every seed is shown as it is; 'varies': text that differs between seeds (the seeds' reports "
-            "have it); (k of n): a row or value only k seeds have. report.json keeps each seed's value "
+            "every seed is shown as it is; text that differs between seeds only in its numbers shows each "
+            "seed's number in turn (a/b/c); 'varies': other text that differs (the seeds' reports have it); "
+            "(k of n): a row or value only k seeds have. report.json keeps each seed's value "
             "(`stats`).",
             f"Paired differences: each seed's row minus the '{ref}' row of the same seed. Both share that "
             "seed's draw (members, injected items, data order), so its luck cancels and the interval is "
