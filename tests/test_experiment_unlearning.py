@@ -8,6 +8,7 @@ from helpers import refused, trained_base
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_pipelines.canaries import SecretSpace
+from evals.paired import paired_auc
 from memorization.cli import main
 from memorization.experiments.exposure import canary_scores
 
@@ -208,6 +209,25 @@ def test_paired_tests_match_each_model_to_retrain_at_the_same_stage_item_by_item
     em = tests["ga"]["em_forget"]
     assert (em["a_only"], em["b_only"], em["n"]) == (only_ga, only_ref, len(lead["ids"]))
     assert "Paired tests: each model − its reference" in (out / "report.md").read_text()
+    # ROUGE-L, membership scores and held-out NLL are kept per item, by id, and paired by it
+    per, ref_per = ga["per_document"], gold["per_document"]
+    rl = per["rougeL"]["forget"]
+    assert set(rl) == set(lead["ids"])
+    assert tests["ga"]["rl_forget"]["diff"] == pytest.approx(
+        sum(rl[i] - ref_per["rougeL"]["forget"][i] for i in rl) / len(rl))
+    ids = list(ref_per["nonmember_nll"])
+    assert tests["ga"]["nll"]["diff"] == pytest.approx(
+        sum(per["nonmember_nll"][i] - ref_per["nonmember_nll"][i] for i in ids) / len(ids))
+    for m in ("loss", "zlib"):
+        members = list(ref_per["members"]["forget"][m])
+        expect = paired_auc([per["members"]["forget"][m][i] for i in members],
+                            [per["nonmembers"][m][i] for i in ids],
+                            [ref_per["members"]["forget"][m][i] for i in members],
+                            [ref_per["nonmembers"][m][i] for i in ids], resamples=1000, seed=0)
+        got = tests["ga"][f"auc_forget_{m}"]
+        assert (got["diff"], got["p_value"]) == pytest.approx((expect["diff"], expect["p_value"]))
+        # the AUC of the stored scores is the AUC the report's table shows
+        assert got["auc_a"] == pytest.approx(ga["mia"]["forget"][m]["auc"])
 
 
 def test_a_rerun_reuses_and_longer_unlearning_retrains_only_what_follows(finished, pretrained, capsys):

@@ -393,12 +393,14 @@ class Questions:
                     "candidates": cfg.canaries.candidates,
                     "other": [cfg.other_held_out, cfg.other_held_out_limit],
                     "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
-                    "asked": digest([self.leads, nonmembers, other, split.canaries, split.duplicates])}
+                    "asked": digest([self.leads, nonmembers, other, split.canaries, split.duplicates]),
+                    "per_document": 1}  # what paired tests read (answers kept without it: asked again)
+        self.nonmember_ids = [f"nonmember-{i}" for i in range(len(nonmembers))]  # fixed by `asked`
 
     def __call__(self, model: Any, downstream: bool = False) -> dict[str, Any]:
         """Every answer of `model`, each metric for the forget and the retain items."""
         e, tok = self.cfg.base.eval, self.data.tokenizer
-        leads = {}
+        leads, rouge = {}, {}
         for g, docs in self.leads.items():
             got = extract(model, docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=tok,
                           batch_size=e.batch_size, decode=e.decode, doc_ids=self.lead_ids[g])
@@ -406,6 +408,7 @@ class Questions:
             leads[g] = {**{k: scores[k] for k in ("docs", "exact_match_rate", "rougeL")},
                         "ids": sorted(str(r.doc) for r in got),  # which leads were asked, which came back
                         "extracted": sorted(str(r.doc) for r in got if r.exact_match)}
+            rouge[g] = {str(r.doc): float(r.rougeL) for r in got}
         inj = score_injected(model, self.cfg, tok, self.manifest, self.dup_tokens)
         forget = set(self.split.canaries) | set(self.split.duplicates)
         canaries = {g: [{k: c[k] for k in ("id", "count", "exposure", "extracted")} for c in inj["canaries"]
@@ -415,12 +418,29 @@ class Questions:
         sampled = beyond_summary(sampled_extraction(
             model, self.forget_docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=self.schemes,
             offsets=[0], ns=e.np_ns, p=e.np_p, batch_size=e.batch_size)) if self.schemes else None
-        privacy = {g: q(model, downstream=downstream and g == "forget") for g, q in self.mia.items()}
+        privacy = {g: q(model, downstream=downstream and g == "forget", per_document=True)
+                   for g, q in self.mia.items()}
         return {"leads": leads, "canaries": canaries, "duplicates": dups, "max_exposure": inj["max_exposure"],
                 "sampled": sampled, "mia": {g: p["mia"] for g, p in privacy.items()},
                 "val_loss": privacy["forget"]["val_loss"],
                 "other_val_loss": privacy["forget"]["other_val_loss"],
-                "downstream": privacy["forget"].get("downstream")}
+                "downstream": privacy["forget"].get("downstream"),
+                "per_document": self.per_document(privacy, rouge)}
+
+    def per_document(self, privacy: dict[str, Any], rouge: dict[str, dict[str, float]]) -> dict[str, Any]:
+        """Each item's own answer keyed by its id, what the report's paired tests pair two models by: the
+        leads' ROUGE-L, each MIA method's score of the forget and retain leads and of the non-members
+        (the same for both groups), each non-member's mean token NLL."""
+        def keyed(ids: list[str], values: list[float]) -> dict[str, float]:
+            return dict(zip(ids, values, strict=True))
+
+        scores = {g: p["per_document"] for g, p in privacy.items()}
+        return {"rougeL": rouge,
+                "members": {g: {m: keyed(self.lead_ids[g], v) for m, v in scores[g]["members"].items()}
+                            for g in scores},
+                "nonmembers": {m: keyed(self.nonmember_ids, v)
+                               for m, v in scores["forget"]["nonmembers"].items()},
+                "nonmember_nll": keyed(self.nonmember_ids, scores["forget"]["nonmember_nll"])}
 
     def baseline(self, exp: Experiment, reference: Any) -> dict[str, Any]:
         """The base model's answers, cached in OUT/baseline under the model, the inputs and `key`."""
@@ -525,7 +545,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
 
 ANSWERS = ("leads", "canaries", "duplicates", "max_exposure", "sampled", "mia", "val_loss", "other_val_loss",
-           "downstream")  # what Questions returns
+           "downstream", "per_document")  # what Questions returns
 
 
 def answers(summary: dict[str, Any]) -> dict[str, Any]:

@@ -194,7 +194,7 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         notes.append(np_note + " Forget documents: the probed leads and the "
                      f"forget duplicated leads. 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
                      "emits at least once in a thousand draws.")
-    paired, tests, paired_notes = _paired(methods, before, b.seed)
+    paired, tests, paired_notes = _paired(methods, before, b.seed, list(cfg.mia_methods))
     tables += [Table(**paired, per_seed=True)] if paired else []
     notes += paired_notes
     plots = [_plot(methods, before, baseline, mia, out / "unlearning.png")]
@@ -206,29 +206,56 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
                                      "rows": n_forget}})
 
 
-PAIRED_QUESTIONS = [Question(key, title, kind, per_document(key), fmt) for key, title, kind, fmt in (
-    ("em_forget", "EM forget leads", "binary", "{:+.0%}"),
-    ("dup_forget", "EM forget dup.", "binary", "{:+.0%}"),
-    ("exp_forget", "forget exposure", "number", "{:+.2f}"),
-    ("em_retain", "EM retain leads", "binary", "{:+.0%}"),
-    ("exp_retain", "retain exposure", "number", "{:+.2f}"))]
+def paired_questions(methods: list[str]) -> list[Question]:
+    """What the paired tests ask: forget items first (verbatim, secrets, membership of the forget leads by
+    every MIA method, as MUSE's PrivLeak compares it with retrain), then what must stay (retain leads and
+    secrets, held-out NLL)."""
+    def auc(m: str) -> Any:
+        def get(answers: dict[str, Any]) -> Any:
+            pos, neg = per_document(f"mia_forget_{m}")(answers), per_document(f"mia_nonmembers_{m}")(answers)
+            return None if pos is None or neg is None else (pos, neg)
+        return get
+
+    def q(key: str, title: str, kind: str, fmt: str) -> Question:
+        return Question(key, title, kind, per_document(key), fmt)
+
+    return [q("em_forget", "EM forget leads", "binary", "{:+.0%}"),
+            q("rl_forget", "ROUGE-L forget leads", "number", "{:+.3f}"),
+            q("dup_forget", "EM forget dup.", "binary", "{:+.0%}"),
+            q("exp_forget", "forget exposure", "number", "{:+.2f}"),
+            *(Question(f"auc_forget_{m}", f"MIA AUC {m} forget", "auc", auc(m)) for m in methods),
+            q("em_retain", "EM retain leads", "binary", "{:+.0%}"),
+            q("rl_retain", "ROUGE-L retain leads", "number", "{:+.3f}"),
+            q("exp_retain", "retain exposure", "number", "{:+.2f}"),
+            q("nll", "held-out NLL", "number", "{:+.3f}")]
 
 
 def by_id(v: dict[str, Any]) -> dict[str, dict[str, float]]:
     """One model's per-item answers keyed by item id: each lead's exact match (from the ids asked and the
-    ids extracted), each duplicated lead's, each secret's exposure ({} for answers kept without ids)."""
+    ids extracted) and ROUGE-L, each duplicated lead's exact match, each secret's exposure, each MIA score
+    of the forget leads and the non-members, each non-member's NLL (only what the answers kept: those
+    taken before per-item scores were stored have the first three)."""
     out: dict[str, dict[str, float]] = {}
+    per = v.get("per_document") or {}
     for g in ("forget", "retain"):
         lead = v["leads"][g]
         if "ids" in lead and "extracted" in lead:
             hit = set(lead["extracted"])
             out[f"em_{g}"] = {i: float(i in hit) for i in lead["ids"]}
         out[f"exp_{g}"] = {c["id"]: float(c["exposure"]) for c in v["canaries"][g]}
+        if g in (per.get("rougeL") or {}):
+            out[f"rl_{g}"] = per["rougeL"][g]
     out["dup_forget"] = {d["id"]: float(d["exact_match"]) for d in v["duplicates"]["forget"]}
+    for m, scores in ((per.get("members") or {}).get("forget") or {}).items():
+        out[f"mia_forget_{m}"] = scores
+    for m, scores in (per.get("nonmembers") or {}).items():
+        out[f"mia_nonmembers_{m}"] = scores
+    if "nonmember_nll" in per:
+        out["nll"] = per["nonmember_nll"]
     return out
 
 
-def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int
+def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int, mia: list[str]
             ) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
     """Each model against retrain at the same stage (the fine-tune and every method as left, then after each
     attack against retrain after that attack), item by item (memorization.paired)."""
@@ -243,7 +270,7 @@ def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int
     for name, v, a in rows:
         answers[name], aligned[name] = align(by_id(v), by_id(ref[a][1]))
         pairs.append((name, ref[a][0]))
-    return paired_table(answers, pairs, PAIRED_QUESTIONS, label="model", resamples=1000, seed=seed,
+    return paired_table(answers, pairs, paired_questions(mia), label="model", resamples=1000, seed=seed,
                         aligned=aligned,
                         missing="rerun the methods: their answers are taken while unlearning")
 
