@@ -78,12 +78,13 @@ def _test(q: Question, a: Any, b: Any, resamples: int, seed: int) -> dict[str, A
 def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequence[tuple[str, str]],
                  questions: Sequence[Question], *, label: str = "arm", resamples: int = 1000, seed: int = 0,
                  missing: str = "delete OUT/runs/*/evals.json and rerun: scored again, not retrained",
-                 aligned: Mapping[str, Mapping[str, Any]] | None = None
+                 aligned: Mapping[str, Mapping[str, Any]] | None = None, title: str = ""
                  ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]], list[str]]:
     """(the table: {title, rows, columns, index}; {row: {question key: test, with its "reference"}};
     notes): each (row, reference) of `pairs` (names of `answers`, each model's answers) tested on every
     question both answer, in that order. `aligned[row]`, where given, is the reference's answers on that
-    row's documents (when each row shares a different set of documents with the reference).
+    row's documents (when each row shares a different set of documents with the reference). `title`
+    names the table where a report has more than one (default: what each row is tested against).
 
     A row without per-document answers (kept before they were stored) or whose answers cannot be paired
     is left out with a note saying which and why (`missing`: how to get them); no table (None) when no row
@@ -126,8 +127,8 @@ def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequenc
     asked = [q for q in questions if any(q.key in row for row in tests.values())]
     cols = ((label, label, "{}"), *((("reference", "minus", "{}"),) if many else ()),
             *((q.key, q.title, "{}") for q in asked))
-    title = (f"Paired tests: each {label} − its reference, document by document" if many else
-             f"Paired tests: each {label} − '{refs[0]}', document by document")
+    title = title or (f"Paired tests: each {label} − its reference, document by document" if many else
+                      f"Paired tests: each {label} − '{refs[0]}', document by document")
     notes.insert(0, " ".join([
         f"{title}: exact match by the exact McNemar test (in brackets: the documents only the row gets right",
         "vs only the reference does); numbers per document by the mean difference, its",

@@ -115,6 +115,32 @@ def test_each_pass_is_asked_of_the_model_as_it_is_then(finished):
     assert (out / "forgetting.png").is_file()
 
 
+def test_paired_tests_compare_each_pass_with_pass_0_and_each_arm_with_none_document_by_document(finished):
+    """Continued training against the fine-tune it continues (pass 0 of its arm) and goldfish against
+    none after as many passes, each from the answers taken after that pass, paired by document."""
+    _, out = finished
+    report = json.loads((out / "report.json").read_text())
+    tests = report["paired_tests"]
+    assert list(tests["since_pass_0"]) == [f"{a}, pass {k}" for a in ("none", "goldfish") for k in (1, 2)]
+    assert list(tests["against_reference"]) == [f"goldfish, pass {k}" for k in (0, 1, 2)]
+    assert tests["since_pass_0"]["goldfish, pass 2"]["em_once"]["reference"] == "goldfish, pass 0"
+    assert tests["against_reference"]["goldfish, pass 1"]["exposure"]["reference"] == "none, pass 1"
+    records = {a: json.loads((out / "runs" / f"{a}-continued" / "run.json").read_text())["summary"]
+               ["after_pass"] for a in ("none", "goldfish")}
+    last, first = records["none"][2], records["none"][0]
+    em = tests["since_pass_0"]["none, pass 2"]["em_once"]
+    a, b = (r["per_document"]["seen_once_exact_match"] for r in (last, first))
+    assert (em["a_only"], em["b_only"], em["n"]) == (sum(x > y for x, y in zip(a, b)),
+                                                     sum(y > x for x, y in zip(a, b)), len(a))
+    exposure = tests["against_reference"]["goldfish, pass 2"]["exposure"]
+    g, n = ([c["exposure"] for c in r[2]["injected"]["canaries"]]
+            for r in (records["goldfish"], records["none"]))
+    assert exposure["diff"] == pytest.approx(sum(x - y for x, y in zip(g, n)) / len(g))
+    md = (out / "report.md").read_text()
+    assert "## Paired tests: each pass − pass 0 of its arm" in md
+    assert "## Paired tests: each arm − 'none' after as many passes" in md
+
+
 def test_phase_2_retrains_exactly_when_its_inputs_change(finished, pretrained, capsys):
     """A longer continuation retrains phase 2 only; a moved OUT reuses everything (phase 2 is keyed by
     the fine-tune it continues, not by the folder it reads it from); a retrained fine-tune retrains its

@@ -41,6 +41,7 @@ from memorization.experiments.mitigations import (
     baseline_record,
     beyond_table,
     members_and_nonmembers,
+    paired_questions,
 )
 from memorization.experiments.mitigations import REFERENCE as REFERENCE  # replicates: against 'none' too
 from memorization.experiments.mitigations import Config as MitigationsConfig
@@ -56,6 +57,7 @@ from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, digest, say
 from memorization.experiments.spec import Arm
 from memorization.mitigations.peft_lora import LoraSettings
+from memorization.paired import paired_table
 from memorization.train import pipeline
 from memorization.train.prepare import PreparedData, prepare_documents
 from memorize_core import ConfigError, fail
@@ -203,7 +205,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         baseline = baseline_record(ask.baseline(exp, reference), cfg.counts)
     del reference
     key = cfg.injection_key()
-    arms = []
+    arms, answers = [], {}  # answers: every pass's own, by row name, for the paired tests
     for arm in cfg.arms:
         first = arm_config(cfg, arm)
         tuned = exp.run(first, data, extra_key=key, per_run_wandb=cfg.per_run_wandb)  # phase 1: its own run
@@ -229,6 +231,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             continue
         passes = [{"pass": r["pass"], "step": r["step"], **arm_record(arm, r, cfg.counts)}
                   for r in summary["after_pass"]]
+        answers.update({pass_name(arm.name, r["pass"]): r for r in summary["after_pass"]})
         arms.append({"name": arm.name, "mitigation": arm.mitigation, "overrides": list(arm.overrides),
                      "fine_tune_steps": tuned.get("steps"),
                      "continued_steps": summary.get("steps"),
@@ -236,7 +239,36 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if not exp.is_main:
         return None
     return _outputs(cfg, arms, baseline, len(members), len(nonmembers), len(data.train_docs),
-                    len(fresh.train_docs), exp.out)
+                    len(fresh.train_docs), exp.out, answers)
+
+
+def pass_name(arm: str, k: int) -> str:
+    """The row of `arm` after `k` passes of continued training (0: the fine-tune before any)."""
+    return f"{arm}, pass {k}"
+
+
+def paired(cfg: Config, arms: list[dict[str, Any]], answers: dict[str, Any]
+           ) -> tuple[list[Table], dict[str, Any], list[str]]:
+    """Two per-document paired tables (memorization.paired): each arm after k passes against itself at
+    pass 0 (what continued training removed, document by document), and each arm against the unmitigated
+    one after the same passes (whether the mitigation's effect lasts)."""
+    names = [a["name"] for a in arms]
+    ref = next((a["name"] for a in arms if a["mitigation"] == "none"), names[0] if names else "")
+    rows = [(pass_name(a["name"], p["pass"]), a["name"], p["pass"]) for a in arms for p in a["passes"]]
+    tables, tests, notes = [], {}, []
+    asks = (("since_pass_0", "Paired tests: each pass − pass 0 of its arm, document by document",
+             [(row, pass_name(arm, 0)) for row, arm, k in rows if k != 0]),
+            ("against_reference",
+             f"Paired tests: each arm − '{ref}' after as many passes, document by document",
+             [(row, pass_name(ref, k)) for row, arm, k in rows if arm != ref]))
+    for key, title, pairs in asks:
+        table, t, n = paired_table(answers, pairs, paired_questions(list(cfg.mia_methods)), label="model",
+                                   resamples=cfg.bootstrap or 1000, seed=cfg.base.seed, title=title)
+        if table:
+            tables.append(Table(**table, per_seed=True))
+            tests[key] = t
+        notes += n
+    return tables, tests, notes
 
 
 MIN_GAIN = 1.0  # bits: below this the fine-tune's exposure gain is within a few secrets' noise (a secret
@@ -279,7 +311,8 @@ def _row(name: str, p: dict[str, Any], floor: float | None, start: float | None,
 
 
 def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] | None, n_members: int,
-             n_nonmembers: int, n_rows: int, n_fresh: int, out: Path) -> Outputs:
+             n_nonmembers: int, n_rows: int, n_fresh: int, out: Path,
+             answers: dict[str, Any] | None = None) -> Outputs:
     floor = baseline["canaries"]["exposure_mean"] if baseline else None
     method = cfg.mia_methods[0]
     rows = [_row(BASELINE_ROW, baseline, None, None, method)] if baseline else []
@@ -338,11 +371,14 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
         notes.append("Near-verbatim (base.eval.near_verbatim): a lower bound of the probability that one "
                      f"sample lies within d {change_words(b.eval.nv_distance)[1]} of the suffix "
                      "(evals/near_verbatim.py).")
+    paired_tables, tests, paired_notes = paired(cfg, arms, answers or {})
+    tables += paired_tables
+    notes += paired_notes
     plots = [_plot(arms, baseline, cfg, out / "forgetting.png")]
     return Outputs(title="Forgetting: what a fine-tune memorized, after training goes on without it",
                    kind=cfg.kind, runs=arms, tables=tables, notes=notes, plots=plots,
                    extra={"arms": arms, "baseline": baseline, "continue_passes": cfg.continue_passes,
-                          "fresh": {"corpus": f.corpus, "rows": n_fresh}})
+                          "fresh": {"corpus": f.corpus, "rows": n_fresh}, "paired_tests": tests})
 
 
 def _np_series(passes: list[dict[str, Any]]) -> list[tuple[str, list[float | None]]]:
