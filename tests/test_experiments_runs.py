@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from memorization.compare import compare_folders
 from memorization.experiments import run_experiment
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "experiments"
@@ -56,6 +57,16 @@ def test_goldfish_extreme_then_resume_and_partial_change(tmp_path):
     assert [x["name"] for x in r["runs"]] == ["standard", "goldfish-static", "goldfish-hash"]
     assert all(0.0 <= x["mia_auc"] <= 1.0 and not x["reused"] for x in r["runs"])
     assert r["runs"][0]["loss"] == "standard" and r["runs"][2]["goldfish_strategy"] == "hash"
+    # each goldfish run against standard loss, document by document: what memorize compare gives by hand
+    tests = r["paired_tests"]
+    assert list(tests) == ["goldfish-static", "goldfish-hash"]
+    by_hand = compare_folders(str(out / "runs" / "standard"), [str(out / "runs" / "goldfish-hash")])
+    for q in ("em", "rougeL"):
+        mine, theirs = tests["goldfish-hash"][q], by_hand["tests"]["goldfish-hash"][q]
+        assert {k: v for k, v in mine.items() if k != "p_adjusted"} == \
+            {k: v for k, v in theirs.items() if k != "p_adjusted"}
+    assert tests["goldfish-hash"]["em"]["n"] == r["runs"][0]["docs"]
+    assert "## Paired tests: each run − 'standard', document by document" in (out / "report.md").read_text()
     before = _mtimes(out)
 
     again = _run("goldfish-extreme", out)
@@ -109,6 +120,20 @@ def test_catastrophic_memorization_scores_every_pass(tmp_path):
     assert r["runs"][0]["params"] < r["runs"][2]["params"]
     table = (out / "report.md").read_text()
     assert "EM of every window, pass 3" in table and f"| {r['runs'][0]['scan_windows']:,} |" in table
+    # paired by document: b against a with the same loss, goldfish against standard at each size; exact
+    # match after pass 1 from that pass's ids, the last pass's from the result files
+    tests = r["paired_tests"]
+    assert list(tests["by_size"]) == ["b-standard", "b-goldfish"]
+    assert list(tests["by_loss"]) == ["a-goldfish", "b-goldfish"]
+    runs = {x["name"]: x for x in r["runs"]}
+    first = {n: runs[n]["passes"][0] for n in ("b-standard", "a-standard")}
+    b_hit, a_hit = (set(first[n]["extracted"]) for n in ("b-standard", "a-standard"))
+    em1 = tests["by_size"]["b-standard"]["em_pass_1"]
+    assert (em1["a_only"], em1["b_only"], em1["n"]) == (len(b_hit - a_hit), len(a_hit - b_hit),
+                                                         len(first["a-standard"]["ids"]))
+    assert tests["by_loss"]["b-goldfish"]["em"]["reference"] == "b-standard"
+    assert "em_pass_3" not in tests["by_size"]["b-standard"]  # the last pass is the files' EM
+    assert "## Paired tests: each size − 'a' with the same loss" in table
 
 
 def test_canary_exposure_with_manifest(tmp_path):

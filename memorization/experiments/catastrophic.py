@@ -14,12 +14,14 @@ from typing import Any
 from memorization.config import ModelConfig, RunConfig
 from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
 from memorization.experiments.corpus_scan import ScanSettings
+from memorization.experiments.paired_runs import paired_runs
 from memorization.experiments.passes import train_with_passes
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list
 from memorization.outputs import check_name
+from memorization.paired import Question, per_document
 from memorize_core import fail
 
 
@@ -142,12 +144,53 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     extra_tables, np_plots = beyond_greedy(runs, exp.out, "catastrophic")
     if extra_tables:
         notes.append(NP_NOTE.format(passes=cfg.passes))
+    paired, tests, paired_notes = paired_tables(cfg, exp, runs, shown)
     return Outputs(title="Catastrophic memorization: exact match vs model size and passes", kind=cfg.kind,
-                   runs=runs, notes=notes,
-                   tables=[Table("Summary", runs, tuple(columns), ("loss", "size")), *extra_tables],
+                   runs=runs, notes=notes + paired_notes,
+                   tables=[Table("Summary", runs, tuple(columns), ("loss", "size")), *extra_tables, *paired],
                    plots=plots + np_plots,
                    samples=samples, sample_columns=SAMPLE_COLUMNS,
-                   extra={"passes": cfg.passes, "shown_passes": shown})
+                   extra={"passes": cfg.passes, "shown_passes": shown, "paired_tests": tests})
+
+
+def paired_tables(cfg: Config, exp: Experiment, runs: list[dict[str, Any]], shown: list[int]
+                  ) -> tuple[list[Table], dict[str, Any], list[str]]:
+    """Per-document paired tests (experiments.paired_runs): each size against the smallest with the same
+    loss (does the bigger model memorize documents the smaller does not, after pass p?), and goldfish
+    against standard loss at each size. Exact match after each shown pass from the passes' ids; the last
+    pass's answers (exact match, RougeL, (n, p) per scheme) from each run's result files."""
+    names = [r["name"] for r in runs]
+    earlier = [k for k in shown if k != cfg.passes]
+    extra = {r["name"]: {f"em_pass_{rec['pass']}": _exact_match_by_id(rec) for rec in r.get("passes", [])
+                         if rec["pass"] in earlier and "ids" in rec} for r in runs}
+    questions = [Question(f"em_pass_{k}", f"EM pass {k}", "binary", per_document(f"em_pass_{k}"), "{:+.0%}")
+                 for k in earlier]
+    smallest = cfg.sizes[0].name
+    by_size = [(f"{s.name}-{loss}", f"{smallest}-{loss}") for s in cfg.sizes[1:] for loss in cfg.losses]
+    by_loss = [(f"{s.name}-goldfish", f"{s.name}-standard") for s in cfg.sizes] \
+        if {"standard", "goldfish"} <= set(cfg.losses) else []
+    tables, tests, notes = [], {}, []
+    for key, title, pairs in (
+            ("by_size", f"Paired tests: each size − '{smallest}' with the same loss, document by document",
+             by_size),
+            ("by_loss", "Paired tests: goldfish − standard loss at each size, document by document",
+             by_loss)):
+        table, t, n = paired_runs(exp, [pr for pr in pairs if set(pr) <= set(names)], cfg.base, title=title,
+                                  extra=extra, extra_questions=questions)
+        tables += table
+        notes += n
+        if t:
+            tests[key] = t
+    if tables:
+        notes.append(f"Paired tests: 'EM pass p' after pass p; EM, RougeL and (n, p) after the last pass "
+                     f"({cfg.passes}).")
+    return tables, tests, notes
+
+
+def _exact_match_by_id(record: dict[str, Any]) -> dict[str, float]:
+    """One pass's exact match of every document it asked, by document id (1.0: extracted)."""
+    hit = set(record["extracted"])
+    return {i: float(i in hit) for i in record["ids"]}
 
 
 def _plot_sizes(runs: list[dict[str, Any]], shown: list[int], path):

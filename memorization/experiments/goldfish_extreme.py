@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memorization.experiments.paired_runs import against, paired_runs
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples, mia_metrics
@@ -86,10 +87,11 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         f"MIA (loss score): {len(data.train_docs)} training documents vs {len(split.nonmembers)} held-out "
         f"documents from {split.held_out_source}; validation loss on the same held-out documents.",
     ]
+    paired, tests, paired_notes = paired_runs(exp, against([r["name"] for r in runs], "standard"), b)
     return Outputs(title="Goldfish extreme: standard vs goldfish static vs goldfish hash", kind=cfg.kind,
-                   runs=runs, tables=[Table("Summary", runs, COLUMNS)], notes=notes, plots=plots,
-                   samples=samples, sample_columns=SAMPLE_COLUMNS,
-                   extra={"held_out": split.held_out_source})
+                   runs=runs, tables=[Table("Summary", runs, COLUMNS), *paired], notes=notes + paired_notes,
+                   plots=plots, samples=samples, sample_columns=SAMPLE_COLUMNS,
+                   extra={"held_out": split.held_out_source, "paired_tests": tests})
 
 
 def _plot(runs: list[dict[str, Any]], curves: dict[str, list[dict]], path):

@@ -13,6 +13,7 @@ from typing import Any
 
 from memorization.config import RunConfig
 from memorization.experiments.beyond_greedy import NP_NOTE, beyond_greedy
+from memorization.experiments.paired_runs import against, paired_runs
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, prepare_split
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples, mia_metrics
@@ -108,10 +109,12 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     extra_tables, np_plots = beyond_greedy(runs, exp.out, "goldfish-sweep")
     if extra_tables:
         notes.append(NP_NOTE.format(passes=b.trainer.epochs))
+    paired, tests, paired_notes = paired_runs(exp, against([r["name"] for r in runs], "standard"), b)
     return Outputs(title="Goldfish sweep: memorization vs validation loss over k and h", kind=cfg.kind,
-                   runs=runs, tables=[Table("Summary", runs, COLUMNS), *extra_tables], notes=notes,
-                   plots=plots + np_plots,
-                   samples=samples, sample_columns=SAMPLE_COLUMNS, extra={"held_out": split.held_out_source})
+                   runs=runs, tables=[Table("Summary", runs, COLUMNS), *extra_tables, *paired],
+                   notes=notes + paired_notes, plots=plots + np_plots,
+                   samples=samples, sample_columns=SAMPLE_COLUMNS,
+                   extra={"held_out": split.held_out_source, "paired_tests": tests})
 
 
 MARKERS = {("hash", False): "o", ("hash", True): "s", ("static", False): "^", ("static", True): "D"}

@@ -48,7 +48,10 @@ class PassExtraction(Callback):
         self.last_step = trainer.state.step
         self.last_results = extraction_results(trainer.model, self.cfg, self.data, grid=trainer.grid)
         stats = summarize(self.last_results)
-        record = {"pass": label, "step": trainer.state.step, **{k: stats[k] for k in EXTRACTION_KEYS}}
+        record = {"pass": label, "step": trainer.state.step, **{k: stats[k] for k in EXTRACTION_KEYS},
+                  # which documents were asked and which came back: per-document paired tests by pass
+                  "ids": [str(r.doc) for r in self.last_results],
+                  "extracted": [str(r.doc) for r in self.last_results if r.exact_match]}
         if self.scan_stride is not None:  # every window of the training set, beside the per-document EM
             e = self.cfg.eval
             record.update(scan_training_set(trainer.model, self.data.train_docs, prefix=e.prefix,
