@@ -141,4 +141,20 @@ def paired_table(answers: Mapping[str, Mapping[str, Any] | None], pairs: Sequenc
     for name, row in tests.items():
         for t in row.values():
             t["reference"] = against[name]
+    notes += _undecidable(asked, tests)
     return {"title": title, "rows": rows, "columns": cols, "index": (label,)}, tests, notes
+
+
+def _undecidable(questions: Sequence[Question], tests: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """A note naming the columns no outcome could make significant: with n paired items the exact tests'
+    smallest two-sided p is 2^(1-n) (every item changed, all one way), at or above LEVEL for n <= 5."""
+    few = []
+    for q in questions:
+        ns = [row[q.key]["n"] for row in tests.values() if q.key in row and "n" in row[q.key]]
+        if ns and 2.0 ** (1 - max(ns)) >= LEVEL:
+            few.append(f"'{q.title}' ({max(ns)} items: p >= {2.0 ** (1 - max(ns)):.3g})")
+    if not few:
+        return []
+    return [f"Too few items for a test to decide, whatever the models did: {', '.join(few)}. More of them "
+            "(more canaries or duplicated documents per copy count, more documents) let it decide; until "
+            "then the size of the difference, and its agreement over seeds, is the evidence."]

@@ -134,6 +134,21 @@ def test_paired_table_tests_every_row_against_the_reference_and_adjusts_across_t
     assert tests["d"]["em"]["reference"] == "c" and "its reference" in two["title"]
 
 
+def test_a_column_too_small_for_any_outcome_to_be_significant_is_named():
+    """5 items: even all five lost gives p = 2/32 >= 0.05, and the note says so; 6 items can decide."""
+    questions = [Question("em", "EM duplicated", "binary", per_document("em"), "{:+.0%}"),
+                 Question("nll", "exposure", "number", per_document("nll"))]
+    five = {"ref": _answers([1] * 5, [9.0] * 6), "row": _answers([0] * 5, [1.0, 2, 3, 4, 5, 6])}
+    _, tests, notes = paired_table(five, [("row", "ref")], questions, resamples=50)
+    assert tests["row"]["em"]["p_value"] == pytest.approx(2 / 32)
+    assert tests["row"]["nll"]["p_value"] == pytest.approx(2 / 64)  # 6 items, every one lower: decides
+    few = [n for n in notes if n.startswith("Too few items")]
+    assert len(few) == 1 and "'EM duplicated' (5 items: p >= 0.0625)" in few[0] and "exposure" not in few[0]
+    six = {"ref": _answers([1] * 6, [9.0] * 6), "row": _answers([0] * 6, [1.0] * 6)}
+    assert not any(n.startswith("Too few") for n in paired_table(six, [("row", "ref")], questions,
+                                                                 resamples=50)[2])
+
+
 def test_replicates_leave_per_seed_tables_out():
     report = {"tables": {"Arms": [{"arm": "none"}], "Paired tests": [{"arm": "goldfish", "em": "p=0.1"}]},
               "table_specs": {"Arms": {"columns": [["arm", "arm", "{}"]], "index": ["arm"]},
