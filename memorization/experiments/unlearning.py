@@ -394,7 +394,7 @@ class Questions:
                     "other": [cfg.other_held_out, cfg.other_held_out_limit],
                     "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
                     "asked": digest([self.leads, nonmembers, other, split.canaries, split.duplicates]),
-                    "per_document": 1}  # what paired tests read (answers kept without it: asked again)
+                    "per_document": 1}  # what paired tests read: a run asked without it is asked again
         self.nonmember_ids = [f"nonmember-{i}" for i in range(len(nonmembers))]  # fixed by `asked`
 
     def __call__(self, model: Any, downstream: bool = False) -> dict[str, Any]:
@@ -528,6 +528,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
             s = plans[m.name]
             summary = _unlearn(cfg, exp, m, s, steps[m.name], unlearn_data, n_forget, ask, tuned)
             passes = summary.get("after_pass", [])
+            # per-item answers are paired at the last pass only (the model as left): not kept for the others
+            passes = [{k: v for k, v in p.items() if k != "per_document"} for p in passes[:-1]] + passes[-1:]
         attacked = {}
         for attack, (part, rows) in attacks.items():  # each from the method's model, as it was left
             rc = relearn_config(cfg, m.name, exp.run_dir(m.name) / "model", attack)
@@ -555,8 +557,9 @@ def answers(summary: dict[str, Any]) -> dict[str, Any]:
 
 def _identity(summary: dict[str, Any]) -> dict[str, Any]:
     """What a finished training run is, for the key of a run that continues it: its summary without the
-    answers (they change with the questions, the training does not) or the flag saying it was reused."""
-    return {k: v for k, v in summary.items() if k != "reused" and k not in ANSWERS}
+    answers, its own or those taken after each pass (they change with the questions, the training does
+    not), or the flag saying it was reused."""
+    return {k: v for k, v in summary.items() if k not in ("reused", "after_pass") and k not in ANSWERS}
 
 
 def _unlearn(cfg: Config, exp: Experiment, m: Method, s: UnlearnSettings, steps: int, data: PreparedData,

@@ -194,7 +194,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         notes.append(np_note + " Forget documents: the probed leads and the "
                      f"forget duplicated leads. 'p_z >= {PZ_FLOOR:g}': the share whose suffix the scheme "
                      "emits at least once in a thousand draws.")
-    paired, tests, paired_notes = _paired(methods, before, b.seed, list(cfg.mia_methods))
+    paired, tests, paired_notes = _paired(methods, before, b.seed, list(cfg.mia_methods),
+                                          cfg.bootstrap or 1000)
     tables += [Table(**paired, per_seed=True)] if paired else []
     notes += paired_notes
     plots = [_plot(methods, before, baseline, mia, out / "unlearning.png")]
@@ -234,7 +235,7 @@ def by_id(v: dict[str, Any]) -> dict[str, dict[str, float]]:
     """One model's per-item answers keyed by item id: each lead's exact match (from the ids asked and the
     ids extracted) and ROUGE-L, each duplicated lead's exact match, each secret's exposure, each MIA score
     of the forget leads and the non-members, each non-member's NLL (only what the answers kept: those
-    taken before per-item scores were stored have the first three)."""
+    taken before per-item scores were stored have the exact matches and the exposures)."""
     out: dict[str, dict[str, float]] = {}
     per = v.get("per_document") or {}
     for g in ("forget", "retain"):
@@ -255,8 +256,8 @@ def by_id(v: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int, mia: list[str]
-            ) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
+def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int, mia: list[str],
+            resamples: int = 1000) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
     """Each model against retrain at the same stage (the fine-tune and every method as left, then after each
     attack against retrain after that attack), item by item (memorization.paired)."""
     gold = next((m for m in methods if m["method"] == "retrain"), None)
@@ -270,7 +271,7 @@ def _paired(methods: list[dict[str, Any]], before: dict[str, Any], seed: int, mi
     for name, v, a in rows:
         answers[name], aligned[name] = align(by_id(v), by_id(ref[a][1]))
         pairs.append((name, ref[a][0]))
-    return paired_table(answers, pairs, paired_questions(mia), label="model", resamples=1000, seed=seed,
+    return paired_table(answers, pairs, paired_questions(mia), label="model", resamples=resamples, seed=seed,
                         aligned=aligned,
                         missing="rerun the methods: their answers are taken while unlearning")
 
