@@ -4,9 +4,9 @@ Every model of an experiment answers the same documents (the leads, the injected
 non-members), so a difference between two of them can be tested document by document (evals.paired):
 exact McNemar for a yes/no per document, a bootstrap interval and a sign-flip permutation p for a number
 per document, a paired bootstrap for a membership AUC. The p-values of one table are adjusted together
-(Benjamini-Hochberg) and '*' marks an adjusted p below 0.05. The experiments (mitigations,
-pretrained-memorization) report it as a table of one run, which replicates over seeds leave in each seed's
-report (they average figures, not p-values); `memorize compare` asks it of any runs' result files.
+(Benjamini-Hochberg) and '*' marks an adjusted p below 0.05. Every experiment that trains more than one
+model reports it as a table of one run, which replicates over seeds leave in each seed's report (they
+average figures, not p-values); `memorize compare` asks it of any runs' result files.
 """
 from __future__ import annotations
 
@@ -151,8 +151,9 @@ def _undecidable(questions: Sequence[Question], tests: Mapping[str, Mapping[str,
     few = []
     for q in questions:
         ns = [row[q.key]["n"] for row in tests.values() if q.key in row and "n" in row[q.key]]
-        if ns and 2.0 ** (1 - max(ns)) >= LEVEL:
-            few.append(f"'{q.title}' ({max(ns)} items: p >= {2.0 ** (1 - max(ns)):.3g})")
+        if ns and 2.0 ** (1 - min(ns)) >= LEVEL:
+            some = "" if min(ns) == max(ns) else " in some rows"
+            few.append(f"'{q.title}' ({min(ns)} items{some}: p >= {2.0 ** (1 - min(ns)):.3g})")
     if not few:
         return []
     return [f"Too few items for a test to decide, whatever the models did: {', '.join(few)}. More of them "

@@ -66,6 +66,13 @@ def test_goldfish_extreme_then_resume_and_partial_change(tmp_path):
         assert {k: v for k, v in mine.items() if k != "p_adjusted"} == \
             {k: v for k, v in theirs.items() if k != "p_adjusted"}
     assert tests["goldfish-hash"]["em"]["n"] == r["runs"][0]["docs"]
+    em = {}
+    for n in ("standard", "goldfish-hash"):
+        rows = map(json.loads, (out / "runs" / n / "extraction.jsonl").read_text().splitlines())
+        em[n] = {row["doc"]: row["exact_match"] for row in rows}
+    pairs = (("goldfish-hash", "standard"), ("standard", "goldfish-hash"))
+    only = [sum(em[a][d] and not em[b][d] for d in em["standard"]) for a, b in pairs]
+    assert [tests["goldfish-hash"]["em"][k] for k in ("a_only", "b_only")] == only
     assert "## Paired tests: each run − 'standard', document by document" in (out / "report.md").read_text()
     before = _mtimes(out)
 
@@ -133,6 +140,10 @@ def test_catastrophic_memorization_scores_every_pass(tmp_path):
                                                          len(first["a-standard"]["ids"]))
     assert tests["by_loss"]["b-goldfish"]["em"]["reference"] == "b-standard"
     assert "em_pass_3" not in tests["by_size"]["b-standard"]  # the last pass is the files' EM
+    # the last pass's (n, p) under each scheme and greedy EM at the other offsets, from sampled.jsonl
+    assert (out / "runs" / "b-standard" / "sampled.jsonl").is_file()
+    keys = set(tests["by_size"]["b-standard"])
+    assert {"np@0:t=1.0", "np@0:top_p=0.9", "np@16:greedy", "np@16:t=1.0"} <= keys, keys
     assert "## Paired tests: each size − 'a' with the same loss" in table
 
 

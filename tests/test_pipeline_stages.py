@@ -80,10 +80,14 @@ def test_per_pass_hook_scores_every_pass_once_and_logs_it(setup, tmp_path):
     assert [(x["step"], x["pass"], x["pass_exact_match"]) for x in logged] == \
         [(p["step"], p["pass"], p["exact_match_rate"]) for p in passes]
     assert len(read_metrics(out / "metrics.jsonl")) == 9  # step metrics only
-    # the last pass's sampled summary is the run's; its rows were not kept, so no file is named for them
-    assert "sampled" in summary and not (out / "sampled.jsonl").exists()
+    # the last pass's sampled summary is the run's, and its rows are the run's sampled.jsonl (what paired
+    # tests and memorize compare read), one per document and offset, as a run without the hook writes them
+    assert summary["sampled"] == passes[-1]["sampled"]
+    rows = [json.loads(x) for x in (out / "sampled.jsonl").read_text().splitlines()]
+    offsets = summary["sampled"]["offsets"]
+    assert len(rows) == sum(v["docs"] for v in offsets.values())
     md = (out / "report.md").read_text()
-    assert "### Beyond greedy" in md and "sampled.jsonl" not in md and "mia.jsonl" in md
+    assert "### Beyond greedy" in md and "sampled.jsonl" in md and "mia.jsonl" in md
 
 
 def test_max_steps_inside_a_pass_still_scores_the_final_model_once(setup, tmp_path):

@@ -64,6 +64,9 @@ def test_text_cells_over_seeds_show_each_seeds_numbers_or_say_they_vary():
     assert text_cell(["x 1.5 of 2", "x 2.25 of 3"]) == "x 1.5/2.25 of 2/3"
     assert text_cell(["seen once", "duplicated"]) == "varies"
     assert text_cell(["a (3)", "a (3) b"]) == "varies"
+    assert text_cell(["p 1e-05", "p 2.5e-05"]) == "p 1e-05/2.5e-05"  # a number with its exponent
+    assert text_cell(["a (3)", None, "a (4)"]) == "a (3/?/4)"  # the seed without it is a '?'
+    assert text_cell(["a (3)", None]) == "a (3)"  # where the others agree ('(k of n)' marks the row)
 
 
 def test_a_row_told_apart_by_an_index_key_the_table_does_not_show_keeps_its_label_in_the_differences(

@@ -91,7 +91,7 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
                 row["stats"][key] = {**interval(nums, confidence), "values": values}
             continue
         if any(v is not None and not _number(v) for v in values):
-            row[key] = text_cell(raw)
+            row[key] = text_cell([r.get(key) if r is not None else None for r in cells])
             row["stats"][key] = {"values": [r.get(key) if r else None for r in cells]}
             continue
         nums = [v for v in values if v is not None]
@@ -108,7 +108,8 @@ def mean_row(cells: list, spec: dict[str, Any], confidence: float) -> dict[str, 
 
 
 def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confidence: float) -> list[dict]:
-    """Each row minus the reference row with the same other index values, seed by seed."""
+    """Each row minus the reference row with the same other index values, seed by seed; where part of
+    the index is no column of the table, its text columns come along (text_cell) to tell rows apart."""
     index = spec["index"]
     hidden = set(index) - {c for c, _, _ in spec["columns"]}
     by_rest = {_rest(key): key for key, cells in matched.items() if label(present(cells), index) == ref}
@@ -129,7 +130,7 @@ def delta_rows(matched: dict[str, list], spec: dict[str, Any], ref: str, confide
             if c in index:
                 continue
             if hidden and _text_column(cells, c):  # what tells rows apart where the index is not shown
-                row[c] = text_cell([r.get(c) for r in cells if r is not None])
+                row[c] = text_cell([r.get(c) if r is not None else None for r in cells])
                 continue
             diffs = [_value(a, c) - _value(b, c) if a is not None and b is not None
                      and _number(_value(a, c)) and _number(_value(b, c)) else None
@@ -156,16 +157,20 @@ def moved_columns(rows: list[dict], spec: dict[str, Any]) -> list[tuple]:
 
 def text_cell(texts: Sequence[Any]) -> str:
     """The seeds' texts of one cell as one: the text where they agree; where they differ only in their
-    numbers, the text with each seed's number in turn ('seen_once (39/42/40)'); else 'varies'."""
-    shown = [str(t) for t in texts]
-    if len(set(shown)) == 1:
-        return shown[0]
-    number = re.compile(r"\d+(?:\.\d+)?")
-    if len({number.sub("#", t) for t in shown}) > 1:
+    numbers, the text with each seed's number in turn ('seen_once (39/42/40)', '?' for a seed without the
+    cell); else 'varies'."""
+    shown = [None if t is None else str(t) for t in texts]
+    given = [t for t in shown if t is not None]
+    if len(set(given)) == 1:  # a seed without the row is marked on the row's first cell: '(k of n)'
+        return given[0]
+    number = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+    if not given or len({number.sub("#", t) for t in given}) > 1:
         return "varies"
-    slots = zip(*(number.findall(t) for t in shown))
-    parts = number.split(shown[0])
-    return parts[0] + "".join("/".join(s) + rest for s, rest in zip(slots, parts[1:]))
+    found = [number.findall(t) if t is not None else None for t in shown]
+    slots = len(found[shown.index(given[0])])
+    parts = number.split(given[0])
+    cells = ["/".join(f[i] if f is not None else "?" for f in found) for i in range(slots)]
+    return parts[0] + "".join(c + rest for c, rest in zip(cells, parts[1:]))
 
 
 def _text_column(cells: list, key: str) -> bool:

@@ -155,17 +155,19 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
 
 def paired_tables(cfg: Config, exp: Experiment, runs: list[dict[str, Any]], shown: list[int]
                   ) -> tuple[list[Table], dict[str, Any], list[str]]:
-    """Per-document paired tests (experiments.paired_runs): each size against the smallest with the same
-    loss (does the bigger model memorize documents the smaller does not, after pass p?), and goldfish
-    against standard loss at each size. Exact match after each shown pass from the passes' ids; the last
-    pass's answers (exact match, RougeL, (n, p) per scheme) from each run's result files."""
+    """Per-document paired tests (experiments.paired_runs): each size against the smallest (fewest
+    parameters) with the same loss (does the bigger model memorize documents the smaller does not, after
+    pass p?), and goldfish against standard loss at each size. Exact match after each shown pass from the
+    passes' ids; the last pass's answers (exact match, RougeL, (n, p) per scheme) from each run's result
+    files."""
     names = [r["name"] for r in runs]
     earlier = [k for k in shown if k != cfg.passes]
     extra = {r["name"]: {f"em_pass_{rec['pass']}": _exact_match_by_id(rec) for rec in r.get("passes", [])
                          if rec["pass"] in earlier and "ids" in rec} for r in runs}
     questions = [Question(f"em_pass_{k}", f"EM pass {k}", "binary", per_document(f"em_pass_{k}"), "{:+.0%}")
                  for k in earlier]
-    smallest = cfg.sizes[0].name
+    params = {r["size"]: r.get("params") or 0 for r in runs}
+    smallest = min((s.name for s in cfg.sizes if s.name in params), key=lambda n: params[n])
     by_size = [(f"{s.name}-{loss}", f"{smallest}-{loss}") for s in cfg.sizes[1:] for loss in cfg.losses]
     by_loss = [(f"{s.name}-goldfish", f"{s.name}-standard") for s in cfg.sizes] \
         if {"standard", "goldfish"} <= set(cfg.losses) else []
@@ -184,6 +186,10 @@ def paired_tables(cfg: Config, exp: Experiment, runs: list[dict[str, Any]], show
     if tables:
         notes.append(f"Paired tests: 'EM pass p' after pass p; EM, RougeL and (n, p) after the last pass "
                      f"({cfg.passes}).")
+        old = [r["name"] for r in runs if earlier and not all("ids" in rec for rec in r.get("passes", []))]
+        if old:
+            notes.append(f"No 'EM pass p' tests for {', '.join(old)}: trained before each pass kept its "
+                         "document ids; delete OUT/runs/NAME and rerun to retrain it.")
     return tables, tests, notes
 
 

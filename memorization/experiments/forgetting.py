@@ -251,7 +251,8 @@ def paired(cfg: Config, arms: list[dict[str, Any]], answers: dict[str, Any]
            ) -> tuple[list[Table], dict[str, Any], list[str]]:
     """Two per-document paired tables (memorization.paired): each arm after k passes against itself at
     pass 0 (what continued training removed, document by document), and each arm against the unmitigated
-    one after the same passes (whether the mitigation's effect lasts)."""
+    one (mitigation `none`, else the first arm) after the same passes (whether a mitigation's effect
+    lasts)."""
     names = [a["name"] for a in arms]
     ref = next((a["name"] for a in arms if a["mitigation"] == "none"), names[0] if names else "")
     rows = [(pass_name(a["name"], p["pass"]), a["name"], p["pass"]) for a in arms for p in a["passes"]]
@@ -263,7 +264,8 @@ def paired(cfg: Config, arms: list[dict[str, Any]], answers: dict[str, Any]
              [(row, pass_name(ref, k)) for row, arm, k in rows if arm != ref]))
     for key, title, pairs in asks:
         table, t, n = paired_table(answers, pairs, paired_questions(list(cfg.mia_methods)), label="model",
-                                   resamples=cfg.bootstrap or 1000, seed=cfg.base.seed, title=title)
+                                   resamples=cfg.bootstrap or 1000, seed=cfg.base.seed, title=title,
+                                   missing="rerun the experiment: phase 2, asked as it trains, trains again")
         if table:
             tables.append(Table(**table, per_seed=True))
             tests[key] = t

@@ -35,6 +35,7 @@ class PassExtraction(Callback):
         self.scan_stride = scan_stride  # None: no corpus scan; else experiments.corpus_scan's stride
         self.records: list[dict[str, Any]] = []
         self.last_results: list[Any] | None = None
+        self.last_sampled_rows: list[dict[str, Any]] | None = None  # the latest pass's sampled.jsonl rows
         self.last_step = -1  # the step last_results belong to
 
     def on_epoch_end(self, trainer: Trainer, epoch: int) -> None:
@@ -59,7 +60,7 @@ class PassExtraction(Callback):
                                             batch_size=e.batch_size, grid=trainer.grid))
         sampled = sampled_results(trainer.model, self.cfg, self.data, grid=trainer.grid)
         if sampled is not None:  # beyond greedy: (n, p) rates per scheme, EM and (n, p) at each offset
-            record["sampled"] = sampled[0]
+            record["sampled"], self.last_sampled_rows = sampled
         self.records.append(record)
         trainer.log({"pass": label, "pass_exact_match": record["exact_match_rate"],
                      "pass_rougeL": record["rougeL"]})
@@ -82,7 +83,7 @@ def train_with_passes(cfg: RunConfig, out_dir: Path, data: PreparedData, *, grid
             probe.score(run.trainer, run.trainer.cfg.epochs)
         last = probe.records[-1] if probe.records else {}
         extra = {"passes": probe.records, **({"sampled": last["sampled"]} if "sampled" in last else {})}
-        summary = finish(run, scored=probe.last_results, extra=extra)
+        summary = finish(run, scored=probe.last_results, extra=extra, sampled_rows=probe.last_sampled_rows)
     if run.is_main:
         with open(Path(out_dir) / "passes.jsonl", "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(rec) + "\n" for rec in summary["passes"])

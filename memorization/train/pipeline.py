@@ -228,8 +228,8 @@ def train(run: Run) -> list[dict[str, Any]]:
     return run.history
 
 
-def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] | None = None
-           ) -> dict[str, Any]:
+def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] | None = None,
+           sampled_rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Stage 4: export the model, score extraction, write extraction.jsonl, run.json and the report
     (report.md, report.png); the summary.
 
@@ -237,7 +237,8 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
     the trained model where it is, on the run's grid (evals' one scoring path: each batch shard
     decodes its share; nothing gathers the weights). `scored` are extraction results a caller
     already took from the final model on every rank (a per-pass hook's last pass): finish writes
-    them instead of extracting again; `extra` adds keys to the summary (run.json).
+    them instead of extracting again; `extra` adds keys to the summary (run.json), and where it holds
+    that hook's "sampled" summary, `sampled_rows` are its rows (sampled.jsonl).
     """
     cfg, trainer = run.cfg, run.trainer
     export(run)
@@ -253,7 +254,7 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
             summary["extraction_decode"] = log.to_dict()
     if results is not None and run.is_main:
         summary.update(_record_extraction(run, results))
-    sampled_rows = None
+    sampled_rows = sampled_rows if "sampled" in (extra or {}) else None
     if cfg.eval.extraction and "sampled" not in (extra or {}):
         sampled = sampled_results(trainer.model, cfg, run.data, grid=run.grid)
         if sampled is not None:
