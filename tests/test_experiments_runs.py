@@ -147,6 +147,18 @@ def test_catastrophic_memorization_scores_every_pass(tmp_path):
     assert "## Paired tests: each size − 'a' with the same loss" in table
 
 
+def test_sizes_pair_with_the_one_of_fewest_parameters_whatever_their_order():
+    from memorization.experiments.catastrophic import Config, ModelSize, size_pairs
+
+    sizes = [ModelSize("big"), ModelSize("small"), ModelSize("mid")]
+    cfg = Config(sizes=sizes, losses=["standard", "goldfish"])
+    runs = [{"size": s, "params": n} for s, n in (("big", 900), ("small", 10), ("mid", 100))]
+    smallest, pairs = size_pairs(cfg, runs)
+    assert smallest == "small"
+    losses = ("standard", "goldfish")
+    assert pairs == [(f"{s}-{loss}", f"small-{loss}") for s in ("big", "mid") for loss in losses]
+
+
 def test_canary_exposure_with_manifest(tmp_path):
     out = tmp_path / "canary"
     report = _run("canary-exposure", out, ["counts=[1,3]", "canaries.per_count=2", "duplicates.per_count=1",

@@ -115,7 +115,7 @@ def _shared(a: dict[Any, Any] | None, b: dict[Any, Any] | None) -> list:
 
 
 def pair(ref_name: str, ref: dict[str, dict[Any, Any]], name: str, run: dict[str, dict[Any, Any]], n: int,
-          p: float) -> tuple[dict[str, Any], dict[str, Any], list[Question], dict[str, int]]:
+         p: float) -> tuple[dict[str, Any], dict[str, Any], list[Question], dict[str, int]]:
     """(the run's per-document values, the reference's on the same documents, the questions they answer,
     how many documents each part pairs) for one RUN against REF, on the documents both scored."""
     docs = _shared(ref.get("extraction"), run.get("extraction"))

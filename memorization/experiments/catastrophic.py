@@ -166,9 +166,7 @@ def paired_tables(cfg: Config, exp: Experiment, runs: list[dict[str, Any]], show
                          if rec["pass"] in earlier and "ids" in rec} for r in runs}
     questions = [Question(f"em_pass_{k}", f"EM pass {k}", "binary", per_document(f"em_pass_{k}"), "{:+.0%}")
                  for k in earlier]
-    params = {r["size"]: r.get("params") or 0 for r in runs}
-    smallest = min((s.name for s in cfg.sizes if s.name in params), key=lambda n: params[n])
-    by_size = [(f"{s.name}-{loss}", f"{smallest}-{loss}") for s in cfg.sizes[1:] for loss in cfg.losses]
+    smallest, by_size = size_pairs(cfg, runs)
     by_loss = [(f"{s.name}-goldfish", f"{s.name}-standard") for s in cfg.sizes] \
         if {"standard", "goldfish"} <= set(cfg.losses) else []
     tables, tests, notes = [], {}, []
@@ -191,6 +189,15 @@ def paired_tables(cfg: Config, exp: Experiment, runs: list[dict[str, Any]], show
             notes.append(f"No 'EM pass p' tests for {', '.join(old)}: trained before each pass kept its "
                          "document ids; delete OUT/runs/NAME and rerun to retrain it.")
     return tables, tests, notes
+
+
+def size_pairs(cfg: Config, runs: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]]]:
+    """(the size with the fewest parameters, (run, that size's run with the same loss) for every other
+    size in config order)."""
+    params = {r["size"]: r.get("params") or 0 for r in runs}
+    smallest = min((s.name for s in cfg.sizes if s.name in params), key=lambda n: params[n])
+    return smallest, [(f"{s.name}-{loss}", f"{smallest}-{loss}") for s in cfg.sizes if s.name != smallest
+                      for loss in cfg.losses]
 
 
 def _exact_match_by_id(record: dict[str, Any]) -> dict[str, float]:
