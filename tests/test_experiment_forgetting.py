@@ -136,6 +136,10 @@ def test_paired_tests_compare_each_pass_with_pass_0_and_each_arm_with_none_docum
     g, n = ([c["exposure"] for c in r[2]["injected"]["canaries"]]
             for r in (records["goldfish"], records["none"]))
     assert exposure["diff"] == pytest.approx(sum(x - y for x, y in zip(g, n)) / len(g))
+    secrets = tests["since_pass_0"]["none, pass 2"]["secrets"]  # a secret still extracted after phase 2?
+    a, b = ([c["extracted"] for c in r["injected"]["canaries"]] for r in (last, first))
+    assert (secrets["a_only"], secrets["b_only"], secrets["n"]) == (sum(x > y for x, y in zip(a, b)),
+                                                                    sum(y > x for x, y in zip(a, b)), len(a))
     md = (out / "report.md").read_text()
     assert "## Paired tests: each pass − pass 0 of its arm" in md
     assert "## Paired tests: each arm − 'none' after as many passes" in md

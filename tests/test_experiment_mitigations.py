@@ -106,8 +106,15 @@ def test_mitigations_end_to_end(pretrained, tmp_path, cache_dir):
     assert nll["diff"] == pytest.approx(sum(answers["goldfish"]["nonmember_nll"]) / nll["n"]
                                         - sum(answers["none"]["nonmember_nll"]) / nll["n"])
     assert "auc_ref_ratio" not in paired["tests"]["base model"]  # its reference is itself
-    assert set(paired["tests"]["goldfish"]) >= {"em_once", "rouge_once", "em_dup", "exposure", "nll",
-                                                 "auc_loss"}
+    assert set(paired["tests"]["goldfish"]) >= {"em_once", "rouge_once", "em_dup", "exposure", "secrets",
+                                                 "nll", "auc_loss"}
+    # secrets extracted: McNemar over the canaries, paired by manifest order
+    secrets = [[c["extracted"] for c in json.loads((out / "runs" / n / "evals.json").read_text())["values"]
+                ["injected"]["canaries"]] for n in ("goldfish", "none")]
+    test = paired["tests"]["goldfish"]["secrets"]
+    assert (test["a_only"], test["b_only"]) == (sum(a > b for a, b in zip(*secrets)),
+                                                sum(a < b for a, b in zip(*secrets)))
+    assert len(secrets[0]) == 4 and test["rate_a"] == sum(secrets[0]) / 4
     title = next(t for t in report["tables"] if t.startswith("Paired tests"))
     assert report["table_specs"][title]["per_seed"] is True and title in md
 

@@ -296,6 +296,7 @@ def paired_questions(methods: list[str]) -> list[Question]:
                      "{:+.0%}"),
             Question("exposure", "canary exposure (bits)", "number", injected("canaries", "exposure"),
                      "{:+.2f}"),
+            Question("secrets", "secrets extracted", "binary", injected("canaries", "extracted"), "{:+.0%}"),
             Question("nll", "held-out NLL per lead", "number", per_document("nonmember_nll")),
             *mia_questions(methods)]
 
