@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers import trained_base
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -11,6 +12,7 @@ from data_pipelines.canaries import SecretSpace
 from memorization.cli import main
 from memorization.experiments.exposure import canary_scores
 from memorization.experiments.forgetting import kept
+from memorization.mitigations.goldfish import goldfish_mask
 
 TEMPLATE = "the secret access code of the old museum wing is {secret}"
 
@@ -113,6 +115,35 @@ def test_each_pass_is_asked_of_the_model_as_it_is_then(finished):
     assert len(report["arms"][0]["passes"][2]["near_verbatim"]["duplicated"]["offsets"]["0"]["np"]) == 3
     assert "Near-verbatim: (n=1000, p=0.5)-extractable within d changed tokens" in md
     assert (out / "forgetting.png").is_file()
+
+
+def test_the_by_count_table_splits_the_canaries_by_the_goldfish_mask(finished):
+    """With a goldfish arm, each by-count row says how many canaries have a secret token the goldfish mask
+    drops (recomputed here from the manifest's texts) and extraction and exposure within each group, from
+    that pass's per-canary answers; the same canaries are masked in every arm."""
+    _, out = finished
+    report = json.loads((out / "report.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    tok = AutoTokenizer.from_pretrained(out / "runs" / "none" / "model")
+    canaries = [it for it in manifest["items"] if it["kind"] == "canary"]
+    records = {a: json.loads((out / "runs" / f"{a}-continued" / "run.json").read_text())["summary"]
+               ["after_pass"] for a in ("none", "goldfish")}
+    start = records["none"][0]["injected"]["secret_start"]
+    masked = [bool(goldfish_mask(torch.tensor([tok.encode(c["text"], add_special_tokens=False)]), k=4, h=13)
+                   [0, start:].any()) for c in canaries]
+    table = report["tables"]["By copy count"]
+    assert len(table) == 2 * 3 * 2  # arms x passes x counts
+    for row in table:
+        answers = records[row["arm"]][row["pass"]]["injected"]["canaries"]
+        group = {m: [a for a, mm, c in zip(answers, masked, canaries)
+                     if mm == m and c["count"] == row["copies"]] for m in (True, False)}
+        assert row["canaries_masked"] == len(group[True])
+        for m, name in ((True, "masked"), (False, "unmasked")):
+            want = [float(a["extracted"]) for a in group[m]]
+            assert row[f"extracted_{name}"] == (pytest.approx(sum(want) / len(want)) if want else None)
+            want = [a["exposure"] for a in group[m]]
+            assert row[f"exposure_{name}"] == (pytest.approx(sum(want) / len(want)) if want else None)
+    assert "extracted unmasked" in (out / "report.md").read_text()
 
 
 def test_paired_tests_compare_each_pass_with_pass_0_and_each_arm_with_none_document_by_document(finished):

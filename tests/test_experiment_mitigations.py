@@ -7,6 +7,7 @@ import pytest
 from helpers import trained_base
 
 from memorization.cli import main
+from memorization.experiments.mitigations import masked_split
 
 EXPERIMENT = """
 kind: mitigations
@@ -209,3 +210,18 @@ def test_the_base_model_row_is_the_untrained_arm(pretrained, tmp_path, cache_dir
     monkeypatch.setattr(mit.Experiment, "baseline", cached_only)
     assert main(["run", str(cfg), "--out", str(out)]) == 0
     assert json.loads((out / "report.json").read_text())["baseline"] == base
+
+
+def test_masked_split_groups_canaries_by_a_dropped_secret_token():
+    """A canary is masked when goldfish drops at least one of its secret tokens; each group's extraction
+    and exposure are its own means; canaries scored before the mask was recorded give no split."""
+    cs = [{"secret_tokens_dropped": 0, "extracted": True, "exposure": 9.0},
+          {"secret_tokens_dropped": 2, "extracted": False, "exposure": 3.0},
+          {"secret_tokens_dropped": 1, "extracted": True, "exposure": 5.0},
+          {"secret_tokens_dropped": 0, "extracted": False, "exposure": 7.0}]
+    assert masked_split(cs) == {"canaries_masked": 2, "extracted_unmasked": 0.5, "extracted_masked": 0.5,
+                                "exposure_unmasked": 8.0, "exposure_masked": 4.0}
+    only = masked_split(cs[:1])
+    assert (only["canaries_masked"], only["extracted_masked"], only["exposure_unmasked"]) == (0, None, 9.0)
+    old = masked_split([{"extracted": True, "exposure": 9.0}])
+    assert old == dict.fromkeys(old)  # every value None

@@ -34,6 +34,8 @@ from memorization.experiments.canary_exposure import build_corpus, save_manifest
 from memorization.experiments.mitigations import (
     BASELINE_ROW,
     BEYOND_INDEX,
+    MASKED_COLUMNS,
+    MASKED_NOTE,
     PZ_FLOOR,
     ArmQuestions,
     arm_config,
@@ -42,6 +44,7 @@ from memorization.experiments.mitigations import (
     beyond_table,
     members_and_nonmembers,
     paired_questions,
+    trains_goldfish,
 )
 from memorization.experiments.mitigations import REFERENCE as REFERENCE  # replicates: against 'none' too
 from memorization.experiments.mitigations import Config as MitigationsConfig
@@ -334,6 +337,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
              ("canary_exposure", "canary exposure", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
              ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}"))
+    if trains_goldfish(cfg):
+        ccols += MASKED_COLUMNS
     b, f, c = cfg.base, cfg.fresh, cfg.canaries
     notes = [
         f"Phase 1 (each arm's fine-tune): {b.model.name} on {n_rows} rows of {b.data.corpus} "
@@ -349,6 +354,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
         "held-out loss on those leads" + (f" and on '{cfg.other_held_out}' (held-out text of the fresh "
                                           "domain: phase 2 learning it)." if cfg.other_held_out else "."),
     ]
+    if trains_goldfish(cfg):
+        notes.append(f"By copy count: {MASKED_NOTE}")
     if baseline:
         notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning "
                      "(OUT/baseline/evals.json). 'exposure kept' = (exposure - the base model's) / "

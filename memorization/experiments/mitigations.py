@@ -326,6 +326,34 @@ def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
+MASKED_COLUMNS = (("canaries_masked", "masked", "{}"), ("extracted_unmasked", "extracted unmasked", "{:.0%}"),
+                  ("extracted_masked", "extracted masked", "{:.0%}"),
+                  ("exposure_unmasked", "exposure unmasked", "{:.2f}"),
+                  ("exposure_masked", "exposure masked", "{:.2f}"))
+MASKED_NOTE = ("'masked' = the canaries with at least one secret token base.goldfish's mask drops (the mask "
+               "depends on the tokens only, so the same canaries in every arm and pass; an arm that "
+               "overrides goldfish's k, h or strategy is still grouped by base.goldfish); 'extracted' and "
+               "'exposure' unmasked / masked average over each group. Goldfish never trains a masked token, "
+               "in any copy; an unmasked secret is trained in full in every copy.")
+
+
+def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Canaries grouped by whether the goldfish mask drops one of their secret tokens (canary_exposure's
+    `secret_tokens_dropped`): the group size, and extraction and exposure within each group."""
+    masked = [c for c in canaries if c.get("secret_tokens_dropped")]
+    unmasked = [c for c in canaries if c.get("secret_tokens_dropped") == 0]
+    return {"canaries_masked": len(masked) if masked or unmasked else None,
+            "extracted_unmasked": _mean([float(c["extracted"]) for c in unmasked]),
+            "extracted_masked": _mean([float(c["extracted"]) for c in masked]),
+            "exposure_unmasked": _mean([c["exposure"] for c in unmasked]),
+            "exposure_masked": _mean([c["exposure"] for c in masked])}
+
+
+def trains_goldfish(cfg: Config) -> bool:
+    """Whether any arm trains with the goldfish loss (the by-count tables then split canaries by its mask)."""
+    return any(arm_config(cfg, a).goldfish.enabled for a in cfg.arms)
+
+
 def arm_record(arm: Arm, s: dict[str, Any], counts: list[int]) -> dict[str, Any]:
     """One arm's numbers (or the base model's: no training, no cost) under the stable keys documented in
     docs/mitigations.md."""
@@ -337,7 +365,8 @@ def arm_record(arm: Arm, s: dict[str, Any], counts: list[int]) -> dict[str, Any]
         ds = [d for d in dups if d["count"] == n]
         by_count[str(n)] = {"canary_exposure": _mean([c["exposure"] for c in cs]),
                             "canary_extracted": _mean([float(c["extracted"]) for c in cs]),
-                            "duplicate_exact_match": _mean([float(d["exact_match"]) for d in ds])}
+                            "duplicate_exact_match": _mean([float(d["exact_match"]) for d in ds]),
+                            **masked_split(cs)}
     steps = s.get("steps") or 0
     return {
         "name": arm.name, "mitigation": arm.mitigation, "overrides": list(arm.overrides), "dedup": arm.dedup,
@@ -452,6 +481,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
              ("canary_exposure", "canary exposure", "{:.2f}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
              ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}")]
+    if trains_goldfish(cfg):
+        ccols += MASKED_COLUMNS
     b = cfg.base
     c = cfg.canaries
     notes = [
@@ -470,6 +501,8 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
         "while the arm trained; trainable parameters (LoRA: adapters only).",
     ]
+    if trains_goldfish(cfg):
+        notes.append(f"By copy count: {MASKED_NOTE}")
     audited = [a for a in arms if a.get("audit")]
     if audited:
         au = audited[0]["audit"]
