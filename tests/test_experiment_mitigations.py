@@ -7,7 +7,8 @@ import pytest
 from helpers import trained_base
 
 from memorization.cli import main
-from memorization.experiments.mitigations import masked_split
+from memorization.experiments.mitigations import Config, masked_split, trains_goldfish
+from memorization.experiments.spec import build_experiment, load_experiment_dict
 
 EXPERIMENT = """
 kind: mitigations
@@ -225,3 +226,13 @@ def test_masked_split_groups_canaries_by_a_dropped_secret_token():
     assert (only["canaries_masked"], only["extracted_masked"], only["exposure_unmasked"]) == (0, None, 9.0)
     old = masked_split([{"extracted": True, "exposure": 9.0}])
     assert old == dict.fromkeys(old)  # every value None
+
+
+@pytest.mark.parametrize("overrides,split", [
+    ([], True),  # the shipped arms: goldfish (hash) among them
+    (["base.goldfish.strategy=random"], False),  # drops drawn anew per copy: no canary is masked in all
+    (["arms=[{name: none, mitigation: none}]"], False),  # no arm trains with goldfish
+])
+def test_the_by_count_table_splits_by_the_mask_only_where_it_means_something(overrides, split):
+    cfg = build_experiment(Config, load_experiment_dict("configs/experiments/mitigations.yaml", overrides))
+    assert trains_goldfish(cfg) is split

@@ -350,7 +350,10 @@ def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def trains_goldfish(cfg: Config) -> bool:
-    """Whether any arm trains with the goldfish loss (the by-count tables then split canaries by its mask)."""
+    """Whether the by-count tables split the canaries by the goldfish mask: some arm trains with the goldfish
+    loss, and base.goldfish's mask is the same in every copy (not the random strategy, which draws anew)."""
+    if cfg.base.goldfish.strategy == "random":
+        return False
     return any(arm_config(cfg, a).goldfish.enabled for a in cfg.arms)
 
 
