@@ -33,6 +33,7 @@ arms: {arms}
 base:
   data: {{corpus: wiki-leads, limit: 28, held_out: "", held_out_fraction: 0.5, block_len: 40, min_tokens: 40}}
   model: {{name: {model}}}
+  goldfish: {{k: 2, h: 4}}
   trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
   eval: {{prefix: 16, suffix: 16, batch_size: 8, near_verbatim: 1, nv_beams: 2}}
   wandb: {{mode: disabled}}
@@ -129,8 +130,9 @@ def test_the_by_count_table_splits_the_canaries_by_the_goldfish_mask(finished):
     records = {a: json.loads((out / "runs" / f"{a}-continued" / "run.json").read_text())["summary"]
                ["after_pass"] for a in ("none", "goldfish")}
     start = records["none"][0]["injected"]["secret_start"]
-    masked = [bool(goldfish_mask(torch.tensor([tok.encode(c["text"], add_special_tokens=False)]), k=4, h=13)
+    masked = [bool(goldfish_mask(torch.tensor([tok.encode(c["text"], add_special_tokens=False)]), k=2, h=4)
                    [0, start:].any()) for c in canaries]
+    assert any(masked) and not all(masked)  # goldfish {k: 2, h: 4} gives both groups: each is checked
     table = report["tables"]["By copy count"]
     assert len(table) == 2 * 3 * 2  # arms x passes x counts
     for row in table:

@@ -7,7 +7,8 @@ import pytest
 from helpers import trained_base
 
 from memorization.cli import main
-from memorization.experiments.mitigations import Config, masked_split, trains_goldfish
+from memorization.experiments.canary_exposure import masked_split
+from memorization.experiments.mitigations import Config, splits_by_mask
 from memorization.experiments.spec import build_experiment, load_experiment_dict
 
 EXPERIMENT = """
@@ -235,4 +236,4 @@ def test_masked_split_groups_canaries_by_a_dropped_secret_token():
 ])
 def test_the_by_count_table_splits_by_the_mask_only_where_it_means_something(overrides, split):
     cfg = build_experiment(Config, load_experiment_dict("configs/experiments/mitigations.yaml", overrides))
-    assert trains_goldfish(cfg) is split
+    assert splits_by_mask(cfg) is split

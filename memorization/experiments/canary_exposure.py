@@ -246,18 +246,32 @@ def _secret_mask(text: str, tokenizer: Any, start: int, gold: Any) -> dict[str, 
     return {"secret_tokens": len(ids) - start, "secret_tokens_dropped": int(drop[start:].sum())}
 
 
+def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Canaries grouped by whether the goldfish mask drops one of their secret tokens
+    (`secret_tokens_dropped`, from _secret_mask): the masked group's size, and extraction and exposure
+    within each group (None for an empty group; every value None for canaries scored before the mask was
+    recorded)."""
+    masked = [c for c in canaries if c.get("secret_tokens_dropped")]
+    unmasked = [c for c in canaries if c.get("secret_tokens_dropped") == 0]
+    return {"canaries_masked": len(masked) if masked or unmasked else None,
+            "extracted_unmasked": _mean([float(c["extracted"]) for c in unmasked]),
+            "extracted_masked": _mean([float(c["extracted"]) for c in masked]),
+            "exposure_unmasked": _mean([c["exposure"] for c in unmasked]),
+            "exposure_masked": _mean([c["exposure"] for c in masked])}
+
+
 def _rows_by_count(loss: str, counts: list[int], ev: dict[str, Any]) -> list[dict[str, Any]]:
     """One table row per copy count: canary exposure/extraction and duplicate exact match."""
     rows = []
     for n in counts:
         cs = [c for c in ev["canaries"] if c["count"] == n]
         ds = [d for d in ev["duplicates"] if d["count"] == n]
-        hit = [c["exposure"] for c in cs if c["secret_tokens_dropped"]]
-        missed = [c["exposure"] for c in cs if not c["secret_tokens_dropped"]]
+        split = masked_split(cs)
         rows.append({"loss": loss, "count": n, "canaries": len(cs),
                      "exposure_mean": _mean([c["exposure"] for c in cs]),
-                     "exposure_dropped": _mean(hit), "exposure_kept": _mean(missed),
-                     "canaries_dropped": len(hit),
+                     "exposure_dropped": split["exposure_masked"],
+                     "exposure_kept": split["exposure_unmasked"],
+                     "canaries_dropped": split["canaries_masked"],
                      "extracted": _mean([c["extracted"] for c in cs]),
                      "duplicates": len(ds),
                      "dup_exact_match": _mean([d["exact_match"] for d in ds]),

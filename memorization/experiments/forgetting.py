@@ -44,7 +44,7 @@ from memorization.experiments.mitigations import (
     beyond_table,
     members_and_nonmembers,
     paired_questions,
-    trains_goldfish,
+    splits_by_mask,
 )
 from memorization.experiments.mitigations import REFERENCE as REFERENCE  # replicates: against 'none' too
 from memorization.experiments.mitigations import Config as MitigationsConfig
@@ -337,7 +337,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
              ("canary_exposure", "canary exposure", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
              ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}"))
-    if trains_goldfish(cfg):
+    if splits_by_mask(cfg):
         ccols += MASKED_COLUMNS
     b, f, c = cfg.base, cfg.fresh, cfg.canaries
     notes = [
@@ -354,7 +354,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
         "held-out loss on those leads" + (f" and on '{cfg.other_held_out}' (held-out text of the fresh "
                                           "domain: phase 2 learning it)." if cfg.other_held_out else "."),
     ]
-    if trains_goldfish(cfg):
+    if splits_by_mask(cfg):
         notes.append(f"By copy count: {MASKED_NOTE}")
     if baseline:
         notes.append(f"'{BASELINE_ROW}': the pretrained weights before fine-tuning "

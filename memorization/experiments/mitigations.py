@@ -36,6 +36,7 @@ from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
 from memorization.experiments.canary_exposure import (
     InjectionConfig,
     build_corpus,
+    masked_split,
     save_manifest,
     score_injected,
 )
@@ -337,19 +338,7 @@ MASKED_NOTE = ("'masked' = the canaries with at least one secret token base.gold
                "in any copy; an unmasked secret is trained in full in every copy.")
 
 
-def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Canaries grouped by whether the goldfish mask drops one of their secret tokens (canary_exposure's
-    `secret_tokens_dropped`): the group size, and extraction and exposure within each group."""
-    masked = [c for c in canaries if c.get("secret_tokens_dropped")]
-    unmasked = [c for c in canaries if c.get("secret_tokens_dropped") == 0]
-    return {"canaries_masked": len(masked) if masked or unmasked else None,
-            "extracted_unmasked": _mean([float(c["extracted"]) for c in unmasked]),
-            "extracted_masked": _mean([float(c["extracted"]) for c in masked]),
-            "exposure_unmasked": _mean([c["exposure"] for c in unmasked]),
-            "exposure_masked": _mean([c["exposure"] for c in masked])}
-
-
-def trains_goldfish(cfg: Config) -> bool:
+def splits_by_mask(cfg: Config) -> bool:
     """Whether the by-count tables split the canaries by the goldfish mask: some arm trains with the goldfish
     loss, and base.goldfish's mask is the same in every copy (not the random strategy, which draws anew)."""
     if cfg.base.goldfish.strategy == "random":
@@ -484,7 +473,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
              ("canary_exposure", "canary exposure", "{:.2f}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
              ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}")]
-    if trains_goldfish(cfg):
+    if splits_by_mask(cfg):
         ccols += MASKED_COLUMNS
     b = cfg.base
     c = cfg.canaries
@@ -504,7 +493,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
         "while the arm trained; trainable parameters (LoRA: adapters only).",
     ]
-    if trains_goldfish(cfg):
+    if splits_by_mask(cfg):
         notes.append(f"By copy count: {MASKED_NOTE}")
     audited = [a for a in arms if a.get("audit")]
     if audited:
