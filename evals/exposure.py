@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,31 @@ def exposure_rank(canary_logppl: float, candidate_logppls: np.ndarray | Sequence
     ahead = int((c <= canary_logppl).sum())
     rank = 1.0 + ahead * (space_size - 1) / c.size
     return math.log2(space_size) - math.log2(rank)
+
+
+def group_exposure(logppls: np.ndarray | Sequence[float], keys: Sequence[Hashable], target: int
+                   ) -> tuple[float, int, int]:
+    """(exposure, rank, groups) of part of a secret: the candidates grouped by `keys` (e.g. their tokens at
+    the positions a training loss kept), a group's probability the sum of its members' 2^-logppl, and
+    the rank of candidate `target`'s group among all groups (ties ahead, as exposure_rank counts them).
+
+    The attacker's best guess of that part marginalises over the rest, so this is log2(groups) - log2(rank).
+    """
+    lp = np.asarray(logppls, dtype=np.float64).ravel()
+    if len(keys) != lp.size or lp.size == 0:
+        raise fail("keys", f"<{len(keys)} keys>", f"pass one key per candidate ({lp.size} log-perplexities)")
+    if not np.isfinite(lp).all():
+        raise fail("logppls", "non-finite", "log-perplexities must be finite numbers")
+    if not 0 <= target < lp.size:
+        raise fail("target", target, f"pass a candidate index in [0, {lp.size})")
+    members: dict[Hashable, list[float]] = {}
+    for key, bits in zip(keys, lp):
+        members.setdefault(key, []).append(-bits)
+    group_lp = {key: float(np.logaddexp2.reduce(v)) for key, v in members.items()}
+    mine = group_lp.pop(keys[target])
+    rank = 1 + sum(v >= mine for v in group_lp.values())
+    groups = len(group_lp) + 1
+    return math.log2(groups) - math.log2(rank), rank, groups
 
 
 def exposure_extrapolated(canary_logppl: float, sample_logppls: np.ndarray | Sequence[float]) -> float:

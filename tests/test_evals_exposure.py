@@ -7,7 +7,13 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from evals import exposure_extrapolated, exposure_rank, sequence_log_perplexity, sequence_logprobs
+from evals import (
+    exposure_extrapolated,
+    exposure_rank,
+    group_exposure,
+    sequence_log_perplexity,
+    sequence_logprobs,
+)
 from memorize_core import ConfigError
 
 torch.set_num_threads(1)
@@ -31,6 +37,29 @@ def test_exposure_rank_ties_and_sampling():
     assert exposure_rank(1.0, sample, 10_000) == pytest.approx(math.log2(10_000) - math.log2(910.0))
     with pytest.raises(ConfigError, match="space_size=3"):
         exposure_rank(1.0, [1.0, 2.0, 3.0], 3)  # candidates + canary exceed the space
+
+
+def test_group_exposure_sums_each_group_and_ranks_it():
+    # Secrets 00, 01, 10, 11 with p = .4, .2, .3, .1: by first digit the groups hold .6 and .4, by the
+    # second .7 and .3.
+    secrets, p = ["00", "01", "10", "11"], np.array([0.4, 0.2, 0.3, 0.1])
+    bits = -np.log2(p)
+    first, second = [s[0] for s in secrets], [s[1] for s in secrets]
+    assert group_exposure(bits, first, 0) == pytest.approx((1.0, 1, 2))
+    assert group_exposure(bits, first, 3) == pytest.approx((0.0, 2, 2))
+    # "01" is third of four in full, but its second digit is the second guess of two.
+    assert exposure_rank(bits[1], np.delete(bits, 1), 4) == pytest.approx(2 - math.log2(3))
+    assert group_exposure(bits, second, 1) == pytest.approx((0.0, 2, 2))
+    assert group_exposure(bits, second, 2) == pytest.approx((1.0, 1, 2))
+    # One candidate per group is plain exposure; a tie between groups counts as ahead.
+    for i in range(4):
+        full = exposure_rank(bits[i], np.delete(bits, i), 4)
+        assert group_exposure(bits, secrets, i)[0] == pytest.approx(full)
+    assert group_exposure(-np.log2([0.25, 0.25, 0.25, 0.25]), first, 0)[1] == 2
+    with pytest.raises(ConfigError, match="keys"):
+        group_exposure(bits, first[:3], 0)
+    with pytest.raises(ConfigError, match="target"):
+        group_exposure(bits, first, 4)
 
 
 def test_extrapolated_close_to_exact_on_normal_sample():

@@ -217,12 +217,12 @@ def test_the_base_model_row_is_the_untrained_arm(pretrained, tmp_path, cache_dir
 def test_masked_split_groups_canaries_by_a_dropped_secret_token():
     """A canary is masked when goldfish drops at least one of its secret tokens; each group's extraction
     and exposure are its own means; canaries scored before the mask was recorded give no split."""
-    cs = [{"secret_tokens_dropped": 0, "extracted": True, "exposure": 9.0},
-          {"secret_tokens_dropped": 2, "extracted": False, "exposure": 3.0},
-          {"secret_tokens_dropped": 1, "extracted": True, "exposure": 5.0},
-          {"secret_tokens_dropped": 0, "extracted": False, "exposure": 7.0}]
+    cs = [{"secret_tokens_dropped": 0, "extracted": True, "exposure": 9.0, "kept_exposure": None},
+          {"secret_tokens_dropped": 2, "extracted": False, "exposure": 3.0, "kept_exposure": 6.0},
+          {"secret_tokens_dropped": 1, "extracted": True, "exposure": 5.0, "kept_exposure": 4.0},
+          {"secret_tokens_dropped": 0, "extracted": False, "exposure": 7.0, "kept_exposure": None}]
     assert masked_split(cs) == {"canaries_masked": 2, "extracted_unmasked": 0.5, "extracted_masked": 0.5,
-                                "exposure_unmasked": 8.0, "exposure_masked": 4.0}
+                                "exposure_unmasked": 8.0, "exposure_masked": 4.0, "kept_exposure_masked": 5.0}
     only = masked_split(cs[:1])
     assert (only["canaries_masked"], only["extracted_masked"], only["exposure_unmasked"]) == (0, None, 9.0)
     old = masked_split([{"extracted": True, "exposure": 9.0}])

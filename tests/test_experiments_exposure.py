@@ -81,3 +81,33 @@ def test_sampled_candidates_scale_the_rank(setup):
     for c in out["canaries"]:
         assert c["rank"] is None and math.isfinite(c["exposure_extrapolated"])
         assert 0.0 <= c["exposure"] <= math.log2(1000) + 1e-9
+
+
+def test_kept_exposure_ranks_the_kept_tokens_summed_over_the_dropped_one(setup):
+    """With the secret's last token dropped, a canary's kept-token exposure ranks the group of secrets that
+    tokenize alike and share its other tokens, by their summed probability, among all such groups."""
+    tok, model = setup
+    space = SecretSpace("digits", 2)
+    secrets = [space.secret(i) for i in range(100)]
+    ids = {s: tok.encode(render(TEMPLATE, s), add_special_tokens=False) for s in secrets}
+    start = secret_start(TEMPLATE, list(ids.values()), tok)
+    canaries = ["07", "42", "90"]
+    assert all(len(ids[c]) - start >= 2 for c in canaries)  # a token to keep besides the dropped last one
+    out = canary_scores(model, tok, TEMPLATE, space, canaries, dropped=lambda x: [0] * (len(x) - 1) + [1])
+    bits = {s: _bits(model, v, start) for s, v in ids.items()}
+    for c, got in zip(canaries, out["canaries"]):
+        n = len(ids[c])
+        groups: dict[tuple, float] = {}
+        for s, v in ids.items():
+            if len(v) == n:
+                groups[tuple(v[start:n - 1])] = groups.get(tuple(v[start:n - 1]), 0.0) + 2.0 ** -bits[s]
+        mine = groups.pop(tuple(ids[c][start:n - 1]))
+        rank = 1 + sum(p >= mine * (1 - 1e-9) for p in groups.values())
+        assert got["secret_tokens"] == n - start and got["secret_tokens_dropped"] == 1
+        assert got["kept_groups"] == len(groups) + 1
+        assert got["kept_exposure"] == pytest.approx(math.log2(len(groups) + 1) - math.log2(rank))
+    # Nothing dropped (exposure says it all), everything dropped, or a sampled space: no kept-token exposure.
+    for drop, kw in ((lambda x: [0] * len(x), {}), (lambda x: [1] * len(x), {}),
+                     (lambda x: [0] * (len(x) - 1) + [1], {"candidates": 40})):
+        for got in canary_scores(model, tok, TEMPLATE, space, canaries, dropped=drop, **kw)["canaries"]:
+            assert got["kept_exposure"] is None and got["kept_groups"] is None

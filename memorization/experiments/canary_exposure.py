@@ -17,7 +17,7 @@ import torch
 from data_pipelines import CanarySpec, DuplicateSpec, inject, record_token_positions, tokenize_documents
 from evals import extract
 from memorization.eval.dp_audit import audit_set, tokenize_audit
-from memorization.experiments.exposure import canary_scores
+from memorization.experiments.exposure import CANARY_SCORES, canary_scores
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
@@ -30,9 +30,8 @@ from memorize_core import fail
 DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
 COLUMNS = (
     ("loss", "loss", "{}"), ("count", "copies", "{}"), ("canaries", "canaries", "{}"),
-    ("exposure_mean", "exposure", "{:.2f}"), ("canaries_dropped", "masked", "{}"),
-    ("exposure_dropped", "exposure masked", "{:.2f}"), ("exposure_kept", "exposure unmasked", "{:.2f}"),
-    ("extracted", "secrets extracted", "{:.0%}"), ("duplicates", "docs", "{}"),
+    ("exposure_mean", "exposure", "{:.2f}"), ("extracted", "secrets extracted", "{:.0%}"),
+    ("duplicates", "docs", "{}"),
     ("dup_exact_match", "doc exact match", "{:.0%}"), ("dup_rougeL", "doc RougeL", "{:.3f}"),
 )
 
@@ -179,7 +178,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     runs, rows, samples = [], [], []
     for loss in cfg.losses:
         rc = loss_config(cfg, loss)
-        summary = exp.run(rc, data, evaluate=evaluate, extra_key=key, eval_key={"candidates": c.candidates},
+        summary = exp.run(rc, data, evaluate=evaluate, extra_key=key,
+                          eval_key={"candidates": c.candidates, "scores": CANARY_SCORES},
                           per_run_wandb=cfg.per_run_wandb)
         if not exp.is_main:
             continue
@@ -205,13 +205,17 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         "attacker who scores R); the greedy continuation of the prompt is in the W&B samples table.",
         f"Duplicated documents: {cfg.duplicates.per_count} per count; exact match = greedy {b.eval.suffix} "
         f"tokens from the first {b.eval.prefix}. Manifest with every copy's token positions: manifest.json.",
-        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}. 'masked' counts the canaries "
-        "with at least one secret token the goldfish mask drops (the mask depends on the tokens only, so the "
-        "same canaries in both runs); 'exposure masked/unmasked' averages over each group.",
+        f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}.",
     ]
-    plots = [_plot(rows, runs, exp.out / "canary-exposure.png")]
+    split = "goldfish" in cfg.losses and b.goldfish.strategy != "random"  # random draws anew in every copy
+    columns = (*COLUMNS[:4], *MASKED_COLUMNS, *COLUMNS[4:]) if split else COLUMNS
+    if split:
+        notes += ["'masked' counts the canaries with at least one secret token the goldfish mask drops (the "
+                  "mask depends on the tokens only, so the same canaries in both runs); 'extracted' and "
+                  "'exposure' unmasked / masked average over each group. " + KEPT_NOTE]
+    plots = [_plot(rows, runs, exp.out / "canary-exposure.png", split)]
     return Outputs(title="Canary exposure and extraction vs number of copies", kind=cfg.kind, runs=runs,
-                   tables=[Table("By copy count", rows, COLUMNS, ("loss", "count"))], notes=notes,
+                   tables=[Table("By copy count", rows, columns, ("loss", "count"))], notes=notes,
                    plots=plots, samples=samples,
                    sample_columns=SAMPLE_COLUMNS, extra={"max_exposure": ev0["max_exposure"],
                                                          "manifest": "manifest.json"})
@@ -222,11 +226,17 @@ def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: A
     """Every canary's exposure and extraction, and every duplicated document's greedy extraction."""
     b, c = cfg.base, cfg.canaries
     canaries, dups = manifest.of_kind("canary"), manifest.of_kind("duplicate")
+    gold = b.goldfish
+
+    def dropped(ids: list[int]) -> list[bool]:
+        # base.goldfish's mask, for standard-loss runs too: it groups canaries the same way in every run
+        return goldfish_mask(torch.tensor([ids]), strategy=gold.strategy, k=gold.k, h=gold.h)[0].tolist()
+
     scores = canary_scores(model, tokenizer, c.template, cfg.canary_spec().space,
-                           [it.secret for it in canaries], candidates=c.candidates, seed=b.seed)
+                           [it.secret for it in canaries], candidates=c.candidates, seed=b.seed,
+                           dropped=dropped)
     for item, s in zip(canaries, scores["canaries"]):
-        s.update(id=item.id, count=item.count,
-                 **_secret_mask(item.text, tokenizer, scores["secret_start"], b.goldfish))
+        s.update(id=item.id, count=item.count)
     results = extract(model, [dup_tokens[it.id] for it in dups], prefix_len=b.eval.prefix,
                       suffix_len=b.eval.suffix, tokenizer=tokenizer, decode=b.eval.decode,
                       doc_ids=[it.id for it in dups]) if dups else []
@@ -236,28 +246,31 @@ def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: A
     return scores
 
 
-def _secret_mask(text: str, tokenizer: Any, start: int, gold: Any) -> dict[str, int]:
-    """How many of the secret's tokens the goldfish mask drops (the same in every copy and run).
-
-    Computed for standard-loss runs too: it groups canaries the same way in both runs.
-    """
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    drop = goldfish_mask(torch.tensor([ids]), strategy=gold.strategy, k=gold.k, h=gold.h)[0]
-    return {"secret_tokens": len(ids) - start, "secret_tokens_dropped": int(drop[start:].sum())}
+MASKED_COLUMNS = (("canaries_masked", "masked", "{}"), ("extracted_unmasked", "extracted unmasked", "{:.0%}"),
+                  ("extracted_masked", "extracted masked", "{:.0%}"),
+                  ("exposure_unmasked", "exposure unmasked", "{:.2f}"),
+                  ("exposure_masked", "exposure masked", "{:.2f}"),
+                  ("kept_exposure_masked", "masked: exposure of kept tokens", "{:.2f}"))
+KEPT_NOTE = ("'masked: exposure of kept tokens' = what a masked canary gives away of the secret tokens the "
+             "mask keeps: every secret of R grouped by its tokens at those positions (probability summed "
+             "over the dropped ones), the rank of the canary's group among the groups; out of log2(groups) "
+             "bits (6.64 for 2 of 3 digits kept), exact exposure only.")
 
 
 def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Canaries grouped by whether the goldfish mask drops one of their secret tokens
-    (`secret_tokens_dropped`, from _secret_mask): the masked group's size, and extraction and exposure
-    within each group (None for an empty group; every value None for canaries scored before the mask was
-    recorded)."""
+    (`secret_tokens_dropped`, from canary_scores): the masked group's size, and extraction and exposure
+    within each group, and the masked ones' exposure of their kept tokens (None for an empty group; every
+    value None for canaries scored before the mask was recorded)."""
     masked = [c for c in canaries if c.get("secret_tokens_dropped")]
     unmasked = [c for c in canaries if c.get("secret_tokens_dropped") == 0]
     return {"canaries_masked": len(masked) if masked or unmasked else None,
             "extracted_unmasked": _mean([float(c["extracted"]) for c in unmasked]),
             "extracted_masked": _mean([float(c["extracted"]) for c in masked]),
             "exposure_unmasked": _mean([c["exposure"] for c in unmasked]),
-            "exposure_masked": _mean([c["exposure"] for c in masked])}
+            "exposure_masked": _mean([c["exposure"] for c in masked]),
+            "kept_exposure_masked": _mean([c["kept_exposure"] for c in masked
+                                           if c.get("kept_exposure") is not None])}
 
 
 def _rows_by_count(loss: str, counts: list[int], ev: dict[str, Any]) -> list[dict[str, Any]]:
@@ -266,12 +279,8 @@ def _rows_by_count(loss: str, counts: list[int], ev: dict[str, Any]) -> list[dic
     for n in counts:
         cs = [c for c in ev["canaries"] if c["count"] == n]
         ds = [d for d in ev["duplicates"] if d["count"] == n]
-        split = masked_split(cs)
         rows.append({"loss": loss, "count": n, "canaries": len(cs),
-                     "exposure_mean": _mean([c["exposure"] for c in cs]),
-                     "exposure_dropped": split["exposure_masked"],
-                     "exposure_kept": split["exposure_unmasked"],
-                     "canaries_dropped": split["canaries_masked"],
+                     "exposure_mean": _mean([c["exposure"] for c in cs]), **masked_split(cs),
                      "extracted": _mean([c["extracted"] for c in cs]),
                      "duplicates": len(ds),
                      "dup_exact_match": _mean([d["exact_match"] for d in ds]),
@@ -286,21 +295,23 @@ def _mean(values: list) -> float | None:
 COLORS = {"standard": "tab:blue", "goldfish": "tab:orange"}
 
 
-def _plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path):
-    """Exposure of every canary vs copies (o: no secret token masked, x: some masked), and extraction."""
+def _plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path, split: bool):
+    """Exposure of every canary vs copies (where `split`, o: no secret token masked, x: some masked), and
+    extraction."""
     fig, (ax1, ax2) = figure(2)
     for j, r in enumerate(runs):
         ev, loss = r["canary_eval"], r["loss"]
         color, shift = COLORS.get(loss), 1.0 + 0.08 * (j - (len(runs) - 1) / 2)  # side by side
-        for masked, marker in ((False, "o"), (True, "x")):
+        for masked, marker in ((False, "o"), (True, "x")) if split else ((None, "o"),):
             pts = [(c["count"] * shift, c["exposure"]) for c in ev["canaries"]
-                   if bool(c["secret_tokens_dropped"]) == masked]
+                   if masked is None or bool(c["secret_tokens_dropped"]) == masked]
             if pts:
                 ax1.scatter(*zip(*pts), marker=marker, color=color, alpha=0.6, s=22)
         mine = [x for x in rows if x["loss"] == loss]
         ax1.plot([x["count"] for x in mine], [x["exposure_mean"] for x in mine], color=color,
                  label=f"{loss}: mean")
-        masked_pts = [(x["count"], x["exposure_dropped"]) for x in mine if x["exposure_dropped"] is not None]
+        masked_pts = [(x["count"], x["exposure_masked"]) for x in mine
+                      if split and x["exposure_masked"] is not None]
         if masked_pts:
             ax1.plot(*zip(*masked_pts), color=color, linestyle="--", label=f"{loss}: mean of masked (x)")
         ax2.plot([x["count"] for x in mine], [x["extracted"] for x in mine], marker="o", color=color,
@@ -312,7 +323,8 @@ def _plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path):
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("copies in the training data")
-    ax1.set(ylabel="exposure (bits)", title="Canary exposure (x: goldfish mask drops a secret token)")
+    ax1.set(ylabel="exposure (bits)",
+            title="Canary exposure" + (" (x: goldfish mask drops a secret token)" if split else ""))
     ax2.set(ylabel="fraction", ylim=(-0.02, 1.02), title="Extraction")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)

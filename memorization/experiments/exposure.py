@@ -12,15 +12,24 @@ gives a single continuation for all canaries; it is reported too, as the model's
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from data_pipelines.canaries import MAX_ENUMERATE, render
-from evals import exposure_extrapolated, exposure_rank, greedy_generate, sequence_log_perplexity
+from evals import (
+    exposure_extrapolated,
+    exposure_rank,
+    greedy_generate,
+    group_exposure,
+    sequence_log_perplexity,
+)
 from memorize_core import fail
+
+CANARY_SCORES = 2  # what canary_scores records: bumped when it records more, so cached answers are
+# asked again
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -69,8 +78,14 @@ def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets
 
 
 def canary_scores(model: torch.nn.Module, tokenizer: Any, template: str, space: Any, canaries: list[str],
-                  *, candidates: int = 0, seed: int = 0) -> dict[str, Any]:
-    """Exposure, rank and extraction of every canary, plus the greedy continuation of the template prefix."""
+                  *, candidates: int = 0, seed: int = 0,
+                  dropped: Callable[[list[int]], Sequence[bool]] | None = None) -> dict[str, Any]:
+    """Exposure, rank and extraction of every canary, plus the greedy continuation of the template prefix.
+
+    `dropped(ids)`, where given, says which tokens of a canary's text the training loss never saw (the
+    goldfish mask): each canary then records how many of its secret tokens were dropped and, with a token
+    dropped and one kept and exposure exact, the exposure of the kept ones (`kept_exposure`, see
+    kept_exposure)."""
     pool, exact = candidate_secrets(space, canaries, candidates, seed)
     secrets = pool if exact else canaries + pool
     scores, start, ids = secret_logppl(model, tokenizer, template, secrets)
@@ -91,6 +106,10 @@ def canary_scores(model: torch.nn.Module, tokenizer: Any, template: str, space: 
                 "extracted": bool(scores[i] < best_other)}
         if not exact:
             item["exposure_extrapolated"] = exposure_extrapolated(float(scores[i]), ref)
+        if dropped is not None:
+            drop = [bool(d) for d in dropped(ids[i])][start:]
+            item.update(secret_tokens=len(drop), secret_tokens_dropped=sum(drop),
+                        **kept_exposure(scores, ids, start, i, drop, exact))
         out.append(item)
     prefix = torch.tensor([ids[canary_idx[0]][:start]], dtype=torch.long)
     longest = max(len(ids[i]) for i in canary_idx) - start
@@ -99,3 +118,19 @@ def canary_scores(model: torch.nn.Module, tokenizer: Any, template: str, space: 
             "secret_start": start,
             "max_exposure": float(np.log2(space.size)), "greedy_continuation": tokenizer.decode(greedy),
             "prompt": tokenizer.decode(ids[canary_idx[0]][:start])}
+
+
+def kept_exposure(scores: np.ndarray, ids: list[list[int]], start: int, target: int, drop: list[bool],
+                  exact: bool) -> dict[str, Any]:
+    """What a canary whose loss dropped some secret tokens gives away of the others: the exposure of its
+    tokens at the kept positions (evals.group_exposure: every secret of R grouped by its tokens there,
+    probability summed over the dropped ones), out of log2(groups) bits. Only secrets that tokenize to as
+    many tokens as the canary are aligned with it and grouped. None where no token was dropped (exposure
+    says it all), every token was, or R was sampled."""
+    keep = [start + p for p, d in enumerate(drop) if not d]
+    if not exact or not any(drop) or not keep:
+        return {"kept_exposure": None, "kept_groups": None}
+    aligned = [j for j, x in enumerate(ids) if len(x) == len(ids[target])]
+    keys = [tuple(ids[j][p] for p in keep) for j in aligned]
+    bits, _, groups = group_exposure(scores[aligned], keys, aligned.index(target))
+    return {"kept_exposure": bits, "kept_groups": groups}

@@ -34,12 +34,15 @@ from evals.probabilistic import sampled_extraction, split_rows
 from memorization.config import RunConfig, change_words
 from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
 from memorization.experiments.canary_exposure import (
+    KEPT_NOTE,
+    MASKED_COLUMNS,
     InjectionConfig,
     build_corpus,
     masked_split,
     save_manifest,
     score_injected,
 )
+from memorization.experiments.exposure import CANARY_SCORES
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import (
     MiaSettings,
@@ -165,7 +168,8 @@ class ArmQuestions:
                     "candidates": cfg.canaries.candidates,
                     "other": [cfg.other_held_out, cfg.other_held_out_limit],
                     "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
-                    "per_document": 1}  # what paired tests read (answers cached without it: asked again)
+                    "per_document": 1,  # what paired tests read (answers cached without it: asked again)
+                    "canary_scores": CANARY_SCORES}
 
     def __call__(self, model: Any, downstream: bool = True) -> dict[str, Any]:
         """Every answer of `model` (the downstream tasks too when asked and the experiment names some)."""
@@ -285,6 +289,13 @@ def _without_ref_ratio(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "per_document": per}
 
 
+def kept_exposures(answers: dict[str, Any]) -> list[float] | None:
+    """The masked canaries' exposure of their kept tokens, in manifest order (the same canaries in every
+    model: the mask depends on base.goldfish and the tokens only); None where not recorded."""
+    canaries = (answers.get("injected") or {}).get("canaries", [])
+    return [float(c["kept_exposure"]) for c in canaries if c.get("kept_exposure") is not None] or None
+
+
 def paired_questions(methods: list[str]) -> list[Question]:
     """What the paired tests compare between two models of the comparison (docs/mitigations.md)."""
     def injected(part: str, field: str) -> Any:
@@ -298,6 +309,7 @@ def paired_questions(methods: list[str]) -> list[Question]:
             Question("exposure", "canary exposure (bits)", "number", injected("canaries", "exposure"),
                      "{:+.2f}"),
             Question("secrets", "secrets extracted", "binary", injected("canaries", "extracted"), "{:+.0%}"),
+            Question("kept", "masked: exposure of kept tokens (bits)", "number", kept_exposures, "{:+.2f}"),
             Question("nll", "held-out NLL per lead", "number", per_document("nonmember_nll")),
             *mia_questions(methods)]
 
@@ -327,15 +339,11 @@ def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-MASKED_COLUMNS = (("canaries_masked", "masked", "{}"), ("extracted_unmasked", "extracted unmasked", "{:.0%}"),
-                  ("extracted_masked", "extracted masked", "{:.0%}"),
-                  ("exposure_unmasked", "exposure unmasked", "{:.2f}"),
-                  ("exposure_masked", "exposure masked", "{:.2f}"))
 MASKED_NOTE = ("'masked' = the canaries with at least one secret token base.goldfish's mask drops (the mask "
                "depends on the tokens only, so the same canaries in every arm and pass; an arm that "
                "overrides goldfish's k, h or strategy is still grouped by base.goldfish); 'extracted' and "
                "'exposure' unmasked / masked average over each group. Goldfish never trains a masked token, "
-               "in any copy; an unmasked secret is trained in full in every copy.")
+               "in any copy; an unmasked secret is trained in full in every copy. " + KEPT_NOTE)
 
 
 def splits_by_mask(cfg: Config) -> bool:
