@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,13 @@ def test_canary_exposure_with_manifest(tmp_path):
         ev = run["canary_eval"]
         assert ev["exact"] and ev["scored"] == 100 and len(ev["canaries"]) == 4 and len(ev["duplicates"]) == 2
         assert all(0.0 <= c["exposure"] <= ev["max_exposure"] + 1e-9 for c in ev["canaries"])
+        for c in ev["canaries"]:  # the kept-token exposure: only a canary with a token dropped and one kept
+            partial = 0 < c["secret_tokens_dropped"] < c["secret_tokens"]
+            assert (c["kept_exposure"] is not None) == partial
+            if partial:
+                assert 1 <= c["kept_groups"] <= 100
+                assert 0.0 <= c["kept_exposure"] <= math.log2(c["kept_groups"])
+    assert "masked: exposure of kept tokens" in (out / "report.md").read_text()  # goldfish hash: split shown
 
 
 def test_near_verbatim_keys_a_run_only_where_the_run_bounds_it():
