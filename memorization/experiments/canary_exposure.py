@@ -314,6 +314,11 @@ def _plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], path, split: b
                       if split and x["exposure_masked"] is not None]
         if masked_pts:
             ax1.plot(*zip(*masked_pts), color=color, linestyle="--", label=f"{loss}: mean of masked (x)")
+        kept_pts = [(x["count"], x["kept_exposure_masked"]) for x in mine
+                    if split and x["kept_exposure_masked"] is not None]
+        if kept_pts:
+            ax1.plot(*zip(*kept_pts), color=color, linestyle=":", marker=".",
+                     label=f"{loss}: masked, exposure of kept tokens")
         ax2.plot([x["count"] for x in mine], [x["extracted"] for x in mine], marker="o", color=color,
                  label=f"{loss}: secrets extracted")
         if any(x["dup_exact_match"] is not None for x in mine):
