@@ -233,6 +233,9 @@ def test_masked_split_groups_canaries_by_a_dropped_secret_token():
     ([], True),  # the shipped arms: goldfish (hash) among them
     (["base.goldfish.strategy=random"], False),  # drops drawn anew per copy: no canary is masked in all
     (["arms=[{name: none, mitigation: none}]"], False),  # no arm trains with goldfish
+    (["base.goldfish.strategy=apertus"], True),  # one document per row: its windows stay inside it
+    (["base.goldfish.strategy=apertus", "base.data.packing=packed"], False),  # windows reach the previous doc
+    (["base.data.packing=packed"], True),  # hash honours document boundaries in packed rows
 ])
 def test_the_by_count_table_splits_by_the_mask_only_where_it_means_something(overrides, split):
     cfg = build_experiment(Config, load_experiment_dict("configs/experiments/mitigations.yaml", overrides))

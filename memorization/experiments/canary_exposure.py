@@ -22,7 +22,7 @@ from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list, refuse_data_dedup
-from memorization.mitigations.goldfish import goldfish_mask
+from memorization.mitigations.goldfish import goldfish_mask, mask_is_the_documents
 from memorization.models import run_tokenizer
 from memorization.train.prepare import prepare_documents
 from memorize_core import fail
@@ -207,7 +207,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         f"tokens from the first {b.eval.prefix}. Manifest with every copy's token positions: manifest.json.",
         f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}.",
     ]
-    split = "goldfish" in cfg.losses and b.goldfish.strategy != "random"  # random draws anew in every copy
+    packed = b.data.packing == "packed"
+    split = "goldfish" in cfg.losses and mask_is_the_documents(b.goldfish.strategy, packed)
     columns = (*COLUMNS[:4], *MASKED_COLUMNS, *COLUMNS[4:]) if split else COLUMNS
     if split:
         notes += ["'masked' counts the canaries with at least one secret token the goldfish mask drops (the "

@@ -58,6 +58,7 @@ from memorization.experiments.reporting import Outputs, Point, Shown, Table, bar
 from memorization.experiments.runner import Experiment, PeakRSS, digest, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
+from memorization.mitigations.goldfish import mask_is_the_documents
 from memorization.outputs import check_name
 from memorization.paired import Question, mia_questions, paired_table, per_document
 from memorization.train.pipeline import run_training
@@ -343,13 +344,15 @@ MASKED_NOTE = ("'masked' = the canaries with at least one secret token base.gold
                "depends on the tokens only, so the same canaries in every arm and pass; an arm that "
                "overrides goldfish's k, h or strategy is still grouped by base.goldfish); 'extracted' and "
                "'exposure' unmasked / masked average over each group. Goldfish never trains a masked token, "
-               "in any copy; an unmasked secret is trained in full in every copy. " + KEPT_NOTE)
+               "in any copy; an unmasked secret is trained in full in every copy (in packed rows: every copy "
+               "not cut by a row start). " + KEPT_NOTE)
 
 
 def splits_by_mask(cfg: Config) -> bool:
     """Whether the by-count tables split the canaries by the goldfish mask: some arm trains with the goldfish
-    loss, and base.goldfish's mask is the same in every copy (not the random strategy, which draws anew)."""
-    if cfg.base.goldfish.strategy == "random":
+    loss, and base.goldfish's mask is the same in every copy (goldfish.mask_is_the_documents)."""
+    b = cfg.base
+    if not mask_is_the_documents(b.goldfish.strategy, b.data.packing == "packed"):
         return False
     return any(arm_config(cfg, a).goldfish.enabled for a in cfg.arms)
 

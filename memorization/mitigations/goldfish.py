@@ -102,6 +102,13 @@ class GoldfishConfig:
         return exempts_special(self.strategy, self.exempt_special)
 
 
+def mask_is_the_documents(strategy: str, packed: bool) -> bool:
+    """Whether a document's drops depend on its own tokens only, so every copy of it drops the same ones:
+    not `random` (drawn anew each time), nor `hash-table` / `apertus` in packed rows (their windows reach
+    into whatever document precedes it in the row, which differs per copy)."""
+    return strategy != "random" and not (packed and strategy in ("hash-table", "apertus"))
+
+
 def exempts_special(strategy: str, exempt_special: bool | None) -> bool:
     """exempt_special, or where it is null what the strategy's reference does (only apertus exempts)."""
     return strategy == "apertus" if exempt_special is None else bool(exempt_special)
