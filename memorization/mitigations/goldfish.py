@@ -104,8 +104,10 @@ class GoldfishConfig:
 
 def mask_is_the_documents(strategy: str, packed: bool) -> bool:
     """Whether a document's drops depend on its own tokens only, so every copy of it drops the same ones:
-    not `random` (drawn anew each time), nor `hash-table` / `apertus` in packed rows (their windows reach
-    into whatever document precedes it in the row, which differs per copy)."""
+    not `random` (drawn anew each time), nor `hash-table` / `apertus` in packed rows: there the first h
+    tokens' windows reach into whatever precedes the document in the row, and a copy cut by a row start
+    has its first h positions in the row supervised, so different copies drop different tokens (`hash`
+    drops a cut context conservatively and stops at document boundaries)."""
     return strategy != "random" and not (packed and strategy in ("hash-table", "apertus"))
 
 
