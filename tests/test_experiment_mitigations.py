@@ -7,7 +7,7 @@ import pytest
 from helpers import trained_base
 
 from memorization.cli import main
-from memorization.experiments.canary_exposure import masked_split
+from memorization.experiments.canary_exposure import masked_split, secret_mask
 from memorization.experiments.mitigations import Config, splits_by_mask
 from memorization.experiments.spec import build_experiment, load_experiment_dict
 
@@ -240,3 +240,22 @@ def test_masked_split_groups_canaries_by_a_dropped_secret_token():
 def test_the_by_count_table_splits_by_the_mask_only_where_it_means_something(overrides, split):
     cfg = build_experiment(Config, load_experiment_dict("configs/experiments/mitigations.yaml", overrides))
     assert splits_by_mask(cfg) is split
+
+
+def test_canaries_are_grouped_by_the_mask_only_where_every_copy_drops_the_same_tokens():
+    """secret_mask is base.goldfish's mask of a canary's tokens where it is the document's own, else None
+    (no masked/unmasked fields, no kept-token exposure, nothing for the paired test to misalign)."""
+    import torch
+
+    from memorization.mitigations.goldfish import goldfish_mask
+
+    def base(*overrides):
+        return build_experiment(Config, load_experiment_dict("configs/experiments/mitigations.yaml",
+                                                             list(overrides))).base
+
+    ids = list(range(100, 140))
+    mask = secret_mask(base())
+    assert mask(ids) == goldfish_mask(torch.tensor([ids]), strategy="hash", k=4, h=13)[0].tolist()
+    assert any(mask(ids)) and not all(mask(ids))
+    assert secret_mask(base("base.goldfish.strategy=random")) is None
+    assert secret_mask(base("base.goldfish.strategy=apertus", "base.data.packing=packed")) is None

@@ -8,6 +8,7 @@ the secret space and each duplicated document its greedy-extraction exact match.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,13 +208,10 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
         f"tokens from the first {b.eval.prefix}. Manifest with every copy's token positions: manifest.json.",
         f"Goldfish: {b.goldfish.strategy}, k={b.goldfish.k}, h={b.goldfish.h}.",
     ]
-    packed = b.data.packing == "packed"
-    split = "goldfish" in cfg.losses and mask_is_the_documents(b.goldfish.strategy, packed)
+    split = "goldfish" in cfg.losses and secret_mask(b) is not None
     columns = (*COLUMNS[:4], *MASKED_COLUMNS, *COLUMNS[4:]) if split else COLUMNS
     if split:
-        notes += ["'masked' counts the canaries with at least one secret token the goldfish mask drops (the "
-                  "mask depends on the tokens only, so the same canaries in both runs); 'extracted' and "
-                  "'exposure' unmasked / masked average over each group. " + KEPT_NOTE]
+        notes.append(SPLIT_NOTE)
     plots = [_plot(rows, runs, exp.out / "canary-exposure.png", split)]
     return Outputs(title="Canary exposure and extraction vs number of copies", kind=cfg.kind, runs=runs,
                    tables=[Table("By copy count", rows, columns, ("loss", "count"))], notes=notes,
@@ -222,20 +220,25 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
                                                          "manifest": "manifest.json"})
 
 
+def secret_mask(b: Any) -> Callable[[list[int]], list[bool]] | None:
+    """The tokens of a canary's text that run config `b`'s goldfish drops, where every copy drops the same
+    ones (goldfish.mask_is_the_documents), else None: the one grouping of canaries into masked and unmasked,
+    applied to standard-loss runs too, so every run groups them alike."""
+    gold = b.goldfish
+    if not mask_is_the_documents(gold.strategy, b.data.packing == "packed"):
+        return None
+    return lambda ids: goldfish_mask(torch.tensor([ids]), strategy=gold.strategy, k=gold.k,
+                                     h=gold.h)[0].tolist()
+
+
 def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: Any,
                    dup_tokens: dict[str, list[int]]) -> dict[str, Any]:
     """Every canary's exposure and extraction, and every duplicated document's greedy extraction."""
     b, c = cfg.base, cfg.canaries
     canaries, dups = manifest.of_kind("canary"), manifest.of_kind("duplicate")
-    gold = b.goldfish
-
-    def dropped(ids: list[int]) -> list[bool]:
-        # base.goldfish's mask, for standard-loss runs too: it groups canaries the same way in every run
-        return goldfish_mask(torch.tensor([ids]), strategy=gold.strategy, k=gold.k, h=gold.h)[0].tolist()
-
     scores = canary_scores(model, tokenizer, c.template, cfg.canary_spec().space,
                            [it.secret for it in canaries], candidates=c.candidates, seed=b.seed,
-                           dropped=dropped)
+                           dropped=secret_mask(b))
     for item, s in zip(canaries, scores["canaries"]):
         s.update(id=item.id, count=item.count)
     results = extract(model, [dup_tokens[it.id] for it in dups], prefix_len=b.eval.prefix,
@@ -252,10 +255,14 @@ MASKED_COLUMNS = (("canaries_masked", "masked", "{}"), ("extracted_unmasked", "e
                   ("exposure_unmasked", "exposure unmasked", "{:.2f}"),
                   ("exposure_masked", "exposure masked", "{:.2f}"),
                   ("kept_exposure_masked", "masked: exposure of kept tokens", "{:.2f}"))
-KEPT_NOTE = ("'masked: exposure of kept tokens' = what a masked canary gives away of the secret tokens the "
-             "mask keeps: every secret of R grouped by its tokens at those positions (probability summed "
-             "over the dropped ones), the rank of the canary's group among the groups; out of log2(groups) "
-             "bits (6.64 for 2 of 3 digits kept), exact exposure only.")
+SPLIT_NOTE = ("'masked' = the canaries with at least one secret token base.goldfish's mask drops (the mask "
+              "depends on the tokens only, so the same canaries in every run); 'extracted' and 'exposure' "
+              "unmasked / masked average over each group. Goldfish never trains a masked token, in any copy; "
+              "an unmasked secret is trained in full in every copy (in packed rows: every copy not cut by a "
+              "row start). 'masked: exposure of kept tokens' = what a masked canary gives away of the secret "
+              "tokens the mask keeps: every secret of R grouped by its tokens at those positions "
+              "(probability summed over the dropped ones), the rank of the canary's group among the groups; "
+              "out of log2(groups) bits (6.64 for 2 of 3 digits kept), exact exposure only.")
 
 
 def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -34,13 +34,14 @@ from evals.probabilistic import sampled_extraction, split_rows
 from memorization.config import RunConfig, change_words
 from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
 from memorization.experiments.canary_exposure import (
-    KEPT_NOTE,
     MASKED_COLUMNS,
+    SPLIT_NOTE,
     InjectionConfig,
     build_corpus,
     masked_split,
     save_manifest,
     score_injected,
+    secret_mask,
 )
 from memorization.experiments.exposure import CANARY_SCORES
 from memorization.experiments.pretrained import require_pretrained_split
@@ -58,7 +59,6 @@ from memorization.experiments.reporting import Outputs, Point, Shown, Table, bar
 from memorization.experiments.runner import Experiment, PeakRSS, digest, load_documents, say
 from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import Arm, with_overrides
-from memorization.mitigations.goldfish import mask_is_the_documents
 from memorization.outputs import check_name
 from memorization.paired import Question, mia_questions, paired_table, per_document
 from memorization.train.pipeline import run_training
@@ -340,19 +340,14 @@ def _annotate(run_dir: Path, values: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-MASKED_NOTE = ("'masked' = the canaries with at least one secret token base.goldfish's mask drops (the mask "
-               "depends on the tokens only, so the same canaries in every arm and pass; an arm that "
-               "overrides goldfish's k, h or strategy is still grouped by base.goldfish); 'extracted' and "
-               "'exposure' unmasked / masked average over each group. Goldfish never trains a masked token, "
-               "in any copy; an unmasked secret is trained in full in every copy (in packed rows: every copy "
-               "not cut by a row start). " + KEPT_NOTE)
+MASKED_NOTE = SPLIT_NOTE + (" An arm that overrides goldfish's k, h or strategy is still grouped by "
+                            "base.goldfish.")
 
 
 def splits_by_mask(cfg: Config) -> bool:
     """Whether the by-count tables split the canaries by the goldfish mask: some arm trains with the goldfish
-    loss, and base.goldfish's mask is the same in every copy (goldfish.mask_is_the_documents)."""
-    b = cfg.base
-    if not mask_is_the_documents(b.goldfish.strategy, b.data.packing == "packed"):
+    loss, and base.goldfish's mask is the same in every copy (canary_exposure.secret_mask)."""
+    if secret_mask(cfg.base) is None:
         return False
     return any(arm_config(cfg, a).goldfish.enabled for a in cfg.arms)
 
