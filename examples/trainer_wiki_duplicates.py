@@ -5,11 +5,13 @@ and canaries were injected, standard loss vs goldfish, memorization measured pas
     python examples/trainer_wiki_duplicates.py [--passes 4] [--members 16] [--out runs/trainer-wiki]
 
 `inject_dataset` puts copies of some leads (seen 1, 4 and 8 times) and canaries ("my secret code is
-NNN", one seen once, one 8 times) into the `datasets.Dataset` with the manifest our pipeline writes;
-transformers' `DataCollatorForLanguageModeling(mlm=False)` collates, wrapped by `GoldfishCollator` in
-the goldfish arm; `MemorizationCallback` scores after every pass: greedy extraction of every member
-lead (32-token prefix -> next 32), the duplicated leads by copy count, canary exposure over all 1,000
-secrets by copy count, MIA members vs held-out leads, held-out loss. Files as in sft_chat_goldfish.py.
+NNN", three seen once, three 8 times) into the `datasets.Dataset` with the manifest our pipeline
+writes; transformers' `DataCollatorForLanguageModeling(mlm=False)` collates, wrapped by
+`GoldfishCollator` in the goldfish arm; `MemorizationCallback` scores after every pass: greedy
+extraction of every member lead (32-token prefix -> next 32), the duplicated leads by copy count,
+canary exposure over all 1,000 secrets by copy count and by whether goldfish's mask drops a secret
+token (both arms grouped by the goldfish arm's mask), MIA members vs held-out leads, held-out loss.
+Files as in sft_chat_goldfish.py.
 """
 from __future__ import annotations
 
@@ -68,15 +70,15 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
     space = SecretSpace(kind="digits", length=3)  # 1,000 secrets: exposure is exact
     ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members]),
                                   duplicates=DuplicateSpec(counts=[1, 4, 8]),
-                                  canaries=CanarySpec(num_canaries=2, space=space, repeats=[1, 8]), seed=0)
+                                  canaries=CanarySpec(num_canaries=6, space=space, repeats=[1, 8]), seed=0)
     rows = ds.map(lambda r: tok(r["text"], truncation=True, max_length=a.block_len),
                   remove_columns=ds.column_names)
     out = Path(a.out) / name
     out.mkdir(parents=True, exist_ok=True)
     manifest.to_json(out / "manifest.json")  # what was injected where, as `memorize` runs write it
-    collator = DataCollatorForLanguageModeling(tok, mlm=False)
-    if name == "goldfish":
-        collator = GoldfishCollator(collator, strategy="hash", k=4, h=13)
+    plain = DataCollatorForLanguageModeling(tok, mlm=False)
+    gold = GoldfishCollator(plain, strategy="hash", k=4, h=13)  # both arms group the canaries by its mask
+    collator = gold if name == "goldfish" else plain
     args = TrainingArguments(output_dir=str(out / "trainer"), num_train_epochs=a.passes, learning_rate=a.lr,
                              per_device_train_batch_size=a.batch_size,
                              lr_scheduler_type="cosine_with_min_lr",
@@ -85,7 +87,7 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
                              use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     callback = MemorizationCallback(tok, members=members, non_members=non_members, manifest=manifest,
                                     prefix=32, suffix=32, max_tokens=a.block_len, batch_size=32,
-                                    bootstrap=500, out_dir=out / "memorization")
+                                    bootstrap=500, out_dir=out / "memorization", goldfish=gold)
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator,
                       processing_class=tok, callbacks=[callback])
     callback.attach(trainer).train()
@@ -94,17 +96,21 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
 
 def summary(runs: list[dict]) -> str:
     """Markdown: per pass and arm, exact match of members and of duplicates by copy count, canary exposure
-    by copy count, MIA AUC (loss) and held-out loss."""
+    by copy count and by whether goldfish's mask drops a secret token (both arms grouped by it), MIA AUC
+    (loss) and held-out loss."""
     lines = ["| arm | pass | EM members | " + " | ".join(f"EM dup x{d['count']}" for d in
                                                           runs[0]["passes"][0]["duplicates"])
              + " | " + " | ".join(f"exposure x{c['count']}" for c in runs[0]["passes"][0]["canaries"])
-             + " | MIA AUC | held-out loss |"]
+             + " | exposure unmasked / masked | MIA AUC | held-out loss |"]
     lines.append("|" + "---|" * (lines[0].count("|") - 1))
     for r in runs:
         for p in r["passes"]:
             cells = [r["name"], str(p["pass"]), f"{p['extraction']['exact_match_rate']:.0%}"]
             cells += [f"{d['exact_match_rate']:.0%}" for d in p["duplicates"]]
             cells += [f"{c['exposure']:.1f}" for c in p["canaries"]]
+            m = p.get("canaries_by_mask") or {}
+            cells.append(" / ".join("-" if m.get(k) is None else f"{m[k]:.1f}"
+                                    for k in ("exposure_unmasked", "exposure_masked")))
             cells += [f"{p['mia']['methods']['loss']['auc']:.2f}", f"{p['perplexity'][0]['loss']:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

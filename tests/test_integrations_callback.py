@@ -184,3 +184,110 @@ def test_lm_eval_tasks_each_pass_equal_scoring_the_model_directly(folder, texts,
     got = cb.records[0]["tasks"]["tasks"]["analogies_family"]
     assert got["n"] == 4 and got == before["tasks"]["analogies_family"]
     assert [r["pass"] for r in cb.records] == [0, 1] and "tasks" in cb.records[1]
+
+
+class _Recording(GoldfishCollator):
+    """The goldfish collator, keeping every batch it hands the Trainer."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.batches = []
+
+    def __call__(self, examples):
+        batch = super().__call__(examples)
+        self.batches.append(batch)
+        return batch
+
+
+def _secret_dropped_in_training(batches, ids: list[int], start: int) -> bool:
+    """Whether any training row holding the canary's tokens had a secret label set to -100."""
+    seen, dropped = False, False
+    for b in batches:
+        for row, labels in zip(b["input_ids"].tolist(), b["labels"].tolist()):
+            for at in range(len(row) - len(ids) + 1):
+                if row[at:at + len(ids)] == ids:
+                    seen = True
+                    dropped |= any(lab == -100 for lab in labels[at + start:at + len(ids)])
+    assert seen, "the canary never reached a training batch"
+    return dropped
+
+
+def test_canaries_grouped_by_the_mask_training_applied(folder, texts, tmp_path):
+    """With a GoldfishCollator on the Trainer, canaries are grouped into masked / unmasked exactly as the
+    batches the Trainer trained on dropped their secret tokens; a standard arm handed the same collator
+    (goldfish=) groups them alike; the report shows the split with the kept-token exposure."""
+    from data_pipelines.canaries import SecretSpace
+    from data_pipelines.inject import CanarySpec
+    from memorization.experiments.exposure import secret_start
+
+    members, _ = texts
+    ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members[:6]]), seed=0,
+                                  canaries=CanarySpec(num_canaries=6, space=SecretSpace(length=3),
+                                                      repeats=[1, 2]))
+    tok = AutoTokenizer.from_pretrained(folder)
+    rows = ds.map(lambda r: {"input_ids": tok(r["text"], truncation=True, max_length=40)["input_ids"]},
+                  remove_columns=["text"])  # keeps doc_id: the callback finds each canary's row by it
+    inner = trl_sft.DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id or 0)
+    args = dict(per_device_train_batch_size=4, num_train_epochs=1, learning_rate=5e-3, save_strategy="no",
+                report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    gold = _Recording(inner, strategy="hash", k=2, h=2)
+    got = {}
+    for arm, collator, extra in (("goldfish", gold, {}), ("standard", inner, {"goldfish": gold})):
+        cb = MemorizationCallback(tok, manifest=manifest, out_dir=tmp_path / arm, **extra, **SETTINGS)
+        trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(folder), data_collator=collator,
+                          args=TrainingArguments(output_dir=str(tmp_path / arm / "hf"), **args),
+                          train_dataset=rows if arm == "goldfish" else rows.remove_columns(["doc_id"]),
+                          processing_class=tok, callbacks=[cb])
+        cb.attach(trainer).train()
+        got[arm] = cb
+    items = manifest.of_kind("canary")
+    ids = [tok.backend_tokenizer.encode(it.text, add_special_tokens=False).ids for it in items]
+    start = secret_start(items[0].template, ids, tok)
+    want = sum(_secret_dropped_in_training(gold.batches, x, start) for x in ids)
+    assert 0 < want < len(items)  # both groups are tested
+    for arm, cb in got.items():
+        by_mask = cb.records[-1]["canaries_by_mask"]
+        assert by_mask["canaries_masked"] == want, arm
+        assert sum(r["canaries_masked"] for r in cb.records[-1]["canaries"]) == want
+        assert cb.settings()["canary_mask"].startswith("goldfish hash k=2 h=2, from ")
+    assert "training rows" in got["goldfish"].mask_note and "tokenizer" in got["standard"].mask_note
+    md = (tmp_path / "goldfish" / "report.md").read_text()
+    assert "exposure masked" in md and "masked: exposure of kept tokens" in md and "| all |" in md
+
+
+def test_no_grouping_where_copies_drop_different_tokens(folder):
+    """random, and hash-table / apertus in packed (padding-free) rows, drop different tokens in different
+    copies: the canaries are not grouped, and the note says why; without a GoldfishCollator neither; a
+    conversational dataset that lost its doc_id column cannot say which rows the canaries were."""
+    from types import SimpleNamespace
+
+    from data_pipelines.inject import CanarySpec
+    from memorization.integrations.callback import secret_drops
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": "a b c " * 9}]), seed=0,
+                                  canaries=CanarySpec(num_canaries=2))
+    probe = MemorizationCallback(tok, manifest=manifest, **SETTINGS).probe
+    padded = trl_sft.DataCollatorForLanguageModeling(pad_token_id=0)
+    free = trl_sft.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+
+    def ask(collator, columns=("input_ids",), args=None):
+        trainer = SimpleNamespace(data_collator=collator, args=args,
+                                  train_dataset=SimpleNamespace(column_names=list(columns)))
+        return secret_drops(trainer, probe)
+
+    assert ask(GoldfishCollator(padded, strategy="random", k=2)) == \
+        (None, "goldfish random k=2 h=13 drops different tokens in different copies")
+    assert ask(GoldfishCollator(free, strategy="hash-table", k=2, h=3))[1] == \
+        "goldfish hash-table k=2 h=3 in packed rows drops different tokens in different copies"
+    assert ask(GoldfishCollator(padded, strategy="apertus", k=2, h=3),
+               args=SimpleNamespace(packing=True))[0] is None
+    assert ask(padded) == (None, "no GoldfishCollator on the Trainer: canaries not grouped by a goldfish mask")
+    fn, note = ask(GoldfishCollator(padded, strategy="apertus", k=2, h=3), columns=("messages",))
+    assert fn is None and note.startswith("a conversational dataset without its doc_id column")
+    fn, note = ask(GoldfishCollator(free, strategy="hash", k=2, h=3))  # hash: each copy masked alike
+    assert fn is not None and note.endswith("from each canary's text as the tokenizer encodes a document")
+    with pytest.raises(ConfigError, match=r"^goldfish='DataCollatorForLanguageModeling': pass a GoldfishColl"):
+        MemorizationCallback(tok, manifest=manifest, goldfish=padded, **SETTINGS)
+    with pytest.raises(ConfigError, match=r"^goldfish.strategy='random': draws a new mask for every copy"):
+        GoldfishCollator(padded, strategy="random").dropped({"input_ids": [1, 2, 3]})

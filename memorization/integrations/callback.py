@@ -24,8 +24,10 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from axonn.grid import ProcessGrid
+from memorization.integrations.collator import GoldfishCollator
 from memorization.integrations.probe import Probe
 from memorization.integrations.report import FILES, flat_metrics, write_report
+from memorization.mitigations.goldfish import mask_is_the_documents
 from memorization.outputs import check_writable
 from memorize_core import fail
 
@@ -53,11 +55,19 @@ class MemorizationCallback(TrainerCallback):
     """Score memorization in place before training and after each epoch (or every N steps)."""
 
     def __init__(self, tokenizer: Any, *, out_dir: str | Path | None = None, every_steps: int = 0,
-                 before_training: bool = True, log_prefix: str = "memorization", **probe: Any):
+                 before_training: bool = True, log_prefix: str = "memorization",
+                 goldfish: GoldfishCollator | None = None, **probe: Any):
         """`probe` are Probe's settings (members, non_members, held_out, manifest, prefix, suffix, max_tokens,
-        batch_size, mia_k, bootstrap, seed, reference, tasks, tasks_limit, num_fewshot, canary_candidates)."""
+        batch_size, mia_k, bootstrap, seed, reference, tasks, tasks_limit, num_fewshot, canary_candidates).
+        `goldfish`: the collator whose mask groups the manifest's canaries into masked / unmasked (default:
+        the Trainer's data_collator where it is a GoldfishCollator); pass a goldfish arm's collator to its
+        standard-loss arm too, so both arms group the canaries alike."""
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 0:
             raise fail("every_steps", every_steps, "pass 0 (score at each epoch end) or a step interval >= 1")
+        if goldfish is not None and not isinstance(goldfish, GoldfishCollator):
+            raise fail("goldfish", type(goldfish).__name__, "pass a GoldfishCollator (the one a goldfish arm "
+                       "trains with), or leave it out to use the Trainer's")
+        self.goldfish = goldfish
         self.probe = Probe(tokenizer, **probe)  # tokenizes and checks every set now
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if self.out_dir is not None:
@@ -67,6 +77,7 @@ class MemorizationCallback(TrainerCallback):
         self.grid: ProcessGrid | None = None
         self.records: list[dict[str, Any]] = []
         self.last_results: list[Any] = []
+        self.mask_note: str | None = None  # how the canaries were grouped by the goldfish mask, or why not
 
     def attach(self, trainer: Any) -> Any:
         """Bind to `trainer` (its `log` carries the metrics) and add the callback if it is not there yet."""
@@ -84,6 +95,8 @@ class MemorizationCallback(TrainerCallback):
                        "trainer.train(): the metrics go out through trainer.log")
         refuse_sharded(args, self.trainer)
         self.probe.check_model(model)
+        if self.probe.canary_items():
+            self.probe.dropped, self.mask_note = secret_drops(self.trainer, self.probe, self.goldfish)
         self.grid = _grid()
         if self.before_training and state.global_step == 0:
             self._score(0, state, model)
@@ -118,6 +131,62 @@ class MemorizationCallback(TrainerCallback):
         return {"prefix": o.prefix, "suffix": o.suffix, "max_tokens": p.max_tokens,
                 "batch_size": o.batch_size, "mia_k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed,
                 "every_steps": self.every_steps, "sets": sets, "duplicates": len(p.duplicates),
-                "canaries": len(p.canary_items()), "tasks": p.tasks,
+                "canaries": len(p.canary_items()), "canary_mask": self.mask_note, "tasks": p.tasks,
                 "grid": ",".join(map(str, self.grid.dims)) if self.grid is not None else "1,1,1,1",
                 "files": list(FILES)}
+
+
+_ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "seq_lengths", "completion_mask",
+             "assistant_masks")  # what a causal-LM collator reads from a tokenized example
+
+
+def _canary_rows(trainer: Any, probe: Probe) -> tuple[dict[str, dict[str, Any]] | None, str]:
+    """(one training example per canary id, where it came from): the first copy's row of the Trainer's
+    dataset (`doc_id` `<id>@0`, as inject_dataset names it, with `input_ids`: what TRL prepares), else,
+    for a plain-text dataset, the canary's text through the tokenizer as it encodes a document."""
+    items = probe.canary_items()
+    ds = getattr(trainer, "train_dataset", None)
+    cols = list(getattr(ds, "column_names", None) or [])
+    if "doc_id" in cols and "input_ids" in cols:
+        where = {d: i for i, d in enumerate(ds["doc_id"])}
+        if all(f"{it.id}@0" in where for it in items):
+            keep = [c for c in _ROW_KEYS if c in cols]
+            return ({it.id: {c: ds[where[f"{it.id}@0"]][c] for c in keep} for it in items},
+                    "the training rows of the canaries' first copies")
+    if {"messages", "prompt", "completion"} & set(cols):
+        return None, ("a conversational dataset without its doc_id column: the rows the canaries trained as "
+                      "are unknown (keep inject_dataset's doc_id column to group them)")
+    return ({it.id: {"input_ids": list(probe.tok(it.text)["input_ids"])} for it in items},
+            "each canary's text as the tokenizer encodes a document")
+
+
+def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None = None) -> tuple[Any, str]:
+    """(ids -> which of a canary's tokens goldfish drops, or None; a note saying how or why not):
+    `goldfish` (default: the Trainer's data_collator) asked of the canary's own training example, so the
+    canaries are grouped into masked / unmasked as training masks them. None without a GoldfishCollator,
+    where copies drop different tokens (goldfish.mask_is_the_documents: random; hash-table / apertus in
+    packed rows), or where a canary's tokens are not found in its row (truncated, or tokenized
+    differently in context)."""
+    coll = goldfish or getattr(trainer, "data_collator", None)
+    if not isinstance(coll, GoldfishCollator):
+        return None, "no GoldfishCollator on the Trainer: canaries not grouped by a goldfish mask"
+    cfg, args = coll.cfg, getattr(trainer, "args", None)
+    packed = any(bool(getattr(o, "packing", False) or getattr(o, "padding_free", False))
+                 for o in (args, coll.inner))
+    what = f"goldfish {cfg.strategy} k={cfg.k} h={cfg.h}"
+    if not mask_is_the_documents(cfg.strategy, packed):
+        return None, f"{what}{' in packed rows' if packed else ''} drops different tokens in different copies"
+    rows, source = _canary_rows(trainer, probe)
+    if rows is None:
+        return None, source
+    backend = probe.tok.backend_tokenizer
+    table: dict[tuple[int, ...], list[bool]] = {}
+    for it in probe.canary_items():
+        ids = backend.encode(it.text, add_special_tokens=False).ids  # as canary_scores tokenizes it
+        row = [int(t) for t in rows[it.id]["input_ids"]]
+        at = next((i for i in range(len(row) - len(ids) + 1) if row[i:i + len(ids)] == ids), None)
+        if at is None:
+            return None, (f"{what}: canary {it.id}'s tokens are not in its training row (truncated, or "
+                          "tokenized differently there)")
+        table[tuple(ids)] = coll.dropped(rows[it.id])[at:at + len(ids)]
+    return (lambda ids: table[tuple(ids)]), f"{what}, from {source}"

@@ -107,6 +107,18 @@ class GoldfishCollator:
         batch["labels"] = masked.to(labels.device) if isinstance(labels, torch.Tensor) else masked
         return batch
 
+    def dropped(self, example: Any) -> list[bool]:
+        """Per token of one training example collated alone: whether goldfish drops its label (a label the
+        inner collator supervises that this collator sets to -100). Refused for `random`: its mask is drawn
+        anew for every copy, and drawing one here would move the training generator."""
+        if self.cfg.strategy == "random":
+            raise fail("goldfish.strategy", "random", "draws a new mask for every copy of a document, so no "
+                       "mask belongs to the document; ask this of a fixed-mask strategy (hash, static, ...)")
+        batch = dict(self.inner([example]))
+        before = torch.as_tensor(batch["labels"]).cpu()[0]
+        after = self.transform(goldfish_batch(batch))[0]
+        return ((before != IGNORE_INDEX) & (after == IGNORE_INDEX)).tolist()
+
     def state_dict(self) -> dict:
         """The transform's RNG state (only `random` consumes it)."""
         return self.transform.state_dict()

@@ -11,7 +11,7 @@ by copy count (memorization/experiments/exposure.py). Members may be plain texts
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from memorization.eval.evaluate import DEFAULT_MAX_TOKENS
 from memorization.eval.membership import EvalCorpus, corpus_from_texts
 from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
+from memorization.experiments.canary_exposure import masked_split
 from memorization.experiments.exposure import canary_scores
 from memorization.integrations.datasets import conversation_of
 from memorize_core import fail
@@ -142,6 +143,9 @@ class Probe:
         held = non_members if held_out is None else held_out
         self.held_out = eval_set("held_out", held, tokenizer, need=0, **kw) if held else None
         self.manifest, self.reference, self.canary_candidates = manifest, reference, canary_candidates
+        # ids -> which of a canary's tokens the training loss drops (the callback asks the Trainer's
+        # GoldfishCollator); None: canaries are not grouped by a mask
+        self.dropped: Callable[[list[int]], list[bool]] | None = None
         self.duplicates = self._duplicates(manifest, prefix + suffix)
         self.tasks = check_tasks(tasks, "tasks") if tasks else []
         check_fewshot(num_fewshot, "num_fewshot")
@@ -205,7 +209,9 @@ class Probe:
         if self.duplicates:
             rec["duplicates"] = self._score_duplicates(model, grid)
         if self.canary_items():
-            rec["canaries"] = self._score_canaries(model)
+            rec["canaries"], by_mask = self._score_canaries(model)
+            if by_mask is not None:
+                rec["canaries_by_mask"] = by_mask
         if self.tasks:
             rec["tasks"] = score_tasks(model, self.tok, self.tasks, num_fewshot=self.num_fewshot,
                                        limit=self.tasks_limit, batch_size=o.batch_size, grid=grid)
@@ -226,15 +232,20 @@ class Probe:
                 by_count.setdefault(c, []).extend(self._extract(s, model, grid)[1])
         return [{"count": c, **summarize(rs)} for c, rs in sorted(by_count.items())]
 
-    def _score_canaries(self, model: Any) -> list[dict[str, Any]]:
-        """Exposure and extraction of every canary (exact over the secret space when it is small)."""
+    def _score_canaries(self, model: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """(exposure and extraction of every canary by copy count, exact over the secret space when it is
+        small; with `dropped` set, every canary grouped by whether the mask drops a secret token
+        (masked_split), per count in the rows and pooled in the second value, else None)."""
         items = self.canary_items()
         template, space = items[0].template, items[0].space
         scores = canary_scores(model, self.tok, template, SecretSpace(**space), [i.secret for i in items],
-                               candidates=self.canary_candidates, seed=self.options.seed)
+                               candidates=self.canary_candidates, seed=self.options.seed,
+                               dropped=self.dropped)
         by_count: dict[int, list[dict[str, Any]]] = {}
         for item, s in zip(items, scores["canaries"]):
             by_count.setdefault(item.count, []).append(s)
-        return [{"count": c, "canaries": len(v), "exposure": sum(x["exposure"] for x in v) / len(v),
-                 "extracted": sum(x["extracted"] for x in v) / len(v), "max_exposure": scores["max_exposure"]}
-                for c, v in sorted(by_count.items())]
+        split = masked_split if self.dropped is not None else (lambda _: {})
+        rows = [{"count": c, "canaries": len(v), "exposure": sum(x["exposure"] for x in v) / len(v),
+                 "extracted": sum(x["extracted"] for x in v) / len(v), "max_exposure": scores["max_exposure"],
+                 **split(v)} for c, v in sorted(by_count.items())]
+        return rows, (masked_split(scores["canaries"]) if self.dropped is not None else None)

@@ -10,6 +10,7 @@ from typing import Any
 from evals import to_jsonl
 from memorization.eval.files import markdown_report
 from memorization.eval.utility import headline
+from memorization.experiments.canary_exposure import MASKED_COLUMNS, SPLIT_NOTE
 from memorization.experiments.reporting import figure, json_safe, save
 from memorization.outputs import write_files
 from memorization.report import markdown_table
@@ -35,6 +36,9 @@ def flat_metrics(rec: dict[str, Any], prefix: str = "memorization") -> dict[str,
         out[f"{prefix}/duplicates_x{d['count']}_exact_match"] = d["exact_match_rate"]
     for c in rec.get("canaries") or []:
         out[f"{prefix}/canaries_x{c['count']}_exposure"] = c["exposure"]
+    for key, value in (rec.get("canaries_by_mask") or {}).items():
+        if value is not None:
+            out[f"{prefix}/canaries_{key.removeprefix('canaries_')}"] = value
     if rec.get("tasks"):
         head = headline(rec["tasks"])
         if head.get("acc") is not None:
@@ -54,7 +58,13 @@ def _row(rec: dict[str, Any]) -> dict[str, Any]:
         row[f"dup_{d['count']}"] = d["exact_match_rate"]
     for c in rec.get("canaries") or []:
         row[f"can_{c['count']}"] = c["exposure"]
+    by_mask = rec.get("canaries_by_mask") or {}
+    row.update({f"mask_{k}": by_mask.get(k) for k in _BY_MASK if by_mask})
     return row
+
+
+_BY_MASK = {"exposure_unmasked": "exposure unmasked", "exposure_masked": "exposure masked",
+            "kept_exposure_masked": "masked: exposure of kept tokens"}
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
@@ -65,7 +75,30 @@ def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
     cols += [("loss", "held-out loss", "{:.3f}")]
     cols += [(k, f"EM duplicates x{k[4:]}", "{:.0%}") for k in keys if k.startswith("dup_")]
     cols += [(k, f"exposure canaries x{k[4:]}", "{:.1f}") for k in keys if k.startswith("can_")]
+    cols += [(k, _BY_MASK[k[5:]], "{:.1f}") for k in keys if k.startswith("mask_")]
     return cols
+
+
+def _canary_section(last: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """The last pass's canaries by copy count and, where a goldfish mask grouped them, by the mask."""
+    rows = last.get("canaries")
+    if not rows:
+        return []
+    cols = [("count", "copies", "{}"), ("canaries", "canaries", "{}"), ("exposure", "exposure", "{:.2f}"),
+            ("extracted", "extracted", "{:.0%}")]
+    if last.get("canaries_by_mask"):
+        cols += list(MASKED_COLUMNS)
+        rows = rows + [{"count": "all", "canaries": sum(r["canaries"] for r in rows),
+                        "exposure": sum(r["exposure"] * r["canaries"] for r in rows) /
+                        sum(r["canaries"] for r in rows),
+                        "extracted": sum(r["extracted"] * r["canaries"] for r in rows) /
+                        sum(r["canaries"] for r in rows), **last["canaries_by_mask"]}]
+    note = f"Exposure in bits, out of {rows[0]['max_exposure']:.2f}."
+    if settings.get("canary_mask"):
+        note += f" Grouped by the goldfish mask: {settings['canary_mask']}."
+    if last.get("canaries_by_mask"):
+        note += " " + SPLIT_NOTE.replace("base.goldfish's mask", "the mask")
+    return [f"## Canaries (pass {last['pass']})", "", markdown_table(rows, cols), "", note, ""]
 
 
 def write_report(out: Path, records: list[dict[str, Any]], results: list[Any], settings: dict[str, Any]
@@ -81,7 +114,8 @@ def write_report(out: Path, records: list[dict[str, Any]], results: list[Any], s
     md = ["# Memorization pass by pass", "", markdown_table(rows, _columns(rows)), "",
           "Pass 0 = before training; each later pass is scored in place at the end of an epoch "
           "(or every N steps) with `memorize eval`'s evaluators and settings.", "",
-          f"![memorization per pass]({png.name})", "", f"## The last pass (pass {last['pass']})", "",
+          f"![memorization per pass]({png.name})", "", *_canary_section(last, settings),
+          f"## The last pass (pass {last['pass']})", "",
           markdown_report(eval_like).split("\n", 2)[2]]
     files = {"passes.jsonl": "".join(json.dumps(r) + "\n" for r in records),
              "report.json": json.dumps({"title": "Memorization pass by pass", "settings": settings,
@@ -104,7 +138,8 @@ def _plot(records: list[dict[str, Any]], out: Path) -> Path:
         a1.plot(xs, [r["duplicates"][i]["exact_match_rate"] for r in records], "x--",
                 label=f"duplicates x{c}")
     a1.set(xlabel="pass", ylabel="exact match", ylim=(-0.02, 1.02), title="Verbatim extraction")
-    a1.legend(fontsize=7)
+    if a1.lines:
+        a1.legend(fontsize=7)
     for method in ((records[0].get("mia") or {}).get("methods") or {}):
         vals = [r["mia"]["methods"][method] for r in records]
         line, = a2.plot(xs, [v["auc"] for v in vals], "o-", label=method)
