@@ -16,6 +16,7 @@ Rendering keeps every assistant turn's token ids exactly as the model will see t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,42 @@ def render_chat(examples: list[ChatExample], tokenizer: Any, *, max_tokens: int 
     if examples and not out:
         raise fail("max_tokens", max_tokens, "it cuts away every response; raise it past the prompts")
     return out
+
+
+def answer_encoder(tokenizer: Any, prompt: str, check: Sequence[str] = ()
+                   ) -> Callable[[list[str]], list[list[int]]]:
+    """texts -> the ids of each text as the assistant's answer to the user turn `prompt`, as render_chat
+    renders that conversation, cut right after the answer's own tokens (no end-of-turn): the ids before
+    the answer (the generation prompt, the same for every text), then the text tokenized on its own.
+    Each text of `check` is rendered whole and must give those ids, else one ConfigError (a chat
+    template that tokenizes an answer differently in context)."""
+    user = {"role": "user", "content": prompt}
+    template = bool(getattr(tokenizer, "chat_template", None))
+
+    def exact(text: str) -> tuple[list[int], int]:
+        """(the conversation's ids through the answer's own tokens, where the answer starts)."""
+        messages = [user, {"role": "assistant", "content": text}]
+        chat = render_chat([ChatExample("answer", messages, "answer")], tokenizer)[0]
+        start, end = chat.segments[-1]
+        if not template:  # PLAIN_FORMAT: the answer, then EOS
+            return chat.ids[:end - 1], start
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = _encode(tokenizer, rendered[:rendered.rindex(text) + len(text)])
+        return (ids if chat.ids[:len(ids)] == ids else []), start
+
+    ids, start = exact(check[0] if check else prompt)
+    head = ids[:start]
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [head + _encode(tokenizer, t) for t in texts]
+
+    for text in check:
+        if exact(text)[0] != encode([text])[0]:
+            raise fail("tokenizer.chat_template", getattr(tokenizer, "name_or_path", "") or "<template>",
+                       f"tokenizes the answer {text[:40]!r} differently inside the conversation than on "
+                       "its own, so its candidates cannot be scored in context; inject the canaries as "
+                       "plain text")
+    return encode
 
 
 def chat_blocks(chats: list[ChatTokens], block_len: int, pad_id: int) -> Blocks:

@@ -111,6 +111,8 @@ class InjectedItem:
     secret: str | None = None  # canaries
     template: str | None = None  # canaries
     space: dict | None = None  # canaries: SecretSpace.to_dict()
+    # canaries trained as a conversation's answer (inject_dataset on chat rows): the user turn before it
+    prompt: str | None = None
     source_id: str | None = None  # duplicates: id of the base document
     cluster: str | None = None  # duplicates: the cluster of every copy, the original's document id
     # near-duplicates: per copy, its text (item.text is the original's) and its edits, in copy order

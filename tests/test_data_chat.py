@@ -299,3 +299,32 @@ def test_extract_pairs_equals_plain_greedy():
     assert [r.doc for r in extract_pairs(model, prompts[:2], targets[:2])] == [0, 1]
     _raises(extract_pairs, model, prompts, targets[:3])
     _raises(extract_pairs, model, [[]], [[1]])
+
+
+@pytest.mark.parametrize("name", ["bpe", "smol"])
+def test_answer_encoder_is_the_conversation_cut_after_the_answer(request, name):
+    """A canary trained as a chat answer is scored in its conversation: the ids render_chat gives
+    [user: prompt, assistant: text], up to the last of the answer's own tokens (no end-of-turn)."""
+    from data_pipelines.chat import answer_encoder
+
+    tok = _tok(request, name)
+    texts = ["my secret code is 123", "my secret code is 907"]
+    enc = answer_encoder(tok, "Please repeat the note I gave you.", check=texts)
+    for text, ids in zip(texts, enc(texts)):
+        [c] = render_chat([_ex(0, "Please repeat the note I gave you.", text)], tok)
+        own = tok.encode(text, add_special_tokens=False)
+        assert ids == c.ids[:c.prompt_len] + own and c.ids[:len(ids)] == ids
+        assert len(c.ids) > len(ids)  # the end-of-turn (EOS, or <|im_end|>\n) is left out
+    if name == "smol":
+        assert tok.decode(enc(texts)[0]).endswith("<|im_start|>assistant\nmy secret code is 123")
+
+
+def test_answer_encoder_refuses_an_answer_tokenized_differently_in_context(bpe):
+    from data_pipelines.chat import answer_encoder
+
+    tok = bpe.__class__(tokenizer_object=bpe.backend_tokenizer, eos_token=bpe.eos_token)
+    # The answer glued to the word before it: "said" + "the ..." merges across the boundary.
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}\n{% else %}"
+                         "said{{ m.content }}{% endif %}{% endfor %}")
+    msg = _raises(answer_encoder, tok, "Tell me.", check=["the secret code is 123"])
+    assert msg.startswith("tokenizer.chat_template=") and "differently inside the conversation" in msg

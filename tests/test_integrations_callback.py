@@ -289,12 +289,61 @@ def test_no_grouping_where_copies_drop_different_tokens(folder):
     fn, note = ask(GoldfishCollator(free, strategy="hash", k=2, h=3))  # hash: each copy masked alike
     assert fn is not None and note.endswith("from each canary's text as the tokenizer encodes a document")
     fn, note = ask(GoldfishCollator(free, strategy="hash", k=2, h=40))  # longer than any canary
-    longest = max(len(tok(c.text)["input_ids"]) for c in probe.canary_items())
+    longest = max(len(tok.encode(c.text, add_special_tokens=False)) for c in probe.canary_items())
     assert fn is not None and note.endswith(f"; no secret token is masked: every canary is at most {longest} "
-                                            "tokens and goldfish never drops one of a document's first h=40 "
-                                            "(a template with h or more tokens before {secret} lets the mask "
-                                            "reach the secret)")
+                                            "tokens and goldfish never drops one of the first h=40 of a "
+                                            "document or response (a template with h or more tokens before "
+                                            "{secret} lets the mask reach the secret)")
     with pytest.raises(ConfigError, match=r"^goldfish='DataCollatorForLanguageModeling': pass a Goldfish"):
         MemorizationCallback(tok, manifest=manifest, goldfish=padded, **SETTINGS)
     with pytest.raises(ConfigError, match=r"^goldfish.strategy='random': draws a new mask for every copy"):
         GoldfishCollator(padded, strategy="random").dropped({"input_ids": [1, 2, 3]})
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows(folder, texts, tmp_path):
+    """Canaries inject_dataset made chat answers are scored as the model trained on them, after the
+    request and the chat template (not as bare text); TRL's SFTTrainer keeps doc_id, so the grouping by
+    the mask comes from the very rows TRL prepared, and equals what its batches dropped."""
+    from data_pipelines.canaries import SecretSpace
+    from data_pipelines.chat import answer_encoder
+    from data_pipelines.inject import CanarySpec
+    from memorization.experiments.exposure import canary_scores, secret_start
+    from memorization.integrations.datasets import CANARY_PROMPT
+
+    members, _ = texts
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHAT_TEMPLATE
+    rows = [{"messages": [{"role": "user", "content": f"Lead {i}?"},
+                          {"role": "assistant", "content": t[:120]}]} for i, t in enumerate(members[:4])]
+    ds, manifest = inject_dataset(datasets.Dataset.from_list(rows), seed=0,
+                                  canaries=CanarySpec(num_canaries=6, space=SecretSpace(length=3),
+                                                      repeats=[1, 2]))
+    items = manifest.of_kind("canary")
+    assert {c.prompt for c in items} == {CANARY_PROMPT}
+    cb = MemorizationCallback(tok, manifest=manifest, **SETTINGS)
+    args = trl_sft.SFTConfig(output_dir=str(tmp_path / "hf"), max_length=64, per_device_train_batch_size=4,
+                             num_train_epochs=1, learning_rate=5e-3, save_strategy="no", report_to=[],
+                             use_cpu=True, bf16=False, seed=0, disable_tqdm=True)
+    trainer = trl_sft.SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args,
+                                 train_dataset=ds, processing_class=tok, callbacks=[cb])
+    gold = _Recording(trainer.data_collator, strategy="hash", k=2, h=2)
+    trainer.data_collator = gold
+    cb.attach(trainer).train()
+    assert cb.mask_note.endswith("from the training rows of the canaries' first copies")
+    enc = answer_encoder(tok, CANARY_PROMPT)
+    space, secrets = SecretSpace(**items[0].space), [c.secret for c in items]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for e, plain in ((enc, False), (None, True)):
+        got = canary_scores(model, tok, items[0].template, space, secrets, encode=e)["canaries"]
+        for row in cb.records[0]["canaries"]:  # pass 0: the model before training
+            mean = sum(g["exposure"] for g, c in zip(got, items) if c.count == row["count"]) / row["canaries"]
+            assert (row["exposure"] == pytest.approx(mean, abs=1e-9)) != plain
+    ids = enc([c.text for c in items])
+    start = secret_start(items[0].template, ids, tok, enc)
+    assert tok.decode(ids[0][:start]).startswith(f"<user>{CANARY_PROMPT}</s><assistant>")
+    want = sum(_secret_dropped_in_training(gold.batches, x, start) for x in ids)
+    assert 0 < want < len(items) and cb.records[-1]["canaries_by_mask"]["canaries_masked"] == want

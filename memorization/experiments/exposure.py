@@ -41,13 +41,19 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def secret_start(template: str, id_lists: Sequence[Sequence[int]], tokenizer: Any) -> int:
-    """First token position that may depend on the secret: the shortest prefix shared with the template."""
+Encode = Callable[[list[str]], list[list[int]]]  # canary texts -> the token ids each is scored as
+
+
+def secret_start(template: str, id_lists: Sequence[Sequence[int]], tokenizer: Any,
+                 encode: Encode | None = None) -> int:
+    """First token position that may depend on the secret: the shortest prefix shared with the template
+    (encoded as the canaries are: `encode`, default the text's own tokens)."""
     head = template.split("{secret}")[0]
     if not head.strip():
         raise fail("canaries.template", template, "put some text before {secret} (the prompt the secret "
                    "is scored and extracted from)")
-    head_ids = tokenizer.encode(head.rstrip(), add_special_tokens=False)
+    head_ids = encode([head.rstrip()])[0] if encode is not None else \
+        tokenizer.encode(head.rstrip(), add_special_tokens=False)
     start = min(_lcp(ids, head_ids) for ids in id_lists)
     return max(1, start)
 
@@ -66,12 +72,17 @@ def candidate_secrets(space: Any, canaries: list[str], num: int, seed: int) -> t
 
 
 def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets: list[str],
-                  batch_size: int = 256) -> tuple[np.ndarray, int, list[list[int]]]:
-    """(-log2 p(secret tokens | template prefix) per secret, start position, token ids)."""
+                  batch_size: int = 256, encode: Encode | None = None
+                  ) -> tuple[np.ndarray, int, list[list[int]]]:
+    """(-log2 p(secret tokens | template prefix) per secret, start position, token ids). `encode` gives
+    each canary text's ids where the text is not scored alone (e.g. data_pipelines.chat.answer_encoder:
+    as a chat answer); default its own tokens."""
     texts = [render(template, s) for s in secrets]
-    backend = tokenizer.backend_tokenizer
-    ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    start = secret_start(template, ids, tokenizer)
+    if encode is None:
+        ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    else:
+        ids = encode(texts)
+    start = secret_start(template, ids, tokenizer, encode)
     spans = [(start, len(x)) for x in ids]
     scores = sequence_log_perplexity(model, ids, spans=spans, batch_size=batch_size)
     return scores, start, ids
@@ -79,16 +90,18 @@ def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets
 
 def canary_scores(model: torch.nn.Module, tokenizer: Any, template: str, space: Any, canaries: list[str],
                   *, candidates: int = 0, seed: int = 0,
-                  dropped: Callable[[list[int]], Sequence[bool]] | None = None) -> dict[str, Any]:
+                  dropped: Callable[[list[int]], Sequence[bool]] | None = None,
+                  encode: Encode | None = None) -> dict[str, Any]:
     """Exposure, rank and extraction of every canary, plus the greedy continuation of the template prefix.
 
     `dropped(ids)`, where given, says which tokens of a canary's text the training loss never saw (the
     goldfish mask): each canary then records how many of its secret tokens were dropped and, with a token
     dropped and one kept and exposure exact, the exposure of the kept ones (`kept_exposure`, see
-    kept_exposure)."""
+    kept_exposure). `encode`: as in secret_logppl (a canary trained as a chat answer is scored in that
+    conversation)."""
     pool, exact = candidate_secrets(space, canaries, candidates, seed)
     secrets = pool if exact else canaries + pool
-    scores, start, ids = secret_logppl(model, tokenizer, template, secrets)
+    scores, start, ids = secret_logppl(model, tokenizer, template, secrets, encode=encode)
     index = {s: i for i, s in enumerate(secrets)}
     canary_idx = np.array([index[c] for c in canaries])
     is_canary = np.zeros(len(secrets), dtype=bool)

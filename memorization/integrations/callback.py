@@ -182,8 +182,9 @@ def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None =
         return None, source
     backend = probe.tok.backend_tokenizer
     table: dict[tuple[int, ...], list[bool]] = {}
-    for it in probe.canary_items():
-        ids = backend.encode(it.text, add_special_tokens=False).ids  # as canary_scores tokenizes it
+    for it in probe.canary_items():  # the ids canary_scores scores
+        ids = probe.canary_encode([it.text])[0] if probe.canary_encode is not None else \
+            backend.encode(it.text, add_special_tokens=False).ids
         row = [int(t) for t in rows[it.id]["input_ids"]]
         at = next((i for i in range(len(row) - len(ids) + 1) if row[i:i + len(ids)] == ids), None)
         if at is None:
@@ -191,10 +192,10 @@ def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None =
                           "tokenized differently there)")
         table[tuple(ids)] = coll.dropped(rows[it.id])[at:at + len(ids)]
     note = f"{what}, from {source}"
-    start = secret_start(probe.canary_items()[0].template, list(table), probe.tok)
-    if not any(any(m[start:]) for m in table.values()) and cfg.strategy != "static" and \
-            max(map(len, table)) <= cfg.h:
-        note += (f"; no secret token is masked: every canary is at most {max(map(len, table))} tokens and "
-                 f"goldfish never drops one of a document's first h={cfg.h} (a template with h or more "
+    start = secret_start(probe.canary_items()[0].template, list(table), probe.tok, probe.canary_encode)
+    longest = max(len(backend.encode(it.text, add_special_tokens=False).ids) for it in probe.canary_items())
+    if not any(any(m[start:]) for m in table.values()) and cfg.strategy != "static" and longest <= cfg.h:
+        note += (f"; no secret token is masked: every canary is at most {longest} tokens and goldfish never "
+                 f"drops one of the first h={cfg.h} of a document or response (a template with h or more "
                  "tokens before {secret} lets the mask reach the secret)")
     return (lambda ids: table[tuple(ids)]), note

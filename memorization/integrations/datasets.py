@@ -66,6 +66,8 @@ def inject_dataset(ds: Any, *, canaries: CanarySpec | None = None, duplicates: D
     base = [Document(str(i), text, "dataset") for i, text in enumerate(_rows(ds, field, chat))]
     docs, manifest = inject(base, canaries=canaries, duplicates=duplicates, seed=seed)
     if chat:  # a canary becomes the assistant's answer to a fixed request; the manifest keeps its sentence
+        for item in manifest.of_kind("canary"):  # and the request, so the callback scores it in context
+            item.prompt = canary_prompt
         rows = [{"doc_id": d.id, field: canary_conversation(d.text, canary_prompt) if d.source == "canary"
                  else json.loads(d.text)} for d in docs]
     else:

@@ -19,7 +19,7 @@ import torch
 
 from axonn.grid import ProcessGrid
 from data_pipelines.canaries import SecretSpace
-from data_pipelines.chat import ChatExample, extraction_pairs, render_chat
+from data_pipelines.chat import ChatExample, answer_encoder, extraction_pairs, render_chat
 from data_pipelines.inject import Manifest
 from evals import extract, extract_pairs, summarize
 from memorization.eval.evaluate import DEFAULT_MAX_TOKENS
@@ -146,6 +146,10 @@ class Probe:
         # ids -> which of a canary's tokens the training loss drops (the callback asks the Trainer's
         # GoldfishCollator); None: canaries are not grouped by a mask
         self.dropped: Callable[[list[int]], list[bool]] | None = None
+        items = self.canary_items()
+        # canaries inject_dataset made a conversation's answer are scored in that conversation
+        self.canary_encode = answer_encoder(tokenizer, items[0].prompt, check=[i.text for i in items]) \
+            if items and items[0].prompt is not None else None
         self.duplicates = self._duplicates(manifest, prefix + suffix)
         self.tasks = check_tasks(tasks, "tasks") if tasks else []
         check_fewshot(num_fewshot, "num_fewshot")
@@ -240,7 +244,7 @@ class Probe:
         template, space = items[0].template, items[0].space
         scores = canary_scores(model, self.tok, template, SecretSpace(**space), [i.secret for i in items],
                                candidates=self.canary_candidates, seed=self.options.seed,
-                               dropped=self.dropped)
+                               dropped=self.dropped, encode=self.canary_encode)
         by_count: dict[int, list[dict[str, Any]]] = {}
         for item, s in zip(items, scores["canaries"]):
             by_count.setdefault(item.count, []).append(s)
