@@ -250,6 +250,7 @@ def test_canaries_grouped_by_the_mask_training_applied(folder, texts, tmp_path):
         assert by_mask["canaries_masked"] == want, arm
         assert sum(r["canaries_masked"] for r in cb.records[-1]["canaries"]) == want
         assert cb.settings()["canary_mask"].startswith("goldfish hash k=2 h=2, from ")
+        assert cb.settings()["canaries_scored_as"] == "text"
     assert "training rows" in got["goldfish"].mask_note and "tokenizer" in got["standard"].mask_note
     md = (tmp_path / "goldfish" / "report.md").read_text()
     assert "exposure masked" in md and "masked: exposure of kept tokens" in md and "| all |" in md
@@ -334,6 +335,7 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
     trainer.data_collator = gold
     cb.attach(trainer).train()
     assert cb.mask_note.endswith("from the training rows of the canaries' first copies")
+    assert cb.settings()["canaries_scored_as"] == f"the answer to {CANARY_PROMPT!r} in the chat template"
     enc = answer_encoder(tok, CANARY_PROMPT)
     space, secrets = SecretSpace(**items[0].space), [c.secret for c in items]
     model = AutoModelForCausalLM.from_pretrained(folder)

@@ -132,9 +132,17 @@ class MemorizationCallback(TrainerCallback):
         return {"prefix": o.prefix, "suffix": o.suffix, "max_tokens": p.max_tokens,
                 "batch_size": o.batch_size, "mia_k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed,
                 "every_steps": self.every_steps, "sets": sets, "duplicates": len(p.duplicates),
-                "canaries": len(p.canary_items()), "canary_mask": self.mask_note, "tasks": p.tasks,
+                "canaries": len(p.canary_items()), "canary_mask": self.mask_note,
+                "canaries_scored_as": _scored_as(p), "tasks": p.tasks,
                 "grid": ",".join(map(str, self.grid.dims)) if self.grid is not None else "1,1,1,1",
                 "files": list(FILES)}
+
+
+def _scored_as(p: Probe) -> str | None:
+    items = p.canary_items()
+    if not items:
+        return None
+    return f"the answer to {items[0].prompt!r} in the chat template" if p.canary_encode else "text"
 
 
 _ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "seq_lengths", "completion_mask",

@@ -4,7 +4,8 @@
 `Probe.score(model, grid)` returns one pass's record: the same sections `memorize eval` writes
 (memorization/eval/sections.py: extraction, mia, perplexity; memorization/eval/utility.py: tasks) plus,
 from an injection manifest, extraction of every duplicated document and exposure of every canary
-by copy count (memorization/experiments/exposure.py). Members may be plain texts or conversations
+by copy count (memorization/experiments/exposure.py; a canary injected as a chat answer is scored as
+that answer, data_pipelines.chat.answer_encoder). Members may be plain texts or conversations
 (lists of {"role", "content"}): a conversation is extracted as prompt -> last response, as
 `memorize train` extracts chat data, and scored whole by membership inference and held-out loss.
 """
@@ -146,11 +147,11 @@ class Probe:
         # ids -> which of a canary's tokens the training loss drops (the callback asks the Trainer's
         # GoldfishCollator); None: canaries are not grouped by a mask
         self.dropped: Callable[[list[int]], list[bool]] | None = None
+        self.duplicates = self._duplicates(manifest, prefix + suffix)  # checks the manifest
         items = self.canary_items()
         # canaries inject_dataset made a conversation's answer are scored in that conversation
         self.canary_encode = answer_encoder(tokenizer, items[0].prompt, check=[i.text for i in items]) \
             if items and items[0].prompt is not None else None
-        self.duplicates = self._duplicates(manifest, prefix + suffix)
         self.tasks = check_tasks(tasks, "tasks") if tasks else []
         check_fewshot(num_fewshot, "num_fewshot")
         self.tasks_limit, self.num_fewshot = tasks_limit, num_fewshot
