@@ -5,11 +5,15 @@ memorization measured pass by pass inside the trainer.
     python examples/sft_chat_goldfish.py [--passes 3] [--members 8] [--out runs/sft-chat]
 
 Each arm trains the same model on the same `members` conversations ("Write the opening paragraph of the
-Wikipedia article on X." -> the lead). TRL masks the prompts (completion-only loss on prompt/completion
-rows); `GoldfishCollator` wraps the collator TRL built and drops goldfish positions from the responses
-only; `MemorizationCallback` asks after every pass whether the model reproduces each response verbatim
-from its prompt (exact match, RougeL on the first --suffix response tokens), whether members can be told
-from `non_members` (MIA with bootstrap CIs) and what the non-members' loss is. Each arm writes
+Wikipedia article on X." -> the lead) and 6 canaries `inject_dataset` adds as answers to "Please repeat
+the note I gave you." ("... the access code for the old east wing of the museum is NNN", 3 seen once,
+3 seen 8 times). TRL masks the prompts (completion-only loss on prompt/completion rows);
+`GoldfishCollator` wraps the collator TRL built and drops goldfish positions from the responses only;
+`MemorizationCallback` asks after every pass whether the model reproduces each response verbatim from
+its prompt (exact match, RougeL on the first --suffix response tokens), whether members can be told
+from `non_members` (MIA with bootstrap CIs), what the non-members' loss is, and how exposed each canary
+is as the answer it was trained as (over all 1,000 secrets), by copy count and by whether goldfish's
+mask drops one of its secret digits (both arms grouped by that mask). Each arm writes
 OUT/<arm>/memorization/report.{json,md} + PNG; OUT/summary.md puts the arms side by side.
 """
 from __future__ import annotations
@@ -20,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from data_pipelines.canaries import SecretSpace
 from data_pipelines.chat import load_chat
-from memorization.integrations import GoldfishCollator, MemorizationCallback
+from data_pipelines.inject import CanarySpec
+from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset
 from memorization.integrations.extras import require
 from memorization.models import resolve_model_dir
 from memorize_core import ConfigError
@@ -59,6 +65,10 @@ def conversations(n: int, tok, min_response: int) -> tuple[list, list]:
     return keep[:n], keep[n:2 * n]
 
 
+# 13+ tokens before the secret: goldfish (h=13) never drops one of a response's first 13 tokens
+TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
+
+
 def arm(name: str, a: argparse.Namespace, folder: Path, members: list, non_members: list) -> dict:
     """Train one arm with the callback; its per-pass records."""
     trl, datasets = require("trl"), require("datasets")
@@ -66,35 +76,46 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list, non_membe
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    rows = datasets.Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in members])
+    rows, manifest = inject_dataset(
+        datasets.Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in members]), seed=0,
+        canaries=CanarySpec(num_canaries=6, space=SecretSpace(length=3), repeats=[1, 8], template=TEMPLATE))
     out = Path(a.out) / name
     args = trl.SFTConfig(output_dir=str(out / "trainer"), num_train_epochs=a.passes, learning_rate=a.lr,
                          per_device_train_batch_size=a.batch_size, lr_scheduler_type="cosine_with_min_lr",
                          lr_scheduler_kwargs={"min_lr_rate": 0.1}, weight_decay=0.0, max_grad_norm=1.0,
                          max_length=a.max_length, save_strategy="no", logging_steps=5, report_to=a.report_to,
                          seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-    callback = MemorizationCallback(tok, members=members, non_members=non_members, suffix=a.suffix,
-                                    max_tokens=a.max_length, batch_size=32, bootstrap=500,
+    callback = MemorizationCallback(tok, members=members, non_members=non_members, manifest=manifest,
+                                    suffix=a.suffix, max_tokens=a.max_length, batch_size=32, bootstrap=500,
                                     out_dir=out / "memorization")
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
                              callbacks=[callback])
-    if name == "goldfish":  # the collator TRL built (prompts already -100), with goldfish on the responses
-        trainer.data_collator = GoldfishCollator(trainer.data_collator, strategy="hash", k=4, h=13)
+    # the collator TRL built (prompts already -100), with goldfish on the responses; its mask groups the
+    # canaries in both arms
+    callback.goldfish = GoldfishCollator(trainer.data_collator, strategy="hash", k=4, h=13)
+    if name == "goldfish":
+        trainer.data_collator = callback.goldfish
     callback.attach(trainer).train()
     return {"name": name, "passes": callback.records}
 
 
 def summary(runs: list[dict]) -> str:
-    """A markdown table: exact match, MIA AUC (loss) and held-out loss per pass, one column per arm."""
-    head = "| pass | " + " | ".join(f"{r['name']} EM | {r['name']} MIA AUC | {r['name']} held-out loss"
+    """A markdown table: exact match, MIA AUC (loss), held-out loss, canary exposure by copy count (x1 / x8)
+    and by the goldfish mask (unmasked / masked) per pass, one group of columns per arm."""
+    head = "| pass | " + " | ".join(f"{r['name']} EM | {r['name']} MIA AUC | {r['name']} held-out loss | "
+                                     f"{r['name']} exposure x1 / x8 | {r['name']} exposure unmasked / masked"
                                      for r in runs) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * len(runs))]
+    lines = [head, "|" + "---|" * (1 + 5 * len(runs))]
     for i, p in enumerate(runs[0]["passes"]):
         cells = []
         for r in runs:
             q = r["passes"][i]
+            m = q.get("canaries_by_mask") or {}
             cells += [f"{q['extraction']['exact_match_rate']:.0%}",
-                      f"{q['mia']['methods']['loss']['auc']:.2f}", f"{q['perplexity'][0]['loss']:.3f}"]
+                      f"{q['mia']['methods']['loss']['auc']:.2f}", f"{q['perplexity'][0]['loss']:.3f}",
+                      " / ".join(f"{c['exposure']:.1f}" for c in q["canaries"]),
+                      " / ".join("-" if m.get(k) is None else f"{m[k]:.1f}"
+                                 for k in ("exposure_unmasked", "exposure_masked"))]
         lines.append(f"| {p['pass']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

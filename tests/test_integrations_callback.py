@@ -305,10 +305,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% end
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows(folder, texts, tmp_path):
-    """Canaries inject_dataset made chat answers are scored as the model trained on them, after the
-    request and the chat template (not as bare text); TRL's SFTTrainer keeps doc_id, so the grouping by
-    the mask comes from the very rows TRL prepared, and equals what its batches dropped."""
+@pytest.mark.parametrize("shape", ["messages", "prompt-completion"])
+def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows(folder, texts, tmp_path,
+                                                                                 shape):
+    """Canaries inject_dataset made chat answers (in `messages` rows, or TRL's conversational
+    prompt-completion rows, trained on the completion only) are scored as the model trained on them,
+    after the request and the chat template (not as bare text); TRL's SFTTrainer keeps doc_id, so the
+    grouping by the mask comes from the very rows TRL prepared, and equals what its batches dropped."""
     from data_pipelines.canaries import SecretSpace
     from data_pipelines.chat import answer_encoder
     from data_pipelines.inject import CanarySpec
@@ -318,13 +321,19 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
     members, _ = texts
     tok = AutoTokenizer.from_pretrained(folder)
     tok.chat_template = CHAT_TEMPLATE
-    rows = [{"messages": [{"role": "user", "content": f"Lead {i}?"},
-                          {"role": "assistant", "content": t[:120]}]} for i, t in enumerate(members[:4])]
+    convs = [[{"role": "user", "content": f"Lead {i}?"}, {"role": "assistant", "content": t[:120]}]
+             for i, t in enumerate(members[:4])]
+    rows = [{"messages": c} if shape == "messages" else {"prompt": c[:1], "completion": c[1:]} for c in convs]
     ds, manifest = inject_dataset(datasets.Dataset.from_list(rows), seed=0,
                                   canaries=CanarySpec(num_canaries=6, space=SecretSpace(length=3),
                                                       repeats=[1, 2]))
     items = manifest.of_kind("canary")
     assert {c.prompt for c in items} == {CANARY_PROMPT}
+    assert sorted(ds.column_names) == sorted(["doc_id", *shape.split("-")])
+    if shape != "messages":
+        row = ds[[d for d in ds["doc_id"]].index(f"{items[0].id}@0")]
+        assert row["prompt"] == [{"role": "user", "content": CANARY_PROMPT}]
+        assert row["completion"] == [{"role": "assistant", "content": items[0].text}]
     cb = MemorizationCallback(tok, manifest=manifest, **SETTINGS)
     args = trl_sft.SFTConfig(output_dir=str(tmp_path / "hf"), max_length=64, per_device_train_batch_size=4,
                              num_train_epochs=1, learning_rate=5e-3, save_strategy="no", report_to=[],
@@ -349,3 +358,16 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
     assert tok.decode(ids[0][:start]).startswith(f"<user>{CANARY_PROMPT}</s><assistant>")
     want = sum(_secret_dropped_in_training(gold.batches, x, start) for x in ids)
     assert 0 < want < len(items) and cb.records[-1]["canaries_by_mask"]["canaries_masked"] == want
+
+
+def test_inject_dataset_refuses_prompt_completion_rows_it_cannot_put_a_canary_in(tmp_path):
+    from data_pipelines.inject import CanarySpec
+
+    user, bot = {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}
+    cases = [([{"prompt": "Hi?", "completion": "Hello."}], r"^prompt\[0\]='Hi\?': string prompt-completion"),
+             ([{"prompt": [user], "completion": [bot, bot]}], r"^completion\[0\]=.*must be one assistant"),
+             ([{"prompt": [user], "completion": [user]}], r"^completion\[0\]=.*must be one assistant"),
+             ([{"prompt": [{"role": "user"}], "completion": [bot]}], r"^prompt\[0\]=.*list of \{\"role\"")]
+    for rows, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            inject_dataset(datasets.Dataset.from_list(rows), canaries=CanarySpec(num_canaries=1))

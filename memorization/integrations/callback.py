@@ -62,7 +62,8 @@ class MemorizationCallback(TrainerCallback):
         batch_size, mia_k, bootstrap, seed, reference, tasks, tasks_limit, num_fewshot, canary_candidates).
         `goldfish`: the collator whose mask groups the manifest's canaries into masked / unmasked (default:
         the Trainer's data_collator where it is a GoldfishCollator); pass a goldfish arm's collator to its
-        standard-loss arm too, so both arms group the canaries alike."""
+        standard-loss arm too, so both arms group the canaries alike (or set `callback.goldfish` before
+        training, e.g. to wrap the collator the Trainer built)."""
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 0:
             raise fail("every_steps", every_steps, "pass 0 (score at each epoch end) or a step interval >= 1")
         if goldfish is not None and not isinstance(goldfish, GoldfishCollator):
