@@ -152,8 +152,9 @@ _ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "seq_lengt
 
 def _canary_rows(trainer: Any, probe: Probe) -> tuple[dict[str, dict[str, Any]] | None, str]:
     """(one training example per canary id, where it came from): the first copy's row of the Trainer's
-    dataset (`doc_id` `<id>@0`, as inject_dataset names it, with `input_ids`: what TRL prepares), else,
-    for a plain-text dataset, the canary's text through the tokenizer as it encodes a document."""
+    dataset (`doc_id` `<id>@0`, as inject_dataset names it, with `input_ids`: what TRL prepares unless it
+    packs), else, for plain-text canaries, the canary's text through the tokenizer as it encodes a
+    document."""
     items = probe.canary_items()
     ds = getattr(trainer, "train_dataset", None)
     cols = list(getattr(ds, "column_names", None) or [])
@@ -163,9 +164,9 @@ def _canary_rows(trainer: Any, probe: Probe) -> tuple[dict[str, dict[str, Any]] 
             keep = [c for c in _ROW_KEYS if c in cols]
             return ({it.id: {c: ds[where[f"{it.id}@0"]][c] for c in keep} for it in items},
                     "the training rows of the canaries' first copies")
-    if {"messages", "prompt", "completion"} & set(cols):
-        return None, ("a conversational dataset without its doc_id column: the rows the canaries trained as "
-                      "are unknown (keep inject_dataset's doc_id column to group them)")
+    if probe.canary_encode is not None or {"messages", "prompt", "completion"} & set(cols):
+        return None, ("a conversational dataset without its doc_id column (or packed): the rows the canaries "
+                      "trained as are unknown (keep inject_dataset's doc_id column to group them)")
     return ({it.id: {"input_ids": list(probe.tok(it.text)["input_ids"])} for it in items},
             "each canary's text as the tokenizer encodes a document")
 
