@@ -184,6 +184,27 @@ def test_canary_exposure_with_manifest(tmp_path):
                 assert 1 <= c["kept_groups"] <= 100
                 assert 0.0 <= c["kept_exposure"] <= math.log2(c["kept_groups"])
     assert "masked: exposure of kept tokens" in (out / "report.md").read_text()  # goldfish hash: split shown
+    # paired, canary by canary: goldfish − standard equals the tests evals.paired gives on the runs' scores
+    from evals.paired import mcnemar, paired_difference
+
+    std, gold = ({c["id"]: c for c in run["canary_eval"]["canaries"]} for run in r["runs"])
+    ids = list(std)
+    tests = r["paired_tests"]["goldfish"]
+    assert tests["exposure"]["diff"] == pytest.approx(
+        paired_difference([gold[i]["exposure"] for i in ids], [std[i]["exposure"] for i in ids])["diff"])
+    assert tests["secrets"]["p_value"] == mcnemar([gold[i]["extracted"] for i in ids],
+                                                  [std[i]["extracted"] for i in ids])["p_value"]
+    masked = [i for i in ids if std[i]["secret_tokens_dropped"]]
+    assert masked == [i for i in ids if gold[i]["secret_tokens_dropped"]]  # one grouping in both runs
+    unmasked = [i for i in ids if i not in masked]
+    for key, group in (("exposure_masked", masked), ("exposure_unmasked", unmasked)):
+        if not group:
+            assert key not in tests
+            continue
+        assert tests[key]["n"] == len(group) and tests[key]["diff"] == pytest.approx(
+            sum(gold[i]["exposure"] - std[i]["exposure"] for i in group) / len(group))
+    assert tests["em_dup"]["n"] == 2
+    assert "Paired tests: each loss − 'standard', canary by canary" in (out / "report.md").read_text()
 
 
 def test_near_verbatim_keys_a_run_only_where_the_run_bounds_it():

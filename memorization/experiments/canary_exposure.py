@@ -25,6 +25,7 @@ from memorization.experiments.scoring import SAMPLE_COLUMNS, extraction_samples
 from memorization.experiments.spec import ExperimentConfig, check_losses, int_list, refuse_data_dedup
 from memorization.mitigations.goldfish import goldfish_mask, mask_is_the_documents
 from memorization.models import run_tokenizer
+from memorization.paired import Question, paired_table
 from memorization.train.prepare import prepare_documents
 from memorize_core import fail
 
@@ -213,11 +214,18 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if split:
         notes.append(SPLIT_NOTE)
     plots = [_plot(rows, runs, exp.out / "canary-exposure.png", split)]
+    answers = {r["name"]: {"injected": r["canary_eval"]} for r in runs}
+    ref = "standard" if "standard" in answers else runs[0]["name"]
+    paired, tests, paired_notes = paired_table(answers, [(n, ref) for n in answers if n != ref],
+                                               injected_questions(), label="loss", seed=b.seed,
+                                               title=f"Paired tests: each loss − '{ref}', canary by canary")
+    notes += paired_notes
+    tables = [Table("By copy count", rows, columns, ("loss", "count"))]
+    tables += [Table(**paired, per_seed=True)] if paired else []
     return Outputs(title="Canary exposure and extraction vs number of copies", kind=cfg.kind, runs=runs,
-                   tables=[Table("By copy count", rows, columns, ("loss", "count"))], notes=notes,
-                   plots=plots, samples=samples,
+                   tables=tables, notes=notes, plots=plots, samples=samples,
                    sample_columns=SAMPLE_COLUMNS, extra={"max_exposure": ev0["max_exposure"],
-                                                         "manifest": "manifest.json"})
+                                                         "manifest": "manifest.json", "paired_tests": tests})
 
 
 def secret_mask(b: Any) -> Callable[[list[int]], list[bool]] | None:
@@ -279,6 +287,42 @@ def masked_split(canaries: list[dict[str, Any]]) -> dict[str, Any]:
             "exposure_masked": _mean([c["exposure"] for c in masked]),
             "kept_exposure_masked": _mean([c["kept_exposure"] for c in masked
                                            if c.get("kept_exposure") is not None])}
+
+
+def kept_exposures(answers: dict[str, Any]) -> list[float] | None:
+    """The masked canaries' exposure of their kept tokens, in manifest order (the same canaries in every
+    model: the mask depends on base.goldfish and the tokens only); None where not recorded."""
+    canaries = (answers.get("injected") or {}).get("canaries", [])
+    return [float(c["kept_exposure"]) for c in canaries if c.get("kept_exposure") is not None] or None
+
+
+def _injected(part: str, field: str, masked: bool | None = None) -> Callable[[dict[str, Any]], Any]:
+    """A getter of every injected item's `field` (answers["injected"]: score_injected's), in manifest order;
+    `masked` True / False: only the canaries whose secret the mask drops a token of / none of."""
+    def get(answers: dict[str, Any]) -> list[float] | None:
+        items = (answers.get("injected") or {}).get(part, [])
+        if masked is not None:
+            items = [c for c in items if c.get("secret_tokens_dropped") is not None
+                     and bool(c["secret_tokens_dropped"]) == masked]
+        return [float(x[field]) for x in items] or None
+    return get
+
+
+def injected_questions() -> list[Question]:
+    """The paired questions about injected items: duplicated documents (exact match, RougeL), canaries
+    (exposure, of the masked and of the unmasked ones where the mask groups them, extraction) and the
+    masked canaries' kept tokens; each asked only where both models' answers hold it."""
+    return [Question("em_dup", "EM duplicated leads", "binary", _injected("duplicates", "exact_match"),
+                     "{:+.0%}"),
+            Question("rouge_dup", "ROUGE-L duplicated leads", "number", _injected("duplicates", "rougeL")),
+            Question("exposure", "canary exposure (bits)", "number", _injected("canaries", "exposure"),
+                     "{:+.2f}"),
+            Question("exposure_masked", "exposure masked (bits)", "number",
+                     _injected("canaries", "exposure", masked=True), "{:+.2f}"),
+            Question("exposure_unmasked", "exposure unmasked (bits)", "number",
+                     _injected("canaries", "exposure", masked=False), "{:+.2f}"),
+            Question("secrets", "secrets extracted", "binary", _injected("canaries", "extracted"), "{:+.0%}"),
+            Question("kept", "masked: exposure of kept tokens (bits)", "number", kept_exposures, "{:+.2f}")]
 
 
 def _rows_by_count(loss: str, counts: list[int], ev: dict[str, Any]) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ from memorization.experiments.canary_exposure import (
     SPLIT_NOTE,
     InjectionConfig,
     build_corpus,
+    injected_questions,
     masked_split,
     save_manifest,
     score_injected,
@@ -290,27 +291,12 @@ def _without_ref_ratio(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "per_document": per}
 
 
-def kept_exposures(answers: dict[str, Any]) -> list[float] | None:
-    """The masked canaries' exposure of their kept tokens, in manifest order (the same canaries in every
-    model: the mask depends on base.goldfish and the tokens only); None where not recorded."""
-    canaries = (answers.get("injected") or {}).get("canaries", [])
-    return [float(c["kept_exposure"]) for c in canaries if c.get("kept_exposure") is not None] or None
-
-
 def paired_questions(methods: list[str]) -> list[Question]:
     """What the paired tests compare between two models of the comparison (docs/mitigations.md)."""
-    def injected(part: str, field: str) -> Any:
-        return lambda a: [float(x[field]) for x in (a.get("injected") or {}).get(part, [])] or None
-
     return [Question("em_once", "EM leads seen once", "binary", per_document("seen_once_exact_match"),
                      "{:+.0%}"),
             Question("rouge_once", "ROUGE-L leads seen once", "number", per_document("seen_once_rougeL")),
-            Question("em_dup", "EM duplicated leads", "binary", injected("duplicates", "exact_match"),
-                     "{:+.0%}"),
-            Question("exposure", "canary exposure (bits)", "number", injected("canaries", "exposure"),
-                     "{:+.2f}"),
-            Question("secrets", "secrets extracted", "binary", injected("canaries", "extracted"), "{:+.0%}"),
-            Question("kept", "masked: exposure of kept tokens (bits)", "number", kept_exposures, "{:+.2f}"),
+            *injected_questions(),
             Question("nll", "held-out NLL per lead", "number", per_document("nonmember_nll")),
             *mia_questions(methods)]
 
