@@ -27,7 +27,7 @@ import torch
 from data_pipelines.canaries import SecretSpace
 from data_pipelines.chat import load_chat
 from data_pipelines.inject import CanarySpec
-from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset
+from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset, paired_canaries
 from memorization.integrations.extras import require
 from memorization.models import resolve_model_dir
 from memorize_core import ConfigError
@@ -101,7 +101,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list, non_membe
 
 def summary(runs: list[dict]) -> str:
     """A markdown table: exact match, MIA AUC (loss), held-out loss, canary exposure by copy count (x1 / x8)
-    and by the goldfish mask (unmasked / masked) per pass, one group of columns per arm."""
+    and by the goldfish mask (unmasked / masked) per pass, one group of columns per arm. Then the
+    canaries of the last pass paired, each arm − the first (paired_canaries)."""
     head = "| pass | " + " | ".join(f"{r['name']} EM | {r['name']} MIA AUC | {r['name']} held-out loss | "
                                      f"{r['name']} exposure x1 / x8 | {r['name']} exposure unmasked / masked"
                                      for r in runs) + " |"
@@ -117,7 +118,9 @@ def summary(runs: list[dict]) -> str:
                       " / ".join("-" if m.get(k) is None else f"{m[k]:.1f}"
                                  for k in ("exposure_unmasked", "exposure_masked"))]
         lines.append(f"| {p['pass']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    last = {r["name"]: r["passes"][-1] for r in runs}  # the same canaries in every arm
+    paired = paired_canaries(last, runs[0]["name"])[0] if len(runs) > 1 else ""
+    return "\n".join(lines) + "\n" + ("\n" + paired if paired else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from data_pipelines import load_corpus
 from data_pipelines.canaries import SecretSpace
 from data_pipelines.inject import CanarySpec, DuplicateSpec
 from data_pipelines.packing import split_documents
-from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset
+from memorization.integrations import GoldfishCollator, MemorizationCallback, inject_dataset, paired_canaries
 from memorization.integrations.extras import require
 from memorization.models import resolve_model_dir
 from memorize_core import ConfigError
@@ -103,7 +103,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
 def summary(runs: list[dict]) -> str:
     """Markdown: per pass and arm, exact match of members and of duplicates by copy count, canary exposure
     by copy count and by whether goldfish's mask drops a secret token (both arms grouped by it), MIA AUC
-    (loss) and held-out loss."""
+    (loss) and held-out loss. Then the
+    canaries of the last pass paired, each arm − the first (paired_canaries)."""
     lines = ["| arm | pass | EM members | " + " | ".join(f"EM dup x{d['count']}" for d in
                                                           runs[0]["passes"][0]["duplicates"])
              + " | " + " | ".join(f"exposure x{c['count']}" for c in runs[0]["passes"][0]["canaries"])
@@ -119,7 +120,9 @@ def summary(runs: list[dict]) -> str:
                                     for k in ("exposure_unmasked", "exposure_masked")))
             cells += [f"{p['mia']['methods']['loss']['auc']:.2f}", f"{p['perplexity'][0]['loss']:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    last = {r["name"]: r["passes"][-1] for r in runs}  # the same canaries in every arm
+    paired = paired_canaries(last, runs[0]["name"])[0] if len(runs) > 1 else ""
+    return "\n".join(lines) + "\n" + ("\n" + paired if paired else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -252,6 +252,20 @@ def test_canaries_grouped_by_the_mask_training_applied(folder, texts, tmp_path):
         assert cb.settings()["canary_mask"].startswith("goldfish hash k=2 h=2, from ")
         assert cb.settings()["canaries_scored_as"] == "text"
     assert "training rows" in got["goldfish"].mask_note and "tokenizer" in got["standard"].mask_note
+    # canary by canary, the two arms' last passes: the tests equal evals.paired on the canaries' own scores
+    from evals.paired import mcnemar, paired_difference
+    from memorization.integrations import paired_canaries
+
+    last = {arm: cb.records[-1] for arm, cb in got.items()}
+    md, tests = paired_canaries(last, "standard")
+    gold, std = ({c["id"]: c for c in last[arm]["canary_scores"]} for arm in ("goldfish", "standard"))
+    assert sorted(gold) == sorted(std) == sorted(it.id for it in items)
+    ids = sorted(gold)
+    assert tests["goldfish"]["exposure"]["diff"] == pytest.approx(paired_difference(
+        [gold[i]["exposure"] for i in ids], [std[i]["exposure"] for i in ids])["diff"])
+    assert tests["goldfish"]["secrets"]["p_value"] == mcnemar([gold[i]["extracted"] for i in ids],
+                                                              [std[i]["extracted"] for i in ids])["p_value"]
+    assert tests["goldfish"]["exposure_masked"]["n"] == want and md.startswith("## Paired tests: each run")
     md = (tmp_path / "goldfish" / "report.md").read_text()
     assert "exposure masked" in md and "masked: exposure of kept tokens" in md and "| all |" in md
 

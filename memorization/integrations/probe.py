@@ -214,7 +214,7 @@ class Probe:
         if self.duplicates:
             rec["duplicates"] = self._score_duplicates(model, grid)
         if self.canary_items():
-            rec["canaries"], by_mask = self._score_canaries(model)
+            rec["canaries"], by_mask, rec["canary_scores"] = self._score_canaries(model)
             if by_mask is not None:
                 rec["canaries_by_mask"] = by_mask
         if self.tasks:
@@ -237,10 +237,12 @@ class Probe:
                 by_count.setdefault(c, []).extend(self._extract(s, model, grid)[1])
         return [{"count": c, **summarize(rs)} for c, rs in sorted(by_count.items())]
 
-    def _score_canaries(self, model: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    def _score_canaries(self, model: Any
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list[dict[str, Any]]]:
         """(exposure and extraction of every canary by copy count, exact over the secret space when it is
         small; with `dropped` set, every canary grouped by whether the mask drops a secret token
-        (masked_split), per count in the rows and pooled in the second value, else None)."""
+        (masked_split), per count in the rows and pooled in the second value, else None; each canary's
+        own scores with its manifest id and copy count, for paired tests between runs)."""
         items = self.canary_items()
         template, space = items[0].template, items[0].space
         scores = canary_scores(model, self.tok, template, SecretSpace(**space), [i.secret for i in items],
@@ -253,4 +255,5 @@ class Probe:
         rows = [{"count": c, "canaries": len(v), "exposure": sum(x["exposure"] for x in v) / len(v),
                  "extracted": sum(x["extracted"] for x in v) / len(v), "max_exposure": scores["max_exposure"],
                  **split(v)} for c, v in sorted(by_count.items())]
-        return rows, (masked_split(scores["canaries"]) if self.dropped is not None else None)
+        each = [{"id": item.id, "count": item.count, **s} for item, s in zip(items, scores["canaries"])]
+        return rows, (masked_split(scores["canaries"]) if self.dropped is not None else None), each

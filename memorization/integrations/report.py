@@ -10,9 +10,10 @@ from typing import Any
 from evals import to_jsonl
 from memorization.eval.files import markdown_report
 from memorization.eval.utility import headline
-from memorization.experiments.canary_exposure import MASKED_COLUMNS, SPLIT_NOTE
+from memorization.experiments.canary_exposure import MASKED_COLUMNS, SPLIT_NOTE, injected_questions
 from memorization.experiments.reporting import figure, json_safe, save
 from memorization.outputs import write_files
+from memorization.paired import paired_table
 from memorization.report import markdown_table
 
 FILES = ("passes.jsonl", "report.json", "report.md", "extraction.jsonl", "memorization-passes.png")
@@ -44,6 +45,22 @@ def flat_metrics(rec: dict[str, Any], prefix: str = "memorization") -> dict[str,
         if head.get("acc") is not None:
             out[f"{prefix}/{head['task']}_acc"] = head["acc"]
     return out
+
+
+def paired_canaries(records: dict[str, dict[str, Any]], reference: str) -> tuple[str, dict[str, Any]]:
+    """(markdown, tests): each run's pass record against `reference`'s on the same canaries (runs that
+    injected one manifest, e.g. two arms' last passes), canary by canary: exposure (all, masked,
+    unmasked), extraction, kept-token exposure (canary_exposure.injected_questions, memorization.paired:
+    bootstrap interval and sign-flip p, exact McNemar). Empty markdown when no run has canary scores."""
+    answers = {name: {"injected": {"canaries": sorted(r.get("canary_scores") or [], key=lambda c: c["id"])}}
+               for name, r in records.items()}
+    table, tests, notes = paired_table(answers, [(n, reference) for n in answers if n != reference],
+                                       injected_questions(), label="run",
+                                       missing="score the passes with this version of the callback")
+    if table is None:
+        return "\n".join(notes), {}
+    return "\n".join([f"## {table['title']}", "", markdown_table(table["rows"], table["columns"]), "",
+                      *notes]) + "\n", tests
 
 
 def _row(rec: dict[str, Any]) -> dict[str, Any]:
