@@ -56,7 +56,8 @@ def paired_canaries(records: dict[str, dict[str, Any]], reference: str) -> tuple
                for name, r in records.items()}
     table, tests, notes = paired_table(answers, [(n, reference) for n in answers if n != reference],
                                        injected_questions(), label="run",
-                                       missing="score the passes with this version of the callback")
+                                       missing="score the passes with this version of the callback",
+                                       title=f"Paired tests: each run − '{reference}', canary by canary")
     if table is None:
         return "\n".join(notes), {}
     return "\n".join([f"## {table['title']}", "", markdown_table(table["rows"], table["columns"]), "",
