@@ -44,6 +44,14 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 Encode = Callable[[list[str]], list[list[int]]]  # canary texts -> the token ids each is scored as
 
 
+def canary_ids(tokenizer: Any, texts: list[str], encode: Encode | None = None) -> list[list[int]]:
+    """The token ids each canary text is scored as: `encode(texts)` where given (e.g.
+    data_pipelines.chat.answer_encoder: as a chat answer), else the text's own tokens."""
+    if encode is not None:
+        return encode(texts)
+    return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
 def secret_start(template: str, id_lists: Sequence[Sequence[int]], tokenizer: Any,
                  encode: Encode | None = None) -> int:
     """First token position that may depend on the secret: the shortest prefix shared with the template
@@ -77,11 +85,7 @@ def secret_logppl(model: torch.nn.Module, tokenizer: Any, template: str, secrets
     """(-log2 p(secret tokens | template prefix) per secret, start position, token ids). `encode` gives
     each canary text's ids where the text is not scored alone (e.g. data_pipelines.chat.answer_encoder:
     as a chat answer); default its own tokens."""
-    texts = [render(template, s) for s in secrets]
-    if encode is None:
-        ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-    else:
-        ids = encode(texts)
+    ids = canary_ids(tokenizer, [render(template, s) for s in secrets], encode)
     start = secret_start(template, ids, tokenizer, encode)
     spans = [(start, len(x)) for x in ids]
     scores = sequence_log_perplexity(model, ids, spans=spans, batch_size=batch_size)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from axonn.grid import ProcessGrid
-from memorization.experiments.exposure import secret_start
+from memorization.experiments.exposure import canary_ids, secret_start
 from memorization.integrations.collator import GoldfishCollator
 from memorization.integrations.probe import Probe
 from memorization.integrations.report import FILES, flat_metrics, write_report
@@ -190,11 +190,10 @@ def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None =
     rows, source = _canary_rows(trainer, probe)
     if rows is None:
         return None, source
-    backend = probe.tok.backend_tokenizer
+    items = probe.canary_items()
+    texts = [it.text for it in items]
     table: dict[tuple[int, ...], list[bool]] = {}
-    for it in probe.canary_items():  # the ids canary_scores scores
-        ids = probe.canary_encode([it.text])[0] if probe.canary_encode is not None else \
-            backend.encode(it.text, add_special_tokens=False).ids
+    for it, ids in zip(items, canary_ids(probe.tok, texts, probe.canary_encode)):  # what canary_scores scores
         row = [int(t) for t in rows[it.id]["input_ids"]]
         at = next((i for i in range(len(row) - len(ids) + 1) if row[i:i + len(ids)] == ids), None)
         if at is None:
@@ -202,8 +201,8 @@ def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None =
                           "tokenized differently there)")
         table[tuple(ids)] = coll.dropped(rows[it.id])[at:at + len(ids)]
     note = f"{what}, from {source}"
-    start = secret_start(probe.canary_items()[0].template, list(table), probe.tok, probe.canary_encode)
-    longest = max(len(backend.encode(it.text, add_special_tokens=False).ids) for it in probe.canary_items())
+    start = secret_start(items[0].template, list(table), probe.tok, probe.canary_encode)
+    longest = max(map(len, canary_ids(probe.tok, texts)))  # the canary's own tokens
     if not any(any(m[start:]) for m in table.values()) and cfg.strategy != "static" and longest <= cfg.h:
         note += (f"; no secret token is masked: every canary is at most {longest} tokens and goldfish never "
                  f"drops one of the first h={cfg.h} of a document or response (a template with h or more "

@@ -106,11 +106,11 @@ def _canary_section(last: dict[str, Any], settings: dict[str, Any]) -> list[str]
             ("extracted", "extracted", "{:.0%}")]
     if last.get("canaries_by_mask"):
         cols += list(MASKED_COLUMNS)
-        rows = rows + [{"count": "all", "canaries": sum(r["canaries"] for r in rows),
-                        "exposure": sum(r["exposure"] * r["canaries"] for r in rows) /
-                        sum(r["canaries"] for r in rows),
-                        "extracted": sum(r["extracted"] * r["canaries"] for r in rows) /
-                        sum(r["canaries"] for r in rows), **last["canaries_by_mask"]}]
+        each = last["canary_scores"]
+        rows = rows + [{"count": "all", "canaries": len(each),
+                        "exposure": sum(c["exposure"] for c in each) / len(each),
+                        "extracted": sum(c["extracted"] for c in each) / len(each),
+                        **last["canaries_by_mask"]}]
     note = f"Exposure in bits, out of {rows[0]['max_exposure']:.2f}."
     if settings.get("canary_mask"):
         note += f" Grouped by the goldfish mask: {settings['canary_mask']}."
