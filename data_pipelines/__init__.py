@@ -15,6 +15,7 @@ from data_pipelines.chat import (
                                  load_chat,
                                  render_chat,
 )
+from data_pipelines.chat_inject import CANARY_PROMPT, canary_conversation, conversation_of, inject_chat
 from data_pipelines.corpora import CORPORA, Document, load_corpus
 from data_pipelines.dedup import DedupConfig, DedupManifest, Removal, deduplicate
 from data_pipelines.inject import (
@@ -44,4 +45,5 @@ __all__ = [
     "load_corpus", "load_tokenizer", "pack", "per_document", "record_token_positions", "render",
     "check_responses", "render_chat", "split_documents", "tokenize_documents", "unpack",
     "DedupConfig", "DedupManifest", "Removal", "deduplicate",
+    "CANARY_PROMPT", "canary_conversation", "conversation_of", "inject_chat",
 ]

@@ -7,7 +7,7 @@ import pytest
 from helpers import trained_base
 
 from memorization.cli import main
-from memorization.experiments.canary_exposure import masked_split, secret_mask
+from memorization.experiments.injection import masked_split, secret_mask
 from memorization.experiments.mitigations import Config, splits_by_mask
 from memorization.experiments.spec import build_experiment, load_experiment_dict
 

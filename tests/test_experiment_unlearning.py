@@ -98,7 +98,7 @@ def test_the_related_attacks_train_on_prompts_or_near_copies_of_the_forget_docum
     (no suffix token as input or label); near-copies: the same documents with about edit_rate of their
     words substituted, the same on every call; leads: the relearned half, whole."""
     from memorization.experiments import load_experiment
-    from memorization.experiments.canary_exposure import build_corpus
+    from memorization.experiments.injection import build_corpus
     from memorization.experiments.unlearning import attack_data, forget_split
     from memorize_core import IGNORE_INDEX
 

@@ -163,7 +163,7 @@ def test_sizes_pair_with_the_one_of_fewest_parameters_whatever_their_order():
 def test_canary_exposure_with_manifest(tmp_path):
     out = tmp_path / "canary"
     report = _run("canary-exposure", out, ["counts=[1,3]", "canaries.per_count=2", "duplicates.per_count=1",
-                                          "canaries.space.length=2"])
+                                          "canaries.space.length=2", "base.data.block_len=64"])
     r = _check_files(out, report, pngs=1)
     manifest = json.loads((out / "manifest.json").read_text())
     kinds = sorted((i["kind"], i["count"]) for i in manifest["items"])
@@ -205,6 +205,29 @@ def test_canary_exposure_with_manifest(tmp_path):
             sum(gold[i]["exposure"] - std[i]["exposure"] for i in group) / len(group))
     assert tests["em_dup"]["n"] == 2
     assert "Paired tests: each loss − 'standard', canary by canary" in (out / "report.md").read_text()
+
+
+def test_canary_exposure_on_chat_data(tmp_path):
+    """On a chat corpus the canaries are answers and the duplicated items conversations: each scored in
+    its conversation, grouped by the mask alike in both runs, and the report says so."""
+    out = tmp_path / "chat"
+    template = "canaries.template=the access code of the old east wing is {secret}"
+    report = _run("canary-exposure", out, ["base.data.corpus=wiki-chat", "base.data.block_len=128", template,
+                                          "counts=[1,2]", "canaries.per_count=2", "duplicates.per_count=1",
+                                          "canaries.space.length=2", "canaries.prompt=What was the note?"])
+    r = _check_files(out, report, pngs=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {i["prompt"] for i in manifest["items"] if i["kind"] == "canary"} == {"What was the note?"}
+    assert all(json.loads(i["text"])[-1]["role"] == "assistant" for i in manifest["items"]
+               if i["kind"] == "duplicate")
+    std, gold = (run["canary_eval"] for run in r["runs"])
+    assert "What was the note?" in std["prompt"]  # the scored prefix is the conversation's
+    assert len(std["canaries"]) == 4 and len(std["duplicates"]) == 2
+    assert [c["secret_tokens_dropped"] for c in std["canaries"]] == [c["secret_tokens_dropped"]
+                                                                     for c in gold["canaries"]]
+    md = (out / "report.md").read_text()
+    assert "trained as the answer to the user turn 'What was the note?'" in md
+    assert "Duplicated conversations" in md and "Paired tests" in md
 
 
 def test_near_verbatim_keys_a_run_only_where_the_run_bounds_it():

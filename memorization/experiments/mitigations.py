@@ -33,7 +33,8 @@ from evals.near_verbatim import near_verbatim
 from evals.probabilistic import sampled_extraction, split_rows
 from memorization.config import RunConfig, change_words
 from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
-from memorization.experiments.canary_exposure import (
+from memorization.experiments.exposure import CANARY_SCORES
+from memorization.experiments.injection import (
     MASKED_COLUMNS,
     SPLIT_NOTE,
     InjectionConfig,
@@ -44,7 +45,6 @@ from memorization.experiments.canary_exposure import (
     score_injected,
     secret_mask,
 )
-from memorization.experiments.exposure import CANARY_SCORES
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import (
     MiaSettings,
@@ -332,7 +332,7 @@ MASKED_NOTE = SPLIT_NOTE + (" An arm that overrides goldfish's k, h or strategy 
 
 def splits_by_mask(cfg: Config) -> bool:
     """Whether the by-count tables split the canaries by the goldfish mask: some arm trains with the goldfish
-    loss, and base.goldfish's mask is the same in every copy (canary_exposure.secret_mask)."""
+    loss, and base.goldfish's mask is the same in every copy (injection.secret_mask)."""
     if secret_mask(cfg.base) is None:
         return False
     return any(arm_config(cfg, a).goldfish.enabled for a in cfg.arms)

@@ -43,7 +43,7 @@ from data_pipelines.packing import Blocks
 from evals import extract, summarize
 from evals.probabilistic import sampled_extraction
 from memorization.config import RunConfig
-from memorization.experiments.canary_exposure import (
+from memorization.experiments.injection import (
     InjectionConfig,
     build_corpus,
     save_manifest,

@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from data_pipelines.chat import ChatExample
+from data_pipelines.chat_inject import CANARY_PROMPT, canary_conversation, conversation_of, inject_chat
 from data_pipelines.corpora import Document
 from data_pipelines.inject import CanarySpec, DuplicateSpec, Manifest, inject
 from memorize_core import fail
-
-CANARY_PROMPT = "Please repeat the note I gave you."
 
 
 def _messages(value: Any, where: str) -> list[dict[str, str]]:
@@ -62,17 +62,6 @@ def _rows(ds: Any, field: str, chat: bool) -> list[str]:
     return out
 
 
-def conversation_of(text: str) -> list[dict[str, str]] | None:
-    """The messages of a manifest item injected into a conversational dataset, else None (plain text)."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return None
-    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
-        return value
-    return None
-
-
 def inject_dataset(ds: Any, *, canaries: CanarySpec | None = None, duplicates: DuplicateSpec | None = None,
                    seed: int = 0, text_field: str = "text", messages_field: str | None = None,
                    canary_prompt: str = CANARY_PROMPT) -> tuple[Any, Manifest]:
@@ -89,23 +78,18 @@ def inject_dataset(ds: Any, *, canaries: CanarySpec | None = None, duplicates: D
     chat = messages_field is not None or (text_field not in cols and "messages" in cols)
     field = (messages_field or "messages") if chat else text_field
     texts = _prompt_completion(ds) if pairs else _rows(ds, field, chat)
-    base = [Document(str(i), text, "dataset") for i, text in enumerate(texts)]
-    docs, manifest = inject(base, canaries=canaries, duplicates=duplicates, seed=seed)
     if chat or pairs:  # a canary becomes the assistant's answer to a fixed request; the manifest keeps
-        for item in manifest.of_kind("canary"):  # its sentence and the request, to score it in context
-            item.prompt = canary_prompt
-        convs = [(d.id, canary_conversation(d.text, canary_prompt) if d.source == "canary"
-                  else json.loads(d.text)) for d in docs]
-        rows = [{"doc_id": i, "prompt": c[:-1], "completion": c[-1:]} if pairs else {"doc_id": i, field: c}
-                for i, c in convs]
+        # its sentence and the request, to score it in context
+        convs = [ChatExample(str(i), json.loads(text), "dataset") for i, text in enumerate(texts)]
+        out, manifest = inject_chat(convs, canaries=canaries, duplicates=duplicates, seed=seed,
+                                    prompt=canary_prompt, where="canary_prompt")
+        rows = [{"doc_id": ex.id, "prompt": ex.messages[:-1], "completion": ex.messages[-1:]} if pairs
+                else {"doc_id": ex.id, field: ex.messages} for ex in out]
     else:
+        base = [Document(str(i), text, "dataset") for i, text in enumerate(texts)]
+        docs, manifest = inject(base, canaries=canaries, duplicates=duplicates, seed=seed)
         rows = [{"doc_id": d.id, field: d.text} for d in docs]
     return Dataset.from_list(rows), manifest
-
-
-def canary_conversation(canary: str, prompt: str = CANARY_PROMPT) -> list[dict[str, str]]:
-    """The conversation a canary is trained as in a conversational dataset: `prompt`, then the canary."""
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": canary}]
 
 
 __all__ = ["CANARY_PROMPT", "CanarySpec", "DuplicateSpec", "Manifest", "canary_conversation",

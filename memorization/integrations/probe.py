@@ -21,15 +21,15 @@ import torch
 from axonn.grid import ProcessGrid
 from data_pipelines.canaries import SecretSpace
 from data_pipelines.chat import ChatExample, answer_encoder, extraction_pairs, render_chat
+from data_pipelines.chat_inject import conversation_of
 from data_pipelines.inject import Manifest
 from evals import extract, extract_pairs, summarize
 from memorization.eval.evaluate import DEFAULT_MAX_TOKENS
 from memorization.eval.membership import EvalCorpus, corpus_from_texts
 from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
-from memorization.experiments.canary_exposure import masked_split
 from memorization.experiments.exposure import canary_scores
-from memorization.integrations.datasets import conversation_of
+from memorization.experiments.injection import masked_split
 from memorize_core import fail
 
 Texts = Sequence[str] | Sequence[Sequence[dict[str, str]]]  # documents, or conversations

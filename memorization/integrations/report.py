@@ -10,7 +10,7 @@ from typing import Any
 from evals import to_jsonl
 from memorization.eval.files import markdown_report
 from memorization.eval.utility import headline
-from memorization.experiments.canary_exposure import MASKED_COLUMNS, SPLIT_NOTE, injected_questions
+from memorization.experiments.injection import MASKED_COLUMNS, SPLIT_NOTE, injected_questions
 from memorization.experiments.reporting import figure, json_safe, save
 from memorization.outputs import write_files
 from memorization.paired import paired_table
@@ -50,7 +50,7 @@ def flat_metrics(rec: dict[str, Any], prefix: str = "memorization") -> dict[str,
 def paired_canaries(records: dict[str, dict[str, Any]], reference: str) -> tuple[str, dict[str, Any]]:
     """(markdown, tests): each run's pass record against `reference`'s on the same canaries (runs that
     injected one manifest, e.g. two arms' last passes), canary by canary: exposure (all, masked,
-    unmasked), extraction, kept-token exposure (canary_exposure.injected_questions, memorization.paired:
+    unmasked), extraction, kept-token exposure (injection.injected_questions, memorization.paired:
     bootstrap interval and sign-flip p, exact McNemar). Empty markdown when no run has canary scores."""
     answers = {name: {"injected": {"canaries": sorted(r.get("canary_scores") or [], key=lambda c: c["id"])}}
                for name, r in records.items()}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_pipelines import (
+    ChatExample,
     DedupConfig,
     DedupManifest,
     TokenLists,
@@ -156,14 +157,32 @@ def is_chat_data(cfg: RunConfig) -> bool:
 
 def prepare_chat(cfg: RunConfig) -> PreparedData:
     """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
+    examples, held_examples = load_chat_split(cfg)
+    return prepare_conversations(cfg, examples, held_examples, chat_tokenizer(cfg, examples))
+
+
+def load_chat_split(cfg: RunConfig) -> tuple[list[ChatExample], list[ChatExample] | None]:
+    """(training conversations, held-out ones from a seeded split of data.corpus, or None)."""
     d = cfg.data
     examples = load_chat(d.corpus, limit=d.limit or None, seed=cfg.seed)
     check_responses(examples)  # before a tokenizer is trained and cached for this corpus
-    held_examples = None
     if not d.held_out and d.held_out_fraction > 0:
-        examples, held_examples = split_documents(examples, d.held_out_fraction, cfg.seed)
-    tok = run_tokenizer(d.tokenizer, cfg.model.name, vocab_size=d.vocab_size,
-                        texts=[m["content"] for ex in examples for m in ex.messages])
+        return split_documents(examples, d.held_out_fraction, cfg.seed)
+    return examples, None
+
+
+def chat_tokenizer(cfg: RunConfig, examples: list[ChatExample]) -> Any:
+    """The run's tokenizer (a corpus BPE is trained on `examples`' messages, never on injected canaries)."""
+    d = cfg.data
+    return run_tokenizer(d.tokenizer, cfg.model.name, vocab_size=d.vocab_size,
+                         texts=[m["content"] for ex in examples for m in ex.messages])
+
+
+def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
+                          held_examples: list[ChatExample] | None, tok: Any) -> PreparedData:
+    """Given conversations (e.g. with injected canaries) -> rows; held-out rows from `held_examples`, or
+    from data.held_out (chat or plain) when that is set."""
+    d = cfg.data
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     chats = render_chat(examples, tok, max_tokens=d.block_len)
     prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
