@@ -223,15 +223,16 @@ def _render_plain(ex: ChatExample, tokenizer: Any, eos: int) -> tuple[list[int],
 
 
 def render_chat(examples: list[ChatExample], tokenizer: Any, *, max_tokens: int | None = None,
-                template: bool | None = None) -> list[ChatTokens]:
+                template: bool | None = None, field: str = "max_tokens") -> list[ChatTokens]:
     """Token ids and supervised spans of each conversation (chat template if any, else PLAIN_FORMAT).
 
     `template` forces (True) or refuses (False) the tokenizer's chat template; None uses it when
     present. `max_tokens` cuts each conversation; one left with no supervised token is dropped
     (compare the `id`s of the result with the examples'), and so prompt_len = start of its last span.
+    `field` names max_tokens in errors (the caller's setting, e.g. data.block_len).
     """
     if max_tokens is not None:
-        _check_len("max_tokens", max_tokens)
+        _check_len(field, max_tokens)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if template and not has_template:
         raise fail("template", template, "this tokenizer has no chat template; pass template=None "
@@ -256,7 +257,7 @@ def render_chat(examples: list[ChatExample], tokenizer: Any, *, max_tokens: int 
         if segments:
             out.append(ChatTokens(ids, segments[-1][0], segments, ex.id))
     if examples and not out:
-        raise fail("max_tokens", max_tokens, "it cuts away every response; raise it past the prompts")
+        raise fail(field, max_tokens, "it cuts away every response; raise it past the prompts")
     return out
 
 

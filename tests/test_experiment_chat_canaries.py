@@ -136,3 +136,15 @@ def test_a_canary_its_rows_cut_is_refused_before_anything_is_written(tmp_path, c
                                              "base.data.min_tokens=8", "base.eval.prefix=8",
                                              "base.eval.suffix=8"])
         assert not out.exists() or not any(out.rglob("*.json"))
+
+
+def test_a_block_len_that_cuts_every_answer_is_named_as_the_setting(cache_dir):
+    from memorization.config import load_run_config
+    from memorization.models import REPO_ROOT
+    from memorization.train.prepare import prepare_data
+
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml",
+                          ["data.corpus=wiki-chat", "data.limit=6", "data.vocab_size=300", "data.block_len=8",
+                           "data.min_tokens=4", "eval.prefix=4", "eval.suffix=4"])
+    with pytest.raises(ConfigError, match=r"^data\.block_len=8: it cuts away every response"):
+        prepare_data(cfg)

@@ -184,13 +184,14 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
     from data.held_out (chat or plain) when that is set."""
     d = cfg.data
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    chats = render_chat(examples, tok, max_tokens=d.block_len)
+    chats = render_chat(examples, tok, max_tokens=d.block_len, field="data.block_len")
     prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
     held = None
     if d.held_out and is_chat_spec(d.held_out):
         held_examples = load_chat(d.held_out, limit=d.held_out_limit or None, seed=cfg.seed)
     if held_examples:
-        held = chat_blocks(render_chat(held_examples, tok, max_tokens=d.block_len), d.block_len, pad)
+        held = chat_blocks(render_chat(held_examples, tok, max_tokens=d.block_len, field="data.block_len"),
+                           d.block_len, pad)
     elif d.held_out:  # a plain corpus: loss on every token of its documents
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
         held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
