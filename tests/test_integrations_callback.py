@@ -319,13 +319,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% end
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-@pytest.mark.parametrize("shape", ["messages", "prompt-completion"])
+@pytest.mark.parametrize("shape, packing", [("messages", False), ("prompt-completion", False),
+                                            ("messages", True), ("prompt-completion", True)])
 def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows(folder, texts, tmp_path,
-                                                                                 shape):
+                                                                                 shape, packing):
     """Canaries inject_dataset made chat answers (in `messages` rows, or TRL's conversational
     prompt-completion rows, trained on the completion only) are scored as the model trained on them,
     after the request and the chat template (not as bare text); TRL's SFTTrainer keeps doc_id, so the
-    grouping by the mask comes from the very rows TRL prepared, and equals what its batches dropped."""
+    grouping by the mask comes from the very rows TRL prepared; where TRL packs (doc_id gone), from each
+    canary's conversation as TRL tokenizes it; either way it equals what the batches dropped."""
     from data_pipelines.canaries import SecretSpace
     from data_pipelines.chat import answer_encoder
     from data_pipelines.inject import CanarySpec
@@ -351,13 +353,15 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
     cb = MemorizationCallback(tok, manifest=manifest, **SETTINGS)
     args = trl_sft.SFTConfig(output_dir=str(tmp_path / "hf"), max_length=64, per_device_train_batch_size=4,
                              num_train_epochs=1, learning_rate=5e-3, save_strategy="no", report_to=[],
-                             use_cpu=True, bf16=False, seed=0, disable_tqdm=True)
+                             use_cpu=True, bf16=False, seed=0, disable_tqdm=True, packing=packing)
     trainer = trl_sft.SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args,
                                  train_dataset=ds, processing_class=tok, callbacks=[cb])
     gold = _Recording(trainer.data_collator, strategy="hash", k=2, h=2)
     trainer.data_collator = gold
     cb.attach(trainer).train()
-    assert cb.mask_note.endswith("from the training rows of the canaries' first copies")
+    packed = "each canary's conversation as TRL tokenizes it (its rows are packed: no doc_id)"
+    rows = "from the training rows of the canaries' first copies"
+    assert cb.mask_note.endswith(packed if packing else rows)
     assert cb.settings()["canaries_scored_as"] == f"the answer to {CANARY_PROMPT!r} in the chat template"
     enc = answer_encoder(tok, CANARY_PROMPT)
     space, secrets = SecretSpace(**items[0].space), [c.secret for c in items]
