@@ -201,15 +201,19 @@ class _Recording(GoldfishCollator):
 
 def _secret_dropped_in_training(batches, ids: list[int], start: int) -> bool:
     """Whether any training row holding the canary's tokens had a secret label set to -100."""
-    seen, dropped = False, False
+    return max(_secret_drops_in_training(batches, ids, start)) > 0
+
+
+def _secret_drops_in_training(batches, ids: list[int], start: int) -> set[int]:
+    """How many secret labels each training row holding the canary's tokens set to -100 (one per copy)."""
+    seen = set()
     for b in batches:
         for row, labels in zip(b["input_ids"].tolist(), b["labels"].tolist()):
             for at in range(len(row) - len(ids) + 1):
                 if row[at:at + len(ids)] == ids:
-                    seen = True
-                    dropped |= any(lab == -100 for lab in labels[at + start:at + len(ids)])
+                    seen.add(sum(lab == -100 for lab in labels[at + start:at + len(ids)]))
     assert seen, "the canary never reached a training batch"
-    return dropped
+    return seen
 
 
 def test_canaries_grouped_by_the_mask_training_applied(folder, texts, tmp_path):
@@ -356,10 +360,13 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
                              use_cpu=True, bf16=False, seed=0, disable_tqdm=True, packing=packing)
     trainer = trl_sft.SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder), args=args,
                                  train_dataset=ds, processing_class=tok, callbacks=[cb])
-    gold = _Recording(trainer.data_collator, strategy="hash", k=2, h=2)
+    # packed: static k=4, whose drops depend on each token's offset in its span at every position (a
+    # conversation as TRL's rows supervise it: the completion only for prompt-completion rows)
+    mask = {"strategy": "static", "k": 4} if packing else {"strategy": "hash", "k": 2, "h": 2}
+    gold = _Recording(trainer.data_collator, **mask)
     trainer.data_collator = gold
     cb.attach(trainer).train()
-    packed = "each canary's conversation as TRL tokenizes it (its rows are packed: no doc_id)"
+    packed = "the canaries' sequences in the Trainer's packed rows"
     rows = "from the training rows of the canaries' first copies"
     assert cb.mask_note.endswith(packed if packing else rows)
     assert cb.settings()["canaries_scored_as"] == f"the answer to {CANARY_PROMPT!r} in the chat template"
@@ -374,6 +381,11 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
     ids = enc([c.text for c in items])
     start = secret_start(items[0].template, ids, tok, enc)
     assert tok.decode(ids[0][:start]).startswith(f"<user>{CANARY_PROMPT}</s><assistant>")
+    if packing:  # every canary: as many secret tokens dropped as in each of its training rows
+        got = {c["id"]: c["secret_tokens_dropped"] for c in cb.records[-1]["canary_scores"]}
+        assert [{got[c.id]} for c in items] == [_secret_drops_in_training(gold.batches, x, start)
+                                                 for c, x in zip(items, ids)]
+        return
     want = sum(_secret_dropped_in_training(gold.batches, x, start) for x in ids)
     assert 0 < want < len(items) and cb.records[-1]["canaries_by_mask"]["canaries_masked"] == want
 

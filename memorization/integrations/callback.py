@@ -153,9 +153,9 @@ _ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "seq_lengt
 def _canary_rows(trainer: Any, probe: Probe) -> tuple[dict[str, dict[str, Any]] | None, str]:
     """(one training example per canary id, where it came from): the first copy's row of the Trainer's
     dataset (`doc_id` `<id>@0`, as inject_dataset names it, with `input_ids`: what TRL prepares unless it
-    packs); for chat canaries in a tokenized dataset without doc_id (TRL packed it), the canary's
-    conversation through the chat template with the dataset's mask column; else, for plain-text
-    canaries, the canary's text through the tokenizer as it encodes a document."""
+    packs); for chat canaries in a tokenized dataset without doc_id (TRL packed it), each canary's
+    sequence in the packed rows; else, for plain-text canaries, the canary's text through the tokenizer
+    as it encodes a document."""
     items = probe.canary_items()
     ds = getattr(trainer, "train_dataset", None)
     cols = list(getattr(ds, "column_names", None) or [])
@@ -166,20 +166,45 @@ def _canary_rows(trainer: Any, probe: Probe) -> tuple[dict[str, dict[str, Any]] 
             return ({it.id: {c: ds[where[f"{it.id}@0"]][c] for c in keep} for it in items},
                     "the training rows of the canaries' first copies")
     if probe.canary_encode is not None and "input_ids" in cols:  # TRL tokenized, then packed (no doc_id)
-        # the conversation as TRL tokenizes it, with the mask column its rows carry: the collator then
-        # supervises what it supervised in training (the answer only for prompt-completion rows), and a
-        # mask of the supervised span's own tokens (hash, static) is the same whatever the row packs around it
-        texts = [it.text for it in items]
-        head = len(probe.canary_encode([""])[0])
-        col = next((c for c in ("completion_mask", "assistant_masks") if c in cols), None)
-        rows = {it.id: {"input_ids": x, **({col: [0] * head + [1] * (len(x) - head)} if col else {})}
-                for it, x in zip(items, probe.canary_encode(texts))}
-        return rows, "each canary's conversation as TRL tokenizes it (its rows are packed: no doc_id)"
+        found = _packed_canary_rows(ds, items, probe.canary_encode([it.text for it in items]))
+        if found is not None:
+            return found, "the canaries' sequences in the Trainer's packed rows"
     if probe.canary_encode is not None or {"messages", "prompt", "completion"} & set(cols):
         return None, ("a conversational dataset without its doc_id column: the rows the canaries trained as "
                       "are unknown (keep inject_dataset's doc_id column to group them)")
     return ({it.id: {"input_ids": list(probe.tok(it.text)["input_ids"])} for it in items},
             "each canary's text as the tokenizer encodes a document")
+
+
+def _packed_canary_rows(ds: Any, items: list[Any], ids: list[list[int]]) -> dict[str, dict[str, Any]] | None:
+    """Each canary's first sequence in packed rows (cut at `seq_lengths`, else where `position_ids`
+    restart, else the whole row), found by its conversation's ids, with the labels the dataset gives it
+    (TRL's completion-only loss: -100 on the prompt), as one example; None if a canary is not found."""
+    cols = ds.column_names
+    want = {tuple(x): it.id for it, x in zip(items, ids)}
+    lengths = sorted({len(x) for x in ids})
+    out: dict[str, dict[str, Any]] = {}
+    for row in ds:
+        tokens = list(row["input_ids"])
+        if "seq_lengths" in cols:
+            cuts = [int(n) for n in row["seq_lengths"]]
+        elif "position_ids" in cols:
+            starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] or [0]
+            cuts = [b - a for a, b in zip(starts, starts[1:] + [len(tokens)])]
+        else:
+            cuts = [len(tokens)]
+        at = 0
+        for n in cuts:
+            seq = tokens[at:at + n]
+            for k in lengths:
+                cid = want.get(tuple(seq[:k]))
+                if cid is not None and cid not in out:
+                    out[cid] = {"input_ids": seq, **({"labels": list(row["labels"][at:at + n])}
+                                                     if "labels" in cols else {})}
+            at += n
+        if len(out) == len(items):
+            return out
+    return None
 
 
 def secret_drops(trainer: Any, probe: Probe, goldfish: GoldfishCollator | None = None) -> tuple[Any, str]:
