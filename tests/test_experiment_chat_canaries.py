@@ -111,13 +111,10 @@ def test_chat_canaries_grouped_by_the_mask_their_training_rows_get(strategy, cac
                                                                         IGNORE_INDEX))
 
 
-@pytest.mark.parametrize("kind, extra, field", [
-    ("mitigations", [], "base.data.corpus"),
-    ("canary-exposure", ["base.eval.audit=true"], "base.eval.audit"),
-])
-def test_chat_data_refused_where_the_questions_read_plain_documents(kind, extra, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        load_experiment(CONFIGS / f"{kind}.yaml", ["base.data.corpus=wiki-chat", *extra])
+@pytest.mark.parametrize("kind", ["mitigations", "forgetting", "unlearning"])
+def test_chat_data_refused_where_the_questions_read_plain_documents(kind):
+    with pytest.raises(ConfigError, match=r"^base\.data\.corpus='wiki-chat': " + kind):
+        load_experiment(CONFIGS / f"{kind}.yaml", ["base.data.corpus=wiki-chat"])
 
 
 def test_a_canary_its_rows_cut_is_refused_before_anything_is_written(tmp_path, cache_dir):
@@ -148,3 +145,43 @@ def test_a_block_len_that_cuts_every_answer_is_named_as_the_setting(cache_dir):
                            "data.min_tokens=4", "eval.prefix=4", "eval.suffix=4"])
     with pytest.raises(ConfigError, match=r"^data\.block_len=8: it cuts away every response"):
         prepare_data(cfg)
+
+
+def test_the_one_run_audit_on_chat_data(cache_dir):
+    """eval.audit on chat data (it used to be skipped without a word): the included canaries train as
+    answers to CANARY_PROMPT, they are no extraction members, and every canary is scored by minus the mean
+    loss of its answer tokens in that conversation."""
+    from data_pipelines import CANARY_PROMPT
+    from memorization.config import load_run_config
+    from memorization.eval.dp_audit import audit_scores
+    from memorization.models import REPO_ROOT, build_model
+    from memorization.train.prepare import prepare_data
+
+    cfg = load_run_config(REPO_ROOT / "configs" / "train" / "tiny-wiki.yaml",
+                          ["data.corpus=wiki-chat", "data.limit=8", "data.vocab_size=300",
+                           "data.block_len=96", "data.min_tokens=4", "eval.prefix=4", "eval.suffix=4",
+                           "eval.audit=true", "eval.audit_canaries=6"])
+    data = prepare_data(cfg)
+    audit = data.audit
+    assert audit is not None and audit.prompt == CANARY_PROMPT and audit.record()["prompt"] == CANARY_PROMPT
+    rows = {i: j for j, i in enumerate(data.train_doc_ids)}
+    included = [i for i in range(6) if audit.included[i]]
+    assert 0 < len(included) < 6 and sorted(i for i in rows if i.startswith("audit-")) == [
+        f"audit-{i}" for i in included]
+    for i in included:  # the scored ids are the training row's, the answer supervised from `start`
+        j, ids = rows[f"audit-{i}"], audit.ids[i]
+        assert data.train.input_ids[j, :len(ids)].tolist() == ids
+        assert (data.train.labels[j, :audit.start] == IGNORE_INDEX).all()
+        assert (data.train.labels[j, audit.start:len(ids)] != IGNORE_INDEX).all()
+    assert not any(str(i).startswith("audit-") for i in data.member_doc_ids)
+    assert len(data.member_pairs[0]) == len(data.member_doc_ids) == len(data.train_doc_ids) - len(included)
+    model = build_model(cfg.model.name, vocab_size=len(data.tokenizer),
+                        overrides=cfg.model.overrides).eval()
+    with torch.no_grad():
+        want = []
+        for ids in audit.ids:
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+            tok = torch.tensor(ids[1:])
+            nll = -logp[torch.arange(len(ids) - 1), tok][audit.start - 1:]
+            want.append(-nll.mean().item())
+    assert audit_scores(model, audit) == pytest.approx(want, rel=1e-4)

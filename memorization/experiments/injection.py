@@ -92,9 +92,6 @@ class InjectionConfig(ExperimentConfig):
                 raise fail("base.data.corpus", d.corpus, f"{self.kind} asks about plain documents' prefixes "
                            "and suffixes; run canary-exposure on chat data (canaries as answers, duplicated "
                            "conversations), or name a plain corpus")
-            if self.base.eval.audit:
-                raise fail("base.eval.audit", True, "the one-run audit's canaries are plain documents; run "
-                           "the audit on a plain corpus")
             if not isinstance(self.canaries.prompt, str) or not self.canaries.prompt.strip():
                 raise fail("canaries.prompt", self.canaries.prompt, "the user turn each canary answers "
                            "must be a non-empty text")
@@ -166,7 +163,9 @@ def _build_chat(cfg: InjectionConfig):
     tok = chat_tokenizer(b, examples)  # never trained on a canary (see build_corpus)
     injected, manifest = inject_chat(examples, canaries=cfg.canary_spec(), duplicates=cfg.duplicate_spec(),
                                      seed=b.seed, prompt=cfg.canaries.prompt, where="canaries.prompt")
-    data = prepare_conversations(b, injected, held, tok)
+    data = prepare_conversations(b, injected, held, tok)  # with eval.audit's included canaries
+    if data.audit is not None:
+        injected = injected + data.audit.conversations()
     _locate(cfg, manifest, data, injected)
     row = {i: j for j, i in enumerate(data.train_doc_ids)}
     dup_tokens = {it.id: ChatPair(data.prompts[row[it.copy_ids[0]]], data.responses[row[it.copy_ids[0]]])

@@ -26,8 +26,9 @@ def extraction_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedDat
 
     e = cfg.eval
     if data.is_chat:
-        return extract_pairs(model, data.prompts, data.responses, tokenizer=data.tokenizer,
-                             batch_size=e.batch_size, doc_ids=data.train_doc_ids, progress=progress,
+        prompts, responses = data.member_pairs  # eval.audit's canaries are not members
+        return extract_pairs(model, prompts, responses, tokenizer=data.tokenizer,
+                             batch_size=e.batch_size, doc_ids=data.member_doc_ids, progress=progress,
                              grid=grid)
     return extract(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
                    tokenizer=data.tokenizer, batch_size=e.batch_size, num_beams=e.num_beams,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_pipelines import (
+    CANARY_PROMPT,
     ChatExample,
     DedupConfig,
     DedupManifest,
@@ -28,7 +29,7 @@ from data_pipelines import (
     tokenize_documents,
 )
 from memorization.config import RunConfig
-from memorization.eval.dp_audit import AuditSet, audit_set, tokenize_audit
+from memorization.eval.dp_audit import AuditSet, audit_set, tokenize_audit, tokenize_chat_audit
 from memorization.models import run_tokenizer
 from memorize_core import fail
 
@@ -66,6 +67,12 @@ class PreparedData:
         if self.audit is None:
             return range(len(self.train_docs))
         return [j for j, i in enumerate(self.train_doc_ids) if not str(i).startswith("audit-")]
+
+    @property
+    def member_pairs(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Chat data: the (prompts, responses) of `member_docs`, what chat extraction asks about."""
+        idx = self._members()
+        return [self.prompts[j] for j in idx], [self.responses[j] for j in idx]
 
     @property
     def is_chat(self) -> bool:
@@ -184,6 +191,11 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
     from data.held_out (chat or plain) when that is set."""
     d = cfg.data
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    audit = None
+    if cfg.eval.audit:  # after the tokenizer (it never sees a canary): the included ones answer CANARY_PROMPT
+        audit = tokenize_chat_audit(audit_set(cfg.eval.audit_canaries, cfg.seed), tok, CANARY_PROMPT,
+                                    d.block_len)
+        examples = list(examples) + audit.conversations()
     chats = render_chat(examples, tok, max_tokens=d.block_len, field="data.block_len")
     prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
     held = None
@@ -197,7 +209,7 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
         held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
                             d.block_len, tok.eos_token_id)
     return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
-                        [c.id for c in chats], held, prompts, responses)
+                        [c.id for c in chats], held, prompts, responses, audit=audit)
 
 
 def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:

@@ -75,7 +75,10 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None,
         nominal = (f"; the accountant's epsilon is {s['epsilon']:.2f}" if s.get("epsilon") is not None
                    else "; the run has no DP-SGD, so no epsilon to honour")
         parts += ["## Privacy audit (one run)",
-                  f"{audit['m']} audit canaries, {audit['included']} of them trained on. Guessing from their "
+                  f"{audit['m']} audit canaries"
+                  + (f" (each the answer to {audit['prompt']!r}, scored by its answer tokens)"
+                     if audit.get("prompt") else "")
+                  + f", {audit['included']} of them trained on. Guessing from their "
                   f"losses which were, the audit guessed {audit['guesses']} and was right {audit['correct']} "
                   f"times: epsilon >= **{audit['eps_lower_bound']:.2f}** at {audit['confidence']:.0%} "
                   f"confidence{nominal}."]
