@@ -214,7 +214,8 @@ def test_canary_exposure_on_chat_data(tmp_path):
     template = "canaries.template=the access code of the old east wing is {secret}"
     report = _run("canary-exposure", out, ["base.data.corpus=wiki-chat", "base.data.block_len=128", template,
                                           "counts=[1,2]", "canaries.per_count=2", "duplicates.per_count=1",
-                                          "canaries.space.length=2", "canaries.prompt=What was the note?"])
+                                          "canaries.space.length=2", "canaries.prompt=What was the note?",
+                                          "base.eval.audit=true", "base.eval.audit_canaries=8"])
     r = _check_files(out, report, pngs=1)
     manifest = json.loads((out / "manifest.json").read_text())
     assert {i["prompt"] for i in manifest["items"] if i["kind"] == "canary"} == {"What was the note?"}
@@ -225,6 +226,7 @@ def test_canary_exposure_on_chat_data(tmp_path):
     assert len(std["canaries"]) == 4 and len(std["duplicates"]) == 2
     assert [c["secret_tokens_dropped"] for c in std["canaries"]] == [c["secret_tokens_dropped"]
                                                                      for c in gold["canaries"]]
+    assert all(run["audit"]["m"] == 8 and 0 < run["audit"]["included"] < 8 for run in r["runs"])
     md = (out / "report.md").read_text()
     assert "trained as the answer to the user turn 'What was the note?'" in md
     assert "Duplicated conversations" in md and "Paired tests" in md
