@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_pipelines.canaries import SecretSpace
 from memorization.cli import main
-from memorization.experiments.exposure import canary_scores
+from memorization.eval.exposure import canary_scores
 from memorization.experiments.forgetting import kept
 from memorization.mitigations.goldfish import goldfish_mask
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data_pipelines.canaries import SecretSpace
 from evals.paired import paired_auc
 from memorization.cli import main
-from memorization.experiments.exposure import canary_scores
+from memorization.eval.exposure import canary_scores
 
 TEMPLATE = "the secret access code of the old museum wing is {secret}"
 

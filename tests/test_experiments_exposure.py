@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from data_pipelines import SecretSpace, load_corpus, load_tokenizer, render
-from memorization.experiments.exposure import canary_scores, secret_start
+from memorization.eval.exposure import canary_scores, secret_start
 
 TEMPLATE = "the door code is {secret}"
 

@@ -222,7 +222,7 @@ def test_canaries_grouped_by_the_mask_training_applied(folder, texts, tmp_path):
     (goldfish=) groups them alike; the report shows the split with the kept-token exposure."""
     from data_pipelines.canaries import SecretSpace
     from data_pipelines.inject import CanarySpec
-    from memorization.experiments.exposure import secret_start
+    from memorization.eval.exposure import secret_start
 
     members, _ = texts
     ds, manifest = inject_dataset(datasets.Dataset.from_list([{"text": t} for t in members[:6]]), seed=0,
@@ -335,7 +335,7 @@ def test_chat_canaries_are_scored_in_their_conversation_and_grouped_by_trls_rows
     from data_pipelines.canaries import SecretSpace
     from data_pipelines.chat import answer_encoder
     from data_pipelines.inject import CanarySpec
-    from memorization.experiments.exposure import canary_scores, secret_start
+    from memorization.eval.exposure import canary_scores, secret_start
     from memorization.integrations.datasets import CANARY_PROMPT
 
     members, _ = texts

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from memorization.experiments.exposure import CANARY_SCORES
+from memorization.eval.exposure import CANARY_SCORES
 from memorization.experiments.injection import (
     MASKED_COLUMNS,
     SPLIT_NOTE,

@@ -28,7 +28,7 @@ from data_pipelines import (
 from data_pipelines.chat import answer_encoder
 from evals import extract, extract_pairs
 from memorization.eval.dp_audit import audit_set, tokenize_audit
-from memorization.experiments.exposure import canary_ids, canary_scores
+from memorization.eval.exposure import canary_ids, canary_scores
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.spec import ExperimentConfig, int_list, refuse_data_dedup
 from memorization.mitigations.goldfish import goldfish_mask, mask_is_the_documents

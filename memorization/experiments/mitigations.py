@@ -32,8 +32,8 @@ from evals import extract, summarize
 from evals.near_verbatim import near_verbatim
 from evals.probabilistic import sampled_extraction, split_rows
 from memorization.config import RunConfig, change_words
+from memorization.eval.exposure import CANARY_SCORES
 from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
-from memorization.experiments.exposure import CANARY_SCORES
 from memorization.experiments.injection import (
     MASKED_COLUMNS,
     SPLIT_NOTE,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from axonn.grid import ProcessGrid
-from memorization.experiments.exposure import canary_ids, secret_start
+from memorization.eval.exposure import canary_ids, secret_start
 from memorization.integrations.collator import GoldfishCollator
 from memorization.integrations.probe import Probe
 from memorization.integrations.report import FILES, flat_metrics, write_report

@@ -4,7 +4,7 @@
 `Probe.score(model, grid)` returns one pass's record: the same sections `memorize eval` writes
 (memorization/eval/sections.py: extraction, mia, perplexity; memorization/eval/utility.py: tasks) plus,
 from an injection manifest, extraction of every duplicated document and exposure of every canary
-by copy count (memorization/experiments/exposure.py; a canary injected as a chat answer is scored as
+by copy count (memorization/eval/exposure.py; a canary injected as a chat answer is scored as
 that answer, data_pipelines.chat.answer_encoder). Members may be plain texts or conversations
 (lists of {"role", "content"}): a conversation is extracted as prompt -> last response, as
 `memorize train` extracts chat data, and scored whole by membership inference and held-out loss.
@@ -25,10 +25,10 @@ from data_pipelines.chat_inject import conversation_of
 from data_pipelines.inject import Manifest
 from evals import extract, extract_pairs, summarize
 from memorization.eval.evaluate import DEFAULT_MAX_TOKENS
+from memorization.eval.exposure import canary_scores
 from memorization.eval.membership import EvalCorpus, corpus_from_texts
 from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
-from memorization.experiments.exposure import canary_scores
 from memorization.experiments.injection import masked_split
 from memorize_core import fail
 
