@@ -193,6 +193,10 @@ class EvalConfig:
     # probability 1/2, and an epsilon lower bound at 95% from how well their losses tell which
     audit: bool = False
     audit_canaries: int = 64
+    # the secrets of a chat set whose records carry one (private-records): each record's exposure over
+    # its secret space estimated from this many sampled secrets (0 = off), for the trained records and
+    # the held-out ones, each scored as the answer to its own prompt (memorization/eval/exposure.py)
+    secrets: int = 0
     # the greedy decoder of the extraction (evals/static_decode.py): auto = the compiled static-cache
     # decode, every row checked by a teacher-forced forward, on a GPU for a model split over no tensor
     # dimension; the KV-cache decoder otherwise. static or kv force one.
@@ -235,6 +239,9 @@ class EvalConfig:
         if self.nv_distance not in NEAR_DISTANCES:
             raise fail(f"{prefix}.nv_distance", self.nv_distance, "choose hamming (tokens substituted in "
                        "place) or levenshtein (substituted, inserted or deleted)")
+        if isinstance(self.secrets, bool) or not isinstance(self.secrets, int) or self.secrets < 0:
+            raise fail(f"{prefix}.secrets", self.secrets, "the number of sampled secrets each record's "
+                       "exposure is estimated from, >= 0 (0 = off), e.g. 1000")
         if self.audit and not 4 <= self.audit_canaries <= 100_000:
             raise fail(f"{prefix}.audit_canaries", self.audit_canaries, "must be within [4, 100000] (the "
                        "audit guesses on the highest and lowest scores of m canaries), e.g. 64")

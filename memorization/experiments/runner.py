@@ -65,6 +65,8 @@ def run_key(cfg: RunConfig) -> dict[str, Any]:
         d["model"].pop("lora", None)
     if not cfg.trainer.dp.enabled:
         d["trainer"].pop("dp", None)
+    if not cfg.eval.secrets:
+        d["eval"].pop("secrets", None)
     if cfg.data.dedup.enabled:
         d["data"]["dedup"] = cfg.data.dedup.key()
     else:

@@ -4,11 +4,14 @@ per window), near-verbatim bounds, and membership inference. `finish` (memorizat
 calls them; the per-pass experiments call the first two after each scored pass."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from axonn.grid import ProcessGrid
+from data_pipelines import SecretSpace
+from data_pipelines.chat import answer_encoder
 from memorization.config import RunConfig
 from memorization.eval.sections import near_report
 from memorization.train.prepare import PreparedData, mia_sets
@@ -93,3 +96,31 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     rows = score_rows(ids, held_ids, *scores)
     return ({"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
              "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}, rows)
+
+
+def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData) -> dict[str, Any] | None:
+    """eval.secrets: each record's secret scored as the answer to its own prompt (memorization/eval/
+    exposure.py, in the chat template): exposure estimated from eval.secrets sampled secrets of its space,
+    and whether it beats all of them (extracted), for the trained records and the held-out ones; every
+    rank, on the model's grid. None when off."""
+    from memorization.eval.exposure import canary_scores  # deferred: evals +3.2 s import
+
+    if not cfg.eval.secrets or not data.secrets:
+        return None
+    tok, rows = data.tokenizer, []
+    for r in data.secrets:
+        space = SecretSpace(**r["space"])
+        c = canary_scores(model, tok, r["template"], space, [r["secret"]], candidates=cfg.eval.secrets,
+                          seed=cfg.seed, encode=answer_encoder(tok, r["prompt"]))["canaries"][0]
+        rows.append({"id": r["id"], "member": r["member"], "exposure": c["exposure"],
+                     "extracted": c["extracted"], "logppl_bits": c["logppl_bits"]})
+
+    def group(member: bool) -> dict[str, Any]:
+        mine = [x for x in rows if x["member"] == member]
+        return {"records": len(mine),
+                "exposure_mean": sum(x["exposure"] for x in mine) / len(mine) if mine else None,
+                "extracted": sum(x["extracted"] for x in mine)}
+    space = SecretSpace(**data.secrets[0]["space"])
+    return {"candidates": cfg.eval.secrets, "space_size": space.size,
+            "max_exposure": math.log2(space.size), "members": group(True),
+            "non_members": group(False), "rows": rows}

@@ -52,7 +52,13 @@ from memorization.models import (
 from memorization.outputs import remove_entries
 from memorization.report import read_metrics
 from memorization.tracking import WandbSink
-from memorization.train.evaluation import extraction_results, membership, near_results, sampled_results
+from memorization.train.evaluation import (
+    extraction_results,
+    membership,
+    near_results,
+    sampled_results,
+    secret_results,
+)
 from memorization.train.parallel import is_main_process, resolve_grid
 from memorization.train.prepare import PreparedData, documents_record, prepare_data
 from memorization.train.report import write_run_report
@@ -276,6 +282,9 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         summary["audit"] = run_audit(trainer.model, run.data.audit, epsilon=summary.get("epsilon"),
                                      delta=summary.get("delta") or 0.0, batch_size=cfg.eval.batch_size,
                                      grid=run.grid)
+    secrets = secret_results(trainer.model, cfg, run.data)  # eval.secrets: the records' own secrets
+    if secrets is not None:
+        summary["secrets"] = secrets
     if run.data.dedup is not None:
         m = run.data.dedup
         summary["dedup"] = {"documents": m.num_documents, "kept_documents": m.num_kept_documents,

@@ -51,6 +51,9 @@ class PreparedData:
     held_out_docs: list[list[int]] | None = None
     held_out_doc_ids: list[str] | None = None  # their ids (a split of data.corpus, or data.held_out's)
     audit: AuditSet | None = None  # eval.audit's canaries (the included ones are among the rows)
+    # chat sets whose records carry a secret (private-records): per record its id, whether it trained
+    # (`member`), its prompt, template, secret and secret space; what eval.secrets scores
+    secrets: list[dict[str, Any]] | None = None
     dedup: DedupManifest | None = None  # data.dedup's removals (None: dedup off)
 
     @property
@@ -101,6 +104,9 @@ def prepare_documents(cfg: RunConfig, docs: list, held_docs: list | None = None,
     the `data.held_out` corpus when that is set.
     """
     d = cfg.data
+    if cfg.eval.secrets:
+        raise fail("eval.secrets", cfg.eval.secrets, f"scores the records of a chat set that carry a secret "
+                   f"(data.corpus=private-records); '{d.corpus}' is plain text: set it to 0")
     tok = tokenizer or run_tokenizer(d.tokenizer, cfg.model.name, texts=[doc.text for doc in docs],
                                      vocab_size=d.vocab_size)
     cut = d.block_len if d.packing == "per-document" else None
@@ -209,7 +215,32 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
         held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
                             d.block_len, tok.eos_token_id)
     return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
-                        [c.id for c in chats], held, prompts, responses, audit=audit)
+                        [c.id for c in chats], held, prompts, responses, audit=audit,
+                        secrets=secret_records(cfg, examples, held_examples, {c.id for c in chats}))
+
+
+def secret_records(cfg: RunConfig, examples: list[ChatExample], held_examples: list[ChatExample] | None,
+                   trained: set[str]) -> list[dict[str, Any]] | None:
+    """eval.secrets' records: every [user, assistant] conversation whose meta holds a secret
+    (private-records), trained (its row kept) or held out; None with eval.secrets off. Refused when there
+    is none."""
+    n = cfg.eval.secrets
+    if not n:
+        return None
+    out = []
+    for member, exs in ((True, examples), (False, held_examples or [])):
+        for ex in exs:
+            m = ex.meta
+            if "secret" not in m or [x["role"] for x in ex.messages] != ["user", "assistant"]:
+                continue
+            if member and ex.id not in trained:
+                continue
+            out.append({"id": ex.id, "member": member, "prompt": ex.messages[0]["content"],
+                        "template": m["template"], "secret": m["secret"], "space": m["space"]})
+    if not out:
+        raise fail("eval.secrets", n, f"data.corpus={cfg.data.corpus!r} has no records that carry a secret; "
+                   "use a chat set with secrets (private-records), or 0")
+    return out
 
 
 def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:

@@ -82,6 +82,20 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None,
                   f"losses which were, the audit guessed {audit['guesses']} and was right {audit['correct']} "
                   f"times: epsilon >= **{audit['eps_lower_bound']:.2f}** at {audit['confidence']:.0%} "
                   f"confidence{nominal}."]
+    sec = s.get("secrets")
+    if sec:
+        m, n = sec["members"], sec["non_members"]
+
+        def said(g: dict[str, Any], who: str) -> str:
+            if not g["records"]:
+                return f"no {who} records"
+            return (f"{g['records']} {who} records: exposure {g['exposure_mean']:.2f} bits on average, "
+                    f"{g['extracted']} extracted")
+        parts += ["## Secrets of the records (eval.secrets)",
+                  f"Each record's secret scored as the answer to its own prompt, ranked among "
+                  f"{sec['candidates']:,} sampled secrets of its space (|R| = {sec['space_size']:,}, at most "
+                  f"{sec['max_exposure']:.2f} bits; extracted = it beats all of them). {said(m, 'trained')}; "
+                  f"{said(n, 'held-out')} (never trained: what the model gives without having seen them)."]
     cov = s.get("goldfish_coverage")
     if cov:
         parts += ["## Goldfish coverage of the near-duplicate clusters",
