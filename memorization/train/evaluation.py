@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from axonn.grid import ProcessGrid
 from data_pipelines import SecretSpace
@@ -98,7 +99,8 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
              "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}, rows)
 
 
-def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData) -> dict[str, Any] | None:
+def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
+                   progress: bool = False) -> dict[str, Any] | None:
     """eval.secrets: each record's secret scored as the answer to its own prompt (memorization/eval/
     exposure.py, in the chat template): exposure estimated from eval.secrets sampled secrets of its space,
     and whether it beats all of them (extracted), for the trained records and the held-out ones; every
@@ -108,7 +110,8 @@ def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData) -
     if not cfg.eval.secrets or not data.secrets:
         return None
     tok, rows = data.tokenizer, []
-    for r in data.secrets:
+    bar = tqdm(data.secrets, desc="secrets", unit="record", disable=not progress)
+    for r in bar:
         space = SecretSpace(**r["space"])
         c = canary_scores(model, tok, r["template"], space, [r["secret"]], candidates=cfg.eval.secrets,
                           seed=cfg.seed, encode=answer_encoder(tok, r["prompt"]))["canaries"][0]

@@ -282,7 +282,8 @@ def finish(run: Run, *, scored: list[Any] | None = None, extra: dict[str, Any] |
         summary["audit"] = run_audit(trainer.model, run.data.audit, epsilon=summary.get("epsilon"),
                                      delta=summary.get("delta") or 0.0, batch_size=cfg.eval.batch_size,
                                      grid=run.grid)
-    secrets = secret_results(trainer.model, cfg, run.data)  # eval.secrets: the records' own secrets
+    secrets = secret_results(trainer.model, cfg, run.data,  # eval.secrets: the records' own secrets
+                             progress=trainer.cfg.progress and run.is_main)
     if secrets is not None:
         summary["secrets"] = secrets
     if run.data.dedup is not None:
