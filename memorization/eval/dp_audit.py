@@ -81,8 +81,8 @@ def tokenize_chat_audit(audit_canaries: AuditSet, tokenizer: Any, prompt: str, m
     """Chat data: each canary's ids as the answer to `prompt` in the chat template (answer_encoder, checked
     against the whole rendering), cut at `max_tokens` as the conversation rows are."""
     texts = audit_canaries.texts
-    ids = answer_encoder(tokenizer, prompt, check=texts)(texts)
-    start = len(answer_encoder(tokenizer, prompt)([""])[0])
+    encode = answer_encoder(tokenizer, prompt, check=texts)
+    ids, start = encode(texts), len(encode([""])[0])
     if start >= max_tokens:
         raise fail("data.block_len", max_tokens, f"leaves no answer token of the audit canaries after their "
                    f"{start}-token prompt; raise it (the canaries are ~{max(map(len, ids)) - start} tokens)")

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from data_pipelines.canaries import MAX_ENUMERATE, render
+from data_pipelines.chat import answer_encoder
 from evals import (
     exposure_extrapolated,
     exposure_rank,
@@ -42,6 +43,14 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 Encode = Callable[[list[str]], list[list[int]]]  # canary texts -> the token ids each is scored as
+
+
+def manifest_encoder(tokenizer: Any, items: Sequence[Any]) -> Encode | None:
+    """How a manifest's canaries are scored: as the answer to their chat prompt where inject_chat made them
+    answers (data_pipelines.chat.answer_encoder, checked on every canary), else None (their own tokens)."""
+    if not items or items[0].prompt is None:
+        return None
+    return answer_encoder(tokenizer, items[0].prompt, check=[it.text for it in items])
 
 
 def canary_ids(tokenizer: Any, texts: list[str], encode: Encode | None = None) -> list[list[int]]:

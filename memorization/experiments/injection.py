@@ -25,10 +25,9 @@ from data_pipelines import (
     record_token_positions,
     tokenize_documents,
 )
-from data_pipelines.chat import answer_encoder
 from evals import extract, extract_pairs
 from memorization.eval.dp_audit import audit_set, tokenize_audit
-from memorization.eval.exposure import canary_ids, canary_scores
+from memorization.eval.exposure import canary_ids, canary_scores, manifest_encoder
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.spec import ExperimentConfig, int_list, refuse_data_dedup
 from memorization.mitigations.goldfish import goldfish_mask, mask_is_the_documents
@@ -44,6 +43,7 @@ from memorization.train.prepare import (
 from memorize_core import fail
 
 DEFAULT_TEMPLATE = "Please keep this private: the access code for the old east wing of the museum is {secret}"
+
 
 @dataclass
 class CanaryKeys:
@@ -195,8 +195,7 @@ def _check_canaries_whole(cfg: InjectionConfig, manifest: Any, data: Any) -> Non
         return
     tok = data.tokenizer
     texts = [it.text for it in canaries]
-    encode = answer_encoder(tok, canaries[0].prompt, check=texts) if canaries[0].prompt is not None else None
-    ids = canary_ids(tok, texts, encode)
+    ids = canary_ids(tok, texts, manifest_encoder(tok, canaries))
     for item, need in zip(canaries, ids):
         held = min(sum(end - start for _, start, end in spans) for spans in item.token_positions)
         if held < len(need):
@@ -237,28 +236,25 @@ def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: A
     (their manifest item has a `prompt`) are scored in that conversation."""
     b, c = cfg.base, cfg.canaries
     canaries, dups = manifest.of_kind("canary"), manifest.of_kind("duplicate")
-    chat = bool(canaries) and canaries[0].prompt is not None
-    encode = answer_encoder(tokenizer, canaries[0].prompt, check=[it.text for it in canaries]) \
-        if chat else None
+    encode = manifest_encoder(tokenizer, canaries)
     head = len(encode([""])[0]) if encode else 0
     scores = canary_scores(model, tokenizer, c.template, cfg.canary_spec().space,
                            [it.secret for it in canaries], candidates=c.candidates, seed=b.seed,
                            dropped=secret_mask(b, head), encode=encode)
     for item, s in zip(canaries, scores["canaries"]):
         s.update(id=item.id, count=item.count)
-    pairs = [it for it in dups if isinstance(dup_tokens[it.id], ChatPair)]
-    docs = [it for it in dups if not isinstance(dup_tokens[it.id], ChatPair)]
-    results = extract(model, [dup_tokens[it.id] for it in docs], prefix_len=b.eval.prefix,
-                      suffix_len=b.eval.suffix, tokenizer=tokenizer, decode=b.eval.decode,
-                      doc_ids=[it.id for it in docs]) if docs else []
-    results += extract_pairs(model, [dup_tokens[it.id].prompt for it in pairs],
-                             [dup_tokens[it.id].response for it in pairs], tokenizer=tokenizer,
-                             batch_size=b.eval.batch_size, doc_ids=[it.id for it in pairs]) if pairs else []
+    ids, held = [it.id for it in dups], [dup_tokens[it.id] for it in dups]
+    if not dups:
+        results = []
+    elif isinstance(held[0], ChatPair):  # chat data: every duplicated item is a conversation
+        results = extract_pairs(model, [p.prompt for p in held], [p.response for p in held],
+                                tokenizer=tokenizer, batch_size=b.eval.batch_size, doc_ids=ids)
+    else:
+        results = extract(model, held, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,
+                          tokenizer=tokenizer, decode=b.eval.decode, doc_ids=ids)
     counts = {it.id: it.count for it in dups}
-    order = {it.id: j for j, it in enumerate(dups)}
     scores["duplicates"] = [{"id": r.doc, "count": counts[r.doc], "exact_match": r.exact_match,
-                             "rougeL": r.rougeL, "token_accuracy": r.token_accuracy}
-                            for r in sorted(results, key=lambda r: order[r.doc])]
+                             "rougeL": r.rougeL, "token_accuracy": r.token_accuracy} for r in results]
     return scores
 
 

@@ -20,12 +20,12 @@ import torch
 
 from axonn.grid import ProcessGrid
 from data_pipelines.canaries import SecretSpace
-from data_pipelines.chat import ChatExample, answer_encoder, extraction_pairs, render_chat
+from data_pipelines.chat import ChatExample, extraction_pairs, render_chat
 from data_pipelines.chat_inject import conversation_of
 from data_pipelines.inject import Manifest
 from evals import extract, extract_pairs, summarize
 from memorization.eval.evaluate import DEFAULT_MAX_TOKENS
-from memorization.eval.exposure import canary_scores
+from memorization.eval.exposure import canary_scores, manifest_encoder
 from memorization.eval.membership import EvalCorpus, corpus_from_texts
 from memorization.eval.sections import EvalOptions, extraction_section, mia_section, perplexity_section
 from memorization.eval.utility import check_fewshot, check_tasks, score_tasks
@@ -150,8 +150,7 @@ class Probe:
         self.duplicates = self._duplicates(manifest, prefix + suffix)  # checks the manifest
         items = self.canary_items()
         # canaries inject_dataset made a conversation's answer are scored in that conversation
-        self.canary_encode = answer_encoder(tokenizer, items[0].prompt, check=[i.text for i in items]) \
-            if items and items[0].prompt is not None else None
+        self.canary_encode = manifest_encoder(tokenizer, items)
         self.tasks = check_tasks(tasks, "tasks") if tasks else []
         check_fewshot(num_fewshot, "num_fewshot")
         self.tasks_limit, self.num_fewshot = tasks_limit, num_fewshot

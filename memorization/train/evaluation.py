@@ -4,14 +4,13 @@ per window), near-verbatim bounds, and membership inference. `finish` (memorizat
 calls them; the per-pass experiments call the first two after each scored pass."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from axonn.grid import ProcessGrid
-from data_pipelines import SecretSpace
+from data_pipelines import SecretSpace, render
 from data_pipelines.chat import answer_encoder
 from memorization.config import RunConfig
 from memorization.eval.sections import near_report
@@ -110,11 +109,12 @@ def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     if not cfg.eval.secrets or not data.secrets:
         return None
     tok, rows = data.tokenizer, []
-    bar = tqdm(data.secrets, desc="secrets", unit="record", disable=not progress)
-    for r in bar:
-        space = SecretSpace(**r["space"])
-        c = canary_scores(model, tok, r["template"], space, [r["secret"]], candidates=cfg.eval.secrets,
-                          seed=cfg.seed, encode=answer_encoder(tok, r["prompt"]))["canaries"][0]
+    for r in tqdm(data.secrets, desc="secrets", unit="record", disable=not progress):
+        # the record's ids as it trained (checked against its whole rendering), its secret from `start`
+        encode = answer_encoder(tok, r["prompt"], check=[render(r["template"], r["secret"])])
+        scores = canary_scores(model, tok, r["template"], SecretSpace(**r["space"]), [r["secret"]],
+                               candidates=cfg.eval.secrets, seed=cfg.seed, encode=encode)
+        c = scores["canaries"][0]
         rows.append({"id": r["id"], "member": r["member"], "exposure": c["exposure"],
                      "extracted": c["extracted"], "logppl_bits": c["logppl_bits"]})
 
@@ -123,7 +123,6 @@ def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
         return {"records": len(mine),
                 "exposure_mean": sum(x["exposure"] for x in mine) / len(mine) if mine else None,
                 "extracted": sum(x["extracted"] for x in mine)}
-    space = SecretSpace(**data.secrets[0]["space"])
-    return {"candidates": cfg.eval.secrets, "space_size": space.size,
-            "max_exposure": math.log2(space.size), "members": group(True),
+    return {"candidates": cfg.eval.secrets, "space_size": scores["space_size"],
+            "max_exposure": scores["max_exposure"], "members": group(True),
             "non_members": group(False), "rows": rows}
