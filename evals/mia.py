@@ -72,23 +72,30 @@ def _per_sequence(model: torch.nn.Module, seqs: list[list[int]], batch_size: int
 
 def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, tokenizer: Any = None,
                     ref_model: torch.nn.Module | None = None, k: float = 0.2,
-                    batch_size: int = 8, grid: ProcessGrid | None = None,
-                    progress: str | None = None) -> dict[str, np.ndarray]:
+                    batch_size: int = 8, grid: ProcessGrid | None = None, progress: str | None = None,
+                    starts: Sequence[int] | None = None) -> dict[str, np.ndarray]:
     """Per-sequence membership scores (higher = member) for each method; ref_ratio needs ref_model.
 
     A sharded model (and reference) is scored on its grid, on every rank (evals/scoring.py). zlib
     compresses `tokenizer.decode(ids)` (UTF-8) when a tokenizer is given, else the space-joined
     ids. The reference model must share the target model's tokenizer (it scores the same ids).
+
+    `starts` (one per sequence): score only tokens start..L-1 of each, in the context of all before
+    them: a chat response given its prompt, the tokens a fine-tune trained on. Every statistic (and
+    zlib's text) then reads those tokens only. None = every token but the first (zlib: the whole text).
     """
     seqs = scored_seqs(seqs)
     if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k <= 1:
         raise fail("k", k, "pass a fraction in (0, 1], e.g. 0.2")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise fail("batch_size", batch_size, "pass an integer >= 1")
-    stats = _per_sequence(model, seqs, batch_size, True, grid, progress)
+    first = _starts(seqs, starts)
+    stats = [(lp[s - 1:], z[s - 1:]) for (lp, z), s in
+             zip(_per_sequence(model, seqs, batch_size, True, grid, progress), first)]
     nll = np.array([-lp.mean() for lp, _ in stats])
-    zlen = np.array([len(zlib.compress((tokenizer.decode(s) if tokenizer is not None
-                                        else ids_text(s)).encode("utf-8"))) for s in seqs])
+    texts = seqs if starts is None else [s[f:] for s, f in zip(seqs, first)]  # without starts: the whole text
+    zlen = np.array([len(zlib.compress((tokenizer.decode(t) if tokenizer is not None
+                                        else ids_text(t)).encode("utf-8"))) for t in texts])
     scores = {
         "loss": -nll,
         "zlib": -nll / zlen,
@@ -97,8 +104,22 @@ def score_sequences(model: torch.nn.Module, seqs: Sequence[Sequence[int]], *, to
     }
     if ref_model is not None:
         ref = _per_sequence(ref_model, seqs, batch_size, False, grid, progress and f"{progress} (reference)")
-        scores["ref_ratio"] = np.array([-lp.mean() for lp, _ in ref]) - nll
+        scores["ref_ratio"] = np.array([-lp[f - 1:].mean() for (lp, _), f in zip(ref, first)]) - nll
     return scores
+
+
+def _starts(seqs: list[list[int]], starts: Sequence[int] | None) -> list[int]:
+    """score_sequences' first scored token of each sequence, checked: 1 <= start < len."""
+    if starts is None:
+        return [1] * len(seqs)
+    out = [int(v) for v in starts]
+    if len(out) != len(seqs):
+        raise fail("starts", f"<{len(out)} starts>", f"pass one start per sequence ({len(seqs)} sequences)")
+    for i, (v, s) in enumerate(zip(out, seqs)):
+        if not 1 <= v < len(s):
+            raise fail(f"starts[{i}]", v, f"need 1 <= start < {len(s)} (the sequence's length): at least one "
+                       "scored token, and token 0 has no context")
+    return out
 
 
 def _tpr_at(fpr: np.ndarray, tpr: np.ndarray, target: float) -> float:

@@ -76,6 +76,30 @@ def test_loss_zlib_min_k_match_unbatched_logprobs():
     assert "ref_ratio" not in got
 
 
+def test_starts_score_only_the_tokens_after_them_in_context():
+    # a chat response given its prompt: every statistic reads tokens start..L-1, scored with the prompt in
+    # context; zlib compresses only their text
+    model, ref = tiny_llama(seed=0), tiny_llama(seed=4)
+    seqs = ragged(6, 64, seed=9)
+    starts = [max(1, len(s) // 2) for s in seqs]
+    got = score_sequences(model, seqs, batch_size=4, k=0.5, starts=starts, ref_model=ref)
+    whole = score_sequences(model, seqs, batch_size=4, k=0.5)
+    for i, (s, f) in enumerate(zip(seqs, starts)):
+        lp = sequence_logprobs(model, torch.tensor([s]))[0].double().numpy()[f - 1:]
+        ref_lp = sequence_logprobs(ref, torch.tensor([s]))[0].double().numpy()[f - 1:]
+        zlen = len(zlib.compress(" ".join(map(str, s[f:])).encode()))
+        assert got["loss"][i] == pytest.approx(lp.mean(), abs=1e-5)
+        assert got["zlib"][i] == pytest.approx(lp.mean() / zlen, abs=1e-6)
+        assert got["min_k"][i] == pytest.approx(np.sort(lp)[:max(1, int(0.5 * len(lp)))].mean(), abs=1e-5)
+        assert got["ref_ratio"][i] == pytest.approx(lp.mean() - ref_lp.mean(), abs=1e-5)
+    assert not np.allclose(got["loss"], whole["loss"])  # the prompt's tokens are not scored
+    assert np.allclose(score_sequences(model, seqs, starts=[1] * len(seqs))["loss"], whole["loss"], atol=1e-6)
+    with pytest.raises(ConfigError, match=r"starts\[0\]"):
+        score_sequences(model, seqs, starts=[len(seqs[0])] + starts[1:])
+    with pytest.raises(ConfigError, match="one start per sequence"):
+        score_sequences(model, seqs, starts=starts[:2])
+
+
 def test_min_k_plus_plus_matches_brute_force():
     model = tiny_llama(seed=2).eval()
     seqs = ragged(4, 64, seed=3)

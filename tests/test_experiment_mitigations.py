@@ -259,3 +259,80 @@ def test_canaries_are_grouped_by_the_mask_only_where_every_copy_drops_the_same_t
     assert any(mask(ids)) and not all(mask(ids))
     assert secret_mask(base("base.goldfish.strategy=random")) is None
     assert secret_mask(base("base.goldfish.strategy=apertus", "base.data.packing=packed")) is None
+
+
+CHAT_EXPERIMENT = """
+kind: mitigations
+name: mitc
+passes: 1
+counts: [1, 3]
+canaries: {{per_count: 2, template: "the access code of the east wing is {{secret}}",
+            space: {{kind: digits, length: 2}}, candidates: 0}}
+duplicates: {{per_count: 1}}
+bootstrap: 20
+other_held_out: ""
+downstream: []
+samples: 1
+dedup: {{enabled: true, repeated_spans: {spans}}}
+arms: [{{name: none, mitigation: none}},
+       {{name: goldfish, mitigation: goldfish, overrides: [goldfish.enabled=true]}},
+       {{name: dedup, mitigation: dedup, dedup: true}}]
+base:
+  data: {{corpus: wiki-chat, limit: 24, held_out: "", held_out_fraction: 0.5, block_len: 96}}
+  model: {{name: {model}}}
+  trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  wandb: {{mode: disabled}}
+"""
+
+
+def test_mitigations_on_chat_data_ask_each_conversation_its_answer(pretrained, tmp_path, cache_dir, capsys):
+    """On chat data every arm is asked about the conversations seen once: the greedy answer from each
+    prompt, and membership scored on the answer given its prompt (the tokens training supervises), beside
+    held-out conversations; dedup removes whole copied conversations; span dedup is refused."""
+    import torch
+
+    from evals import sequence_logprobs
+    from memorization.experiments import load_experiment
+    from memorization.experiments.injection import build_corpus
+    from memorization.experiments.mitigations import question_sides
+    from memorization.models import build_model
+
+    cfg = tmp_path / "chat.yaml"
+    cfg.write_text(CHAT_EXPERIMENT.format(model=pretrained, spans="true"))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: dedup.repeated_spans=True")
+    assert not out.exists()
+    cfg.write_text(CHAT_EXPERIMENT.format(model=pretrained, spans="false"))
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    _, exp = load_experiment(cfg)
+    data, manifest, _, _ = build_corpus(exp)
+    sides = question_sides(exp, data, manifest)
+    members, (m_starts, n_starts), (prompts, responses) = sides.members, sides.starts, sides.pairs
+    assert len(members) == 12 - 2 and len(sides.nonmembers) == 12  # 24 split in half; 2 of 12 duplicated
+    for ids, start, prompt, response in zip(members, m_starts, prompts, responses):
+        assert start == len(prompt) and ids[:start + len(response)] == prompt + response
+    assert all(1 <= s < len(ids) for s, ids in zip(n_starts, sides.nonmembers))
+    for a in [report["baseline"], *report["arms"]]:
+        assert a["extraction"]["seen_once"]["docs"] == len(members)
+        assert a["extraction"]["duplicated"]["docs"] == 2 and a["canaries"]["count"] == 4
+        assert a["sampled"] == {} and a["near_verbatim"] == {}  # no fixed-length prefix windows in a chat
+    # membership: minus the mean NLL of each answer given its prompt (the whole row would differ)
+    model = build_model(str(pretrained)).eval()
+    per = json.loads((out / "baseline" / "evals.json").read_text())["values"]["per_document"]
+    for side, seqs, starts in (("members", members, m_starts), ("nonmembers", sides.nonmembers, n_starts)):
+        want = [sequence_logprobs(model, torch.tensor([ids]))[0].double()[s - 1:].mean().item()
+                for ids, s in zip(seqs, starts)]
+        assert per[side]["loss"] == pytest.approx(want, abs=1e-5)
+    held = report["baseline"]["utility"]["val_loss"]
+    weights = [len(ids) - s for ids, s in zip(sides.nonmembers, n_starts)]
+    assert held == pytest.approx(sum(w * nll for w, nll in zip(weights, per["nonmember_nll"])) / sum(weights))
+    dedup = json.loads((out / "dedup.json").read_text())
+    assert dedup["counts"]["exact-document"]["documents"] == 2 * 2 + 1 * 2  # every extra copy, whole
+    steps = {n: json.loads((out / "runs" / n / "run.json").read_text())["summary"]["steps"]
+             for n in ("none", "dedup")}
+    assert steps["dedup"] < steps["none"]
+    md = (out / "report.md").read_text()
+    assert "EM conversations seen once" in md and "the greedy answer (its first 16 tokens)" in md

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -83,6 +83,7 @@ class Config(MitigationsConfig):
     continue_passes: int = 4
     fresh: FreshData = field(default_factory=FreshData)
     other_held_out: str = "lee-news-test"  # held-out text of the fresh domain: does phase 2 learn it?
+    CHAT: ClassVar[bool] = False  # its questions per pass read plain documents' prefixes
 
     def validate(self, prefix: str = "") -> None:
         """Mitigations' checks, then what phase 2 needs: fresh data apart from every evaluated set,

@@ -23,12 +23,12 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from data_pipelines import DedupConfig, tokenize_documents
-from evals import extract, summarize
+from data_pipelines import DedupConfig, render_chat, tokenize_documents
+from evals import extract, extract_pairs, summarize
 from evals.near_verbatim import near_verbatim
 from evals.probabilistic import sampled_extraction, split_rows
 from memorization.config import RunConfig, change_words
@@ -63,7 +63,14 @@ from memorization.experiments.spec import Arm, with_overrides
 from memorization.outputs import check_name
 from memorization.paired import Question, mia_questions, paired_table, per_document
 from memorization.train.pipeline import run_training
-from memorization.train.prepare import PreparedData, prepare_deduplicated
+from memorization.train.prepare import (
+    PreparedData,
+    check_chat_dedup,
+    is_chat_data,
+    load_chat_split,
+    prepare_deduplicated,
+    prepare_deduplicated_chat,
+)
 from memorization.train.run_plan import run_schemes
 from memorize_core import fail
 
@@ -81,6 +88,8 @@ class Config(InjectionConfig, MiaSettings):
     arms: list[Arm] = field(default_factory=_default_arms)
     baseline: bool = True  # ask the base model the same questions before fine-tuning: the first row
     dedup: DedupConfig = field(default_factory=lambda: DedupConfig(enabled=True))
+    # chat corpora: canaries as answers, conversations seen once asked prompt -> response, MIA on answers
+    CHAT: ClassVar[bool] = True
 
     def validate(self, prefix: str = "") -> None:
         """Injection and MIA checks, a pretrained base with a same-distribution split, valid arms."""
@@ -89,6 +98,8 @@ class Config(InjectionConfig, MiaSettings):
         if self.passes < 1:
             raise fail("passes", self.passes, "must be >= 1")
         self.dedup.validate("dedup")
+        if is_chat_data(self.base) and any(a.dedup for a in self.arms):
+            check_chat_dedup(self.dedup, "dedup")
         require_pretrained_split(self.base)
         if not self.arms:
             raise fail("arms", self.arms, "give at least one arm, e.g. [{name: none, mitigation: none}]")
@@ -131,6 +142,8 @@ def run_data(cfg: Config) -> list[PreparedData]:
 def _deduplicated(cfg: Config, data: PreparedData, injected_docs: list) -> tuple[PreparedData, Any]:
     """The injected corpus after deduplication, and the dedup manifest (saved as OUT/dedup.json by
     the caller once every arm passed its checks)."""
+    if data.is_chat:  # whole conversations removed
+        return prepare_deduplicated_chat(cfg.base, data, injected_docs, cfg.dedup)
     return prepare_deduplicated(data, injected_docs, cfg.dedup, cfg.base.data.block_len)
 
 
@@ -153,15 +166,46 @@ def members_and_nonmembers(cfg: InjectionConfig, data: PreparedData, manifest: A
     return members, nonmembers
 
 
+class Sides(NamedTuple):
+    """What the membership and extraction questions read: the members (the corpus items trained on once)
+    and non-members (held out) as token lists; on chat data each one's first scored token (its answer
+    after the prompt: evals.mia.score_sequences' starts) and the members' (prompts, responses), what
+    extraction asks (None on plain documents: prefix -> suffix)."""
+
+    members: list[list[int]]
+    nonmembers: list[list[int]]
+    starts: tuple[list[int], list[int]] | None = None
+    pairs: tuple[list[list[int]], list[list[int]]] | None = None
+
+
+def question_sides(cfg: InjectionConfig, data: PreparedData, manifest: Any) -> Sides:
+    """The members and non-members of `members_and_nonmembers`; on chat data the conversations trained on
+    once and the held-out ones, rendered as the rows are (cut to block_len), scored on their answers."""
+    if not data.is_chat:
+        return Sides(*members_and_nonmembers(cfg, data, manifest))
+    b = cfg.base
+    once = set(lead_ids(data, manifest))
+    rows = [j for j, i in enumerate(data.train_doc_ids) if i in once]
+    held = render_chat(load_chat_split(b)[1] or [], data.tokenizer, max_tokens=b.data.block_len,
+                       field="base.data.block_len")
+    return Sides([data.train_docs[j] for j in rows], [c.ids for c in held],
+                 ([len(data.prompts[j]) for j in rows], [c.prompt_len for c in held]),
+                 ([data.prompts[j] for j in rows], [data.responses[j] for j in rows]))
+
+
 class ArmQuestions:
     """The questions every model of a fine-tune with injected items is asked (verbatim extraction of
     the leads seen once, the secrets, beyond greedy and near-verbatim, membership and utility), on
     every rank, on the model's own grid; `key` is what the answers depend on besides the model."""
 
     def __init__(self, cfg: Config, data: PreparedData, manifest: Any, dup_tokens: dict[str, list[int]],
-                 members: list[list[int]], questions: PrivacyUtility):
+                 members: list[list[int]], questions: PrivacyUtility,
+                 pairs: tuple[list[list[int]], list[list[int]]] | None = None):
+        """`pairs`: chat data's members as (prompts, responses) (Sides.pairs): extraction is the greedy
+        response from each prompt, and the sampled and near-verbatim questions (a fixed-length prefix of
+        a document) are not asked."""
         self.cfg, self.data, self.manifest, self.dup_tokens = cfg, data, manifest, dup_tokens
-        self.members, self.questions = members, questions
+        self.members, self.questions, self.pairs = members, questions, pairs
         self.dup_docs = list(dup_tokens.values())
         b = cfg.base
         self.schemes = run_schemes(b)
@@ -178,8 +222,12 @@ class ArmQuestions:
         b, data = self.cfg.base, self.data
         e = b.eval
         members, dup_docs, schemes = self.members, self.dup_docs, self.schemes
-        results = extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=data.tokenizer,
-                          batch_size=e.batch_size, decode=e.decode)
+        if self.pairs:  # chat data: each conversation's answer from its prompt; no prefix windows to sample
+            results = extract_pairs(model, *self.pairs, tokenizer=data.tokenizer, batch_size=e.batch_size)
+            schemes = []
+        else:
+            results = extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
+                              tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode)
         seen_once = summarize(results)
         beyond = {name: beyond_summary(sampled_extraction(
                       model, docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=schemes, offsets=[0],
@@ -201,7 +249,7 @@ class ArmQuestions:
         OUT/baseline under the model, a digest of every evaluated input and `key`."""
         b, q = self.cfg.base, self.questions
         inputs = {"members": self.members, "nonmembers": q.sets["nonmembers"], "duplicated": self.dup_docs,
-                  "other": q.other,
+                  "other": q.other, **({"starts": q.starts, "pairs": self.pairs} if self.pairs else {}),
                   "injected": [[it.id, it.text, it.count, it.secret] for it in self.manifest.items]}
         return exp.baseline({"model": b.model.name, "overrides": b.model.overrides, "seed": b.seed,
                              "inputs": digest(inputs), "eval": self.key, "prefix": b.eval.prefix,
@@ -212,7 +260,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Train every arm on the injected corpus (or its deduplicated copy); ask each the five questions."""
     data, manifest, dup_tokens, injected_docs = build_corpus(cfg, exp)
     b = cfg.base
-    members, nonmembers = members_and_nonmembers(cfg, data, manifest)
+    sides = question_sides(cfg, data, manifest)
+    members, nonmembers = sides.members, sides.nonmembers
     dedup_data = dedup_manifest = None
     if any(a.dedup for a in cfg.arms):
         dedup_data, dedup_manifest = _deduplicated(cfg, data, injected_docs)
@@ -226,8 +275,9 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     # every rank asks the questions: each arm's model is scored on its run's grid (Experiment.eval_model)
     reference = reference_model(b, exp.grid_spec)
     questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
-                               other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
-    ask = ArmQuestions(cfg, data, manifest, dup_tokens, members, questions)
+                               other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed,
+                               starts=sides.starts)
+    ask = ArmQuestions(cfg, data, manifest, dup_tokens, members, questions, sides.pairs)
     key = cfg.injection_key()
 
     def evaluate(model: Any, run_dir: Path) -> dict[str, Any]:
@@ -291,14 +341,21 @@ def _without_ref_ratio(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, "per_document": per}
 
 
-def paired_questions(methods: list[str]) -> list[Question]:
-    """What the paired tests compare between two models of the comparison (docs/mitigations.md)."""
-    return [Question("em_once", "EM leads seen once", "binary", per_document("seen_once_exact_match"),
+def paired_questions(methods: list[str], items: tuple[str, str] = ("leads", "lead")) -> list[Question]:
+    """What the paired tests compare between two models of the comparison (docs/mitigations.md); `items`
+    names the corpus items (plural, singular: `item_words`)."""
+    many, one = items
+    return [Question("em_once", f"EM {many} seen once", "binary", per_document("seen_once_exact_match"),
                      "{:+.0%}"),
-            Question("rouge_once", "ROUGE-L leads seen once", "number", per_document("seen_once_rougeL")),
+            Question("rouge_once", f"ROUGE-L {many} seen once", "number", per_document("seen_once_rougeL")),
             *injected_questions(),
-            Question("nll", "held-out NLL per lead", "number", per_document("nonmember_nll")),
+            Question("nll", f"held-out NLL per {one}", "number", per_document("nonmember_nll")),
             *mia_questions(methods)]
+
+
+def item_words(cfg: InjectionConfig) -> tuple[str, str]:
+    """What the corpus items are called in tables and notes: leads, or conversations on chat data."""
+    return ("conversations", "conversation") if is_chat_data(cfg.base) else ("leads", "lead")
 
 
 def beyond_summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -431,6 +488,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
              baseline: dict[str, Any] | None = None,
              answers: dict[str, Any] | None = None) -> Outputs:
     methods = cfg.mia_methods
+    many, one = item_words(cfg)
     trained, arms = arms, ([baseline] if baseline else []) + arms  # the tables and plots lead with the base
     rows = []
     for a in arms:
@@ -447,11 +505,12 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
             row[f"auc_{m}"] = format_auc(a["mia"].get(m))
         rows.append(row)
     cols = [("arm", "arm", "{}"), ("mitigation", "mitigation", "{}"),
-            ("em_once", "EM leads seen once", "{:.0%}"),
-            ("em_dup", "EM duplicated leads", "{:.0%}"), ("exposure", "canary exposure (bits)", "{:.2f}"),
+            ("em_once", f"EM {many} seen once", "{:.0%}"),
+            ("em_dup", f"EM duplicated {many}", "{:.0%}"), ("exposure", "canary exposure (bits)", "{:.2f}"),
             ("extracted", "secrets extracted", "{:.0%}")]
     cols += [(f"auc_{m}", f"MIA AUC {m} [95% CI]", "{}") for m in methods]
-    cols += [("val", "val loss", "{:.3f}"), ("other", f"{cfg.other_held_out} loss", "{:.3f}")]
+    cols += [("val", "val loss", "{:.3f}")] + ([("other", f"{cfg.other_held_out} loss", "{:.3f}")]
+                                               if cfg.other_held_out else [])
     if cfg.downstream:
         cols += [("ds", f"{task_label(cfg)} ± SE", "{}")]
     cols += [
@@ -464,22 +523,29 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     ccols = [("arm", "arm", "{}"), ("copies", "copies", "{}"),
              ("canary_exposure", "canary exposure", "{:.2f}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
-             ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}")]
+             ("duplicate_exact_match", f"duplicated-{one} EM", "{:.0%}")]
     if splits_by_mask(cfg):
         ccols += MASKED_COLUMNS
     b = cfg.base
     c = cfg.canaries
+    chat = is_chat_data(b)
     notes = [
         f"Model: {b.model.name}, its own tokenizer. Training rows: {n_rows} "
-        f"({n_members} Wikipedia leads seen "
-        f"once, plus {cfg.duplicates.per_count} duplicated leads and {c.per_count} canaries per copy count "
+        f"({n_members} {b.data.corpus} {many} seen "
+        f"once, plus {cfg.duplicates.per_count} duplicated {many} and {c.per_count} canaries per copy count "
         f"{cfg.counts}); {cfg.passes} passes, lr {b.trainer.lr} (arms may override it), batch "
-        f"{b.trainer.batch_size}. Non-members: {n_nonmembers} held-out leads.",
-        f"Canaries: {c.template!r} with a secret from {c.space}; exposure in bits over the whole space "
+        f"{b.trainer.batch_size}. Non-members: {n_nonmembers} held-out {many}.",
+        f"Canaries: {c.template!r} with a secret from {c.space}"
+        + (f", each the answer to the user turn {c.prompt!r}" if chat else "")
+        + "; exposure in bits over the whole space "
         "(maximum log2|R|); 'secrets extracted' = the canary beats every never-inserted secret.",
-        "EM: greedy 32-token suffix from the 32-token prefix. "
-        "MIA on the leads seen once vs the held-out leads; "
-        f"95% CIs from {cfg.bootstrap} bootstrap resamples.",
+        (f"EM: the greedy answer (its first {b.eval.suffix} tokens) from the conversation's prompt, in the "
+         "chat template. MIA scores each conversation's answer given its prompt (the tokens the fine-tune "
+         "trains on), on the conversations seen once vs the held-out ones; the held-out loss is over those "
+         "answers. " if chat else
+         f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix. "
+         "MIA on the leads seen once vs the held-out leads; ")
+        + f"95% CIs from {cfg.bootstrap} bootstrap resamples.",
         f"Dedup: {cfg.dedup.describe()}"
         + (f" ({n_rows} -> {n_dedup} rows; manifest dedup.json)." if n_dedup else "."),
         "Cost: step time relative to the 'none' arm measured in this run; peak RSS of the whole process "
@@ -532,7 +598,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     reference = next((a["name"] for a in trained if a["name"] == REFERENCE), None) or \
         next((a["name"] for a in trained if a["mitigation"] == "none"), trained[0]["name"] if trained else "")
     pairs = [(name, reference) for name in (answers or {}) if name != reference]
-    paired, tests, paired_notes = paired_table(answers or {}, pairs, paired_questions(methods),
+    paired, tests, paired_notes = paired_table(answers or {}, pairs, paired_questions(methods, (many, one)),
                                                resamples=cfg.bootstrap or 1000, seed=b.seed)
     extra_tables += [Table(**paired, per_seed=True)] if paired else []
     notes += paired_notes

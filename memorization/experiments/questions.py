@@ -85,12 +85,15 @@ class PrivacyUtility:
 
     def __init__(self, settings: MiaSettings, tokenizer: Any, members: list[list[int]],
                  nonmembers: list[list[int]], other: list[list[int]], reference: torch.nn.Module | None,
-                 seed: int = 0):
+                 seed: int = 0, starts: tuple[list[int], list[int]] | None = None):
+        """`starts`: (members', non-members') first scored token of each sequence (chat data: the response
+        after its prompt, evals.mia.score_sequences); None = every token but the first."""
         if len(members) < 2 or len(nonmembers) < 2:
             raise fail("members/nonmembers", f"{len(members)}/{len(nonmembers)}",
                        "membership inference needs at least 2 members and 2 non-members; use more documents")
         self.s, self.tok, self.seed = settings, tokenizer, seed
         self.sets = {"members": members, "nonmembers": nonmembers}
+        self.starts = dict(zip(self.sets, starts)) if starts else {name: None for name in self.sets}
         self.other = other
         self._ref_nll: dict[str, Any] = {}
         if "ref_ratio" in settings.mia_methods:
@@ -98,7 +101,7 @@ class PrivacyUtility:
                 raise fail("mia_methods", settings.mia_methods, "ref_ratio needs a reference model")
             for name, seqs in self.sets.items():
                 self._ref_nll[name] = -score_sequences(reference, seqs, tokenizer=tokenizer, k=settings.mia_k,
-                                                       batch_size=16)["loss"]
+                                                       batch_size=16, starts=self.starts[name])["loss"]
 
     def downstream(self, model: torch.nn.Module, grid: ProcessGrid | None = None) -> dict[str, Any] | None:
         """The downstream tasks' results (memorization.eval.utility.score_tasks) plus `headline`, or None
@@ -118,11 +121,13 @@ class PrivacyUtility:
 
         One forward pass over members and non-members gives every MIA score and, from the
         non-members' per-sequence NLL, the held-out loss (token-weighted: sequence i scores len-1
-        tokens), so no second pass is needed for utility.
+        tokens, or len - start of its scored span), so no second pass is needed for utility.
         """
         scores = {name: score_sequences(model, seqs, tokenizer=self.tok, k=self.s.mia_k, batch_size=16,
-                                        grid=grid) for name, seqs in self.sets.items()}
-        scored = np.array([len(x) - 1 for x in self.sets["nonmembers"]], dtype=np.float64)
+                                        grid=grid, starts=self.starts[name])
+                  for name, seqs in self.sets.items()}
+        first = self.starts["nonmembers"] or [1] * len(self.sets["nonmembers"])
+        scored = np.array([len(x) - f for x, f in zip(self.sets["nonmembers"], first)], dtype=np.float64)
         val_loss = float((-scores["nonmembers"]["loss"] * scored).sum() / scored.sum())
         for name, nll in self._ref_nll.items():  # reference NLL minus target NLL, as evals.mia defines it
             scores[name]["ref_ratio"] = nll + scores[name]["loss"]

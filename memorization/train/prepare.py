@@ -6,6 +6,7 @@ assistant tokens supervised. Held-out rows come from a split of the corpus or fr
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from data_pipelines import (
     ChatExample,
     DedupConfig,
     DedupManifest,
+    Document,
     TokenLists,
     chat_blocks,
     check_responses,
@@ -162,6 +164,42 @@ def prepare_deduplicated(data: PreparedData, docs: list, dedup: DedupConfig,
                         audit=data.audit), manifest
 
 
+def prepare_deduplicated_chat(cfg: RunConfig, data: PreparedData, examples: list[ChatExample],
+                              dedup: DedupConfig) -> tuple[PreparedData, DedupManifest]:
+    """prepare_deduplicated on chat data: whole conversations removed (an exact copy of another's messages,
+    or with dedup.near_documents a near copy by MinHash over its rendered ids), the survivors rendered into
+    rows as `data`'s were (its tokenizer, held-out rows, audit, secrets). `examples` are the conversations
+    `data` was prepared from, in its order."""
+    check_chat_dedup(dedup, "dedup")
+    row = {i: j for j, i in enumerate(data.train_doc_ids)}
+    rows = [ex for ex in examples if ex.id in row]  # the conversations that became rows, in row order
+    docs = [Document(ex.id, json.dumps(ex.messages, ensure_ascii=False), ex.source) for ex in rows]
+    kept, manifest = deduplicate(docs, [data.train_docs[row[ex.id]] for ex in rows], dedup)
+    return _chat_rows(cfg, [rows[i] for i in kept.kept], data.tokenizer, data.held_out, audit=data.audit,
+                      secrets=data.secrets), manifest
+
+
+def _chat_rows(cfg: RunConfig, examples: list[ChatExample], tok: Any, held: Any,
+               **extra: Any) -> PreparedData:
+    """Conversations rendered into rows (one each, cut to data.block_len), with the prompts and responses
+    extraction asks about; `held` the held-out rows, `extra` PreparedData's other fields."""
+    d = cfg.data
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    chats = render_chat(examples, tok, max_tokens=d.block_len, field="data.block_len")
+    prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
+    return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
+                        [c.id for c in chats], held, prompts, responses, **extra)
+
+
+def check_chat_dedup(dedup: DedupConfig, where: str) -> None:
+    """Refuse cutting repeated spans out of conversations: it would cut an answer from its prompt (on chat
+    data deduplication removes whole conversations)."""
+    if dedup.enabled and dedup.repeated_spans:
+        raise fail(f"{where}.repeated_spans", True, "cuts tokens out of rows, and on chat data that cuts "
+                   f"answers from their prompts; set {where}.repeated_spans=false (on chat data dedup "
+                   "removes whole conversations: exact_documents, near_documents)")
+
+
 def is_chat_data(cfg: RunConfig) -> bool:
     """Whether data.corpus is chat data (data.format chat, or auto and the corpus looks like chat)."""
     d = cfg.data
@@ -202,8 +240,6 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
         audit = tokenize_chat_audit(audit_set(cfg.eval.audit_canaries, cfg.seed), tok, CANARY_PROMPT,
                                     d.block_len)
         examples = list(examples) + audit.conversations()
-    chats = render_chat(examples, tok, max_tokens=d.block_len, field="data.block_len")
-    prompts, responses = extraction_pairs(chats, max_response=cfg.eval.suffix)
     held = None
     if d.held_out and is_chat_spec(d.held_out):
         held_examples = load_chat(d.held_out, limit=d.held_out_limit or None, seed=cfg.seed)
@@ -214,9 +250,9 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
         held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
                             d.block_len, tok.eos_token_id)
-    return PreparedData(tok, chat_blocks(chats, d.block_len, pad), [c.ids for c in chats],
-                        [c.id for c in chats], held, prompts, responses, audit=audit,
-                        secrets=secret_records(cfg, examples, held_examples, {c.id for c in chats}))
+    data = _chat_rows(cfg, examples, tok, held, audit=audit)
+    data.secrets = secret_records(cfg, examples, held_examples, set(data.train_doc_ids))
+    return data
 
 
 def secret_records(cfg: RunConfig, examples: list[ChatExample], held_examples: list[ChatExample] | None,
