@@ -86,6 +86,50 @@ def sampled_extraction(model: torch.nn.Module, documents: Sequence[Sequence[int]
     return out
 
 
+def sampled_pairs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                  targets: Sequence[Sequence[int]], *, schemes: Sequence[Scheme],
+                  ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5, batch_size: int = 32,
+                  doc_ids: Sequence | None = None, grid: ProcessGrid | None = None) -> dict[str, Any]:
+    """sampled_extraction for (prompt, target) pairs of any lengths (chat data: each answer from its
+    prompt): greedy exact match and each scheme's log p_z of the target given the whole prompt, one
+    teacher-forced forward per pair (pairs of equal lengths batched together, no padding). Returns
+    sampled_extraction's shape with one offset, "0" (from the prompt), "prefix": "prompt" and "suffix" the
+    longest target's length; call on every rank of `grid`."""
+    if len(prompts) != len(targets):
+        raise fail("targets", f"<{len(targets)} targets>",
+                   f"pass one target per prompt ({len(prompts)} prompts)")
+    _check([0], 1, 1, batch_size)
+    ids = list(range(len(prompts))) if doc_ids is None else list(doc_ids)
+    if len(ids) != len(prompts):
+        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per pair ({len(prompts)})")
+    pairs = [([int(t) for t in a], [int(t) for t in b]) for a, b in zip(prompts, targets)]
+    for i, (a, b) in enumerate(pairs):
+        if not a or not b:
+            raise fail(f"{'prompts' if not a else 'targets'}[{i}]", [],
+                       "every prompt and target needs at least one token")
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (a, b) in enumerate(pairs):
+        groups.setdefault((len(a), len(b)), []).append(i)
+    sc = Scorer(model, grid)
+    em = np.zeros(len(pairs), dtype=bool)
+    logpz = {sch.name: np.zeros(len(pairs)) for sch in schemes}
+    for (plen, _), idx in sorted(groups.items()):  # the same order on every rank
+        for b in range(0, len(idx), batch_size):
+            chunk = idx[b:b + batch_size]
+            windows = torch.tensor([pairs[i][0] + pairs[i][1] for i in chunk], dtype=torch.long)
+            got = score_windows(model, windows, plen, schemes=schemes, scorer=sc)
+            em[chunk] = got["exact_match"]
+            for name, v in logpz.items():
+                v[chunk] = got[f"logpz/{name}"]
+    rows = [{"doc": ids[i], "logpz": {"greedy": _finite(0.0 if em[i] else -np.inf),
+                                      **{n: _finite(v[i]) for n, v in logpz.items()}}}
+            for i in range(len(pairs))]
+    return {"prefix": "prompt", "suffix": max((len(b) for _, b in pairs), default=0),  # the longest target
+            "schemes": [s.name for s in schemes],
+            "offsets": {"0": {"docs": len(pairs), "exact_match_rate": float(em.mean()) if pairs else None,
+                              "np": np_summary(logpz, ns, p, greedy=em) if pairs else None, "rows": rows}}}
+
+
 def _finite(x: float) -> float | None:
     """A log-probability for JSON: -inf (the scheme can never emit the suffix) as None."""
     return float(x) if np.isfinite(x) else None
@@ -111,5 +155,5 @@ def split_rows(got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]
     return summary, rows
 
 
-__all__ = ["check_windows", "np_rates", "sampled_extraction", "split_rows"]
+__all__ = ["check_windows", "np_rates", "sampled_extraction", "sampled_pairs", "split_rows"]
 

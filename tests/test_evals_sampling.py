@@ -313,3 +313,34 @@ def test_split_vocab_equals_serial():
                 for s in schemes:
                     same(torch.tensor(got[name, first][s.name]), reference(logits, s, 2),
                          msg=f"{name} {s.name} first={first}")
+
+
+def test_sampled_pairs_score_each_target_from_its_whole_prompt():
+    """Chat answers from prompts of any length: each pair's log p_z and greedy match equal score_windows on
+    that pair alone; pairs whose prompts share a length give sampled_extraction's rows on those windows."""
+    from evals.probabilistic import sampled_extraction, sampled_pairs
+
+    model = tiny_model(vocab=64).eval()
+    schemes = parse_schemes("t=1.0;top_k=5")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 5, 3, 7, 5, 3)]
+    targets = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (4, 4, 4, 2, 4, 6)]
+    prompts[2] = prompts[0]
+    targets[2] = greedy_generate(model, torch.tensor([prompts[0]]), 4)[0, -4:].tolist()  # its greedy answer
+    got = sampled_pairs(model, prompts, targets, schemes=schemes, ns=[1, 10], batch_size=2,
+                        doc_ids=list("abcdef"))
+    rows = got["offsets"]["0"]["rows"]
+    assert [r["doc"] for r in rows] == list("abcdef") and got["prefix"] == "prompt" and got["suffix"] == 6
+    for p, t, r in zip(prompts, targets, rows):
+        one = score_windows(model, torch.tensor([p + t]), len(p), schemes=schemes)
+        assert r["logpz"]["greedy"] == (0.0 if one["exact_match"][0] else None)
+        for s in schemes:  # -inf (top-k never emits the target) is JSON's None
+            want = float(one[f"logpz/{s.name}"][0])
+            assert r["logpz"][s.name] == (pytest.approx(want, abs=1e-9) if math.isfinite(want) else None)
+    assert rows[2]["logpz"]["greedy"] == 0.0 and got["offsets"]["0"]["exact_match_rate"] >= 1 / 6
+    same_len = [0, 2]  # prompt 3 + target 4: documents of 7 tokens with prefix 3
+    docs = sampled_extraction(model, [prompts[i] + targets[i] for i in same_len], prefix_len=3, suffix_len=4,
+                              schemes=schemes, ns=[1, 10], doc_ids=["a", "c"])
+    assert docs["offsets"]["0"]["rows"] == [rows[i] for i in same_len]
+    with pytest.raises(ConfigError, match="one target per prompt"):
+        sampled_pairs(model, prompts, targets[:2], schemes=schemes)

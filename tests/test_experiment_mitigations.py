@@ -293,9 +293,11 @@ def test_mitigations_on_chat_data_ask_each_conversation_its_answer(pretrained, t
     import torch
 
     from evals import sequence_logprobs
+    from evals.probabilistic import sampled_pairs
+    from evals.sampling import parse_schemes
     from memorization.experiments import load_experiment
     from memorization.experiments.injection import build_corpus
-    from memorization.experiments.mitigations import question_sides
+    from memorization.experiments.mitigations import beyond_summary, question_sides
     from memorization.models import build_model
 
     cfg = tmp_path / "chat.yaml"
@@ -318,7 +320,8 @@ def test_mitigations_on_chat_data_ask_each_conversation_its_answer(pretrained, t
     for a in [report["baseline"], *report["arms"]]:
         assert a["extraction"]["seen_once"]["docs"] == len(members)
         assert a["extraction"]["duplicated"]["docs"] == 2 and a["canaries"]["count"] == 4
-        assert a["sampled"] == {} and a["near_verbatim"] == {}  # no fixed-length prefix windows in a chat
+        assert a["sampled"]["seen_once"]["docs"] == len(members) and a["sampled"]["duplicated"]["docs"] == 2
+        assert a["near_verbatim"] == {}  # its search continues a fixed-length prefix: plain documents only
     # membership: minus the mean NLL of each answer given its prompt (the whole row would differ)
     model = build_model(str(pretrained)).eval()
     per = json.loads((out / "baseline" / "evals.json").read_text())["values"]["per_document"]
@@ -326,6 +329,11 @@ def test_mitigations_on_chat_data_ask_each_conversation_its_answer(pretrained, t
         want = [sequence_logprobs(model, torch.tensor([ids]))[0].double()[s - 1:].mean().item()
                 for ids, s in zip(seqs, starts)]
         assert per[side]["loss"] == pytest.approx(want, abs=1e-5)
+    # beyond greedy: each answer's p_z from its own prompt
+    e = exp.base.eval
+    want = beyond_summary(sampled_pairs(model, prompts, responses, schemes=parse_schemes(e.sampling),
+                                        ns=e.np_ns, p=e.np_p))
+    assert report["baseline"]["sampled"]["seen_once"] == json.loads(json.dumps(want))
     held = report["baseline"]["utility"]["val_loss"]
     weights = [len(ids) - s for ids, s in zip(sides.nonmembers, n_starts)]
     assert held == pytest.approx(sum(w * nll for w, nll in zip(weights, per["nonmember_nll"])) / sum(weights))

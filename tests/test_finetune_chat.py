@@ -57,3 +57,18 @@ def test_train_and_extract_on_chat_data(tmp_path, cache_dir):
     assert all(len(r["generated_ids"]) == len(r["target_ids"]) for r in lines)
     summary = json.loads((out / "run.json").read_text())["summary"]
     assert summary["docs"] == len(data.prompts)
+    # beyond greedy: each response's p_z from its own prompt, a row per conversation in sampled.jsonl
+    rows = [json.loads(x) for x in (out / "sampled.jsonl").read_text().splitlines()]
+    assert [r["doc"] for r in rows] == data.member_doc_ids and {r["offset"] for r in rows} == {0}
+    smp = summary["sampled"]
+    assert smp["prefix"] == "prompt" and smp["offsets"]["0"]["docs"] == len(data.prompts)
+    assert smp["offsets"]["0"]["exact_match_rate"] == summary["exact_match_rate"]  # teacher-forced = decoded
+    assert "Each response from its whole prompt" in (out / "report.md").read_text()
+
+
+def test_chat_offsets_beyond_the_prompt_are_refused(tmp_path, cache_dir, capsys):
+    out = tmp_path / "out"
+    assert main(["train", str(_cfg(tmp_path)), "--out", str(out), "eval.offsets=[0,8]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: eval.offsets=[0, 8]: chat data"), err
+    assert not out.exists()

@@ -57,8 +57,10 @@ def _sampled(smp: dict[str, Any], rows_file: bool) -> list[str]:
         for name, per in (at["np"] or {"schemes": {}})["schemes"].items():
             rows.append([offset, str(at["docs"]), em, f"`{name}`",
                          *[f"{per[f'n={n}']['fraction']:.3f}" for n in ns]])
+    where = ("Each response from its whole prompt (offset 0)" if smp.get("prefix") == "prompt"
+             else "Per prefix offset into the document")
     return [f"### Beyond greedy: (n, p)-extractable at p = {smp['p']}",
-            "Per prefix offset into the document: greedy exact match (one teacher-forced forward) and, per "
+            f"{where}: greedy exact match (one teacher-forced forward) and, per "
             "sampling scheme, the fraction of documents whose suffix n samples give at least once with "
             f"probability >= {smp['p']} (Hayes et al. 2024)"
             + ("; log p_z per document in sampled.jsonl." if rows_file else "."),

@@ -30,7 +30,7 @@ import numpy as np
 from data_pipelines import DedupConfig, render_chat, tokenize_documents
 from evals import extract, extract_pairs, summarize
 from evals.near_verbatim import near_verbatim
-from evals.probabilistic import sampled_extraction, split_rows
+from evals.probabilistic import sampled_extraction, sampled_pairs, split_rows
 from memorization.config import RunConfig, change_words
 from memorization.eval.exposure import CANARY_SCORES
 from memorization.experiments.beyond_greedy import NP_NOTE, near_table, np_plot
@@ -202,8 +202,8 @@ class ArmQuestions:
                  members: list[list[int]], questions: PrivacyUtility,
                  pairs: tuple[list[list[int]], list[list[int]]] | None = None):
         """`pairs`: chat data's members as (prompts, responses) (Sides.pairs): extraction is the greedy
-        response from each prompt, and the sampled and near-verbatim questions (a fixed-length prefix of
-        a document) are not asked."""
+        response from each prompt, beyond greedy each response's p_z from its prompt (evals.probabilistic.
+        sampled_pairs); near-verbatim (a fixed-length prefix of a document) is not asked."""
         self.cfg, self.data, self.manifest, self.dup_tokens = cfg, data, manifest, dup_tokens
         self.members, self.questions, self.pairs = members, questions, pairs
         self.dup_docs = list(dup_tokens.values())
@@ -216,27 +216,34 @@ class ArmQuestions:
                     "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
                     "per_document": 1,  # what paired tests read (answers cached without it: asked again)
                     "canary_scores": CANARY_SCORES}
+        if pairs:  # chat data's questions: 2 = beyond greedy from each prompt
+            self.key["chat"] = 2
 
     def __call__(self, model: Any, downstream: bool = True) -> dict[str, Any]:
         """Every answer of `model` (the downstream tasks too when asked and the experiment names some)."""
         b, data = self.cfg.base, self.data
         e = b.eval
         members, dup_docs, schemes = self.members, self.dup_docs, self.schemes
-        if self.pairs:  # chat data: each conversation's answer from its prompt; no prefix windows to sample
+        if self.pairs:  # chat data: each conversation's answer from its prompt
             results = extract_pairs(model, *self.pairs, tokenizer=data.tokenizer, batch_size=e.batch_size)
-            schemes = []
+            asked = {"seen_once": self.pairs,
+                     "duplicated": ([d.prompt for d in dup_docs], [d.response for d in dup_docs])}
+            beyond = {name: beyond_summary(sampled_pairs(model, *pairs, schemes=schemes, ns=e.np_ns, p=e.np_p,
+                                                         batch_size=e.batch_size))
+                      for name, pairs in asked.items() if schemes and pairs[0]}
+            near: dict[str, Any] = {}  # its search continues a fixed-length prefix: plain documents only
         else:
             results = extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
                               tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode)
+            parts = (("seen_once", members), ("duplicated", dup_docs))
+            beyond = {name: beyond_summary(sampled_extraction(
+                          model, docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=schemes, offsets=[0],
+                          ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))
+                      for name, docs in parts if schemes and docs}
+            # base.eval.near_verbatim: the bound of a sample within d changes (eval.nv_distance), beside p_z
+            near = {name: split_rows(near_verbatim(model, docs, schemes=schemes, **e.near_args()))[0]
+                    for name, docs in parts if e.near_verbatim and schemes and docs}
         seen_once = summarize(results)
-        beyond = {name: beyond_summary(sampled_extraction(
-                      model, docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=schemes, offsets=[0],
-                      ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))
-                  for name, docs in (("seen_once", members), ("duplicated", dup_docs)) if schemes and docs}
-        # base.eval.near_verbatim: the bound of a sample within d changes (eval.nv_distance), beside p_z
-        near = {name: split_rows(near_verbatim(model, docs, schemes=schemes, **e.near_args()))[0]
-                for name, docs in (("seen_once", members), ("duplicated", dup_docs))
-                if e.near_verbatim and schemes and docs}
         answers = self.questions(model, downstream=downstream, per_document=True)
         answers["per_document"].update(seen_once_exact_match=[float(r.exact_match) for r in results],
                                        seen_once_rougeL=[r.rougeL for r in results])

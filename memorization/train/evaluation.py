@@ -43,15 +43,19 @@ def sampled_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
                     grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """Extraction beyond greedy of every training document (evals.probabilistic): per eval.offsets, the
     greedy exact-match rate and the (n, p)-extractable fractions of each eval.sampling scheme, from one
-    forward per window; and each window's log p_z per scheme (the rows of sampled.jsonl). None for chat
-    data or when there is nothing beyond the greedy decode at offset 0 to measure. Call it on every rank
-    of `grid`."""
-    from evals.probabilistic import sampled_extraction, split_rows  # deferred: evals +3.2 s import
+    forward per window; and each window's log p_z per scheme (the rows of sampled.jsonl). Chat data: each
+    response's p_z from its prompt (evals.probabilistic.sampled_pairs, offset 0). None when there is
+    nothing beyond the greedy decode at offset 0 to measure. Call it on every rank of `grid`."""
+    from evals.probabilistic import sampled_extraction, sampled_pairs, split_rows  # deferred: evals +3.2 s
 
     e = cfg.eval
     schemes = run_schemes(cfg)
-    if data.is_chat or (not schemes and list(e.offsets) == [0]):
+    if not schemes and (data.is_chat or list(e.offsets) == [0]):
         return None
+    if data.is_chat:
+        prompts, responses = data.member_pairs
+        return split_rows(sampled_pairs(model, prompts, responses, schemes=schemes, ns=e.np_ns, p=e.np_p,
+                                        batch_size=e.batch_size, doc_ids=data.member_doc_ids, grid=grid))
     got = sampled_extraction(model, data.member_docs, prefix_len=e.prefix, suffix_len=e.suffix,
                              schemes=schemes, offsets=e.offsets, ns=e.np_ns, p=e.np_p,
                              batch_size=e.batch_size, doc_ids=data.member_doc_ids, grid=grid)

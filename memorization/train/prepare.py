@@ -208,6 +208,9 @@ def is_chat_data(cfg: RunConfig) -> bool:
 
 def prepare_chat(cfg: RunConfig) -> PreparedData:
     """Conversations -> one row each, only assistant tokens supervised; prompts/responses for extraction."""
+    if cfg.eval.extraction and list(cfg.eval.offsets) != [0]:
+        raise fail("eval.offsets", cfg.eval.offsets, "chat data is asked for each response from its whole "
+                   "prompt (offset 0 only); set eval.offsets=[0]")
     examples, held_examples = load_chat_split(cfg)
     return prepare_conversations(cfg, examples, held_examples, chat_tokenizer(cfg, examples))
 
