@@ -111,7 +111,7 @@ def test_chat_canaries_grouped_by_the_mask_their_training_rows_get(strategy, cac
                                                                         IGNORE_INDEX))
 
 
-@pytest.mark.parametrize("kind", ["forgetting", "unlearning"])  # mitigations: test_experiment_mitigations
+@pytest.mark.parametrize("kind", ["unlearning"])  # mitigations and forgetting take chat data (their tests)
 def test_chat_data_refused_where_the_questions_read_plain_documents(kind):
     with pytest.raises(ConfigError, match=r"^base\.data\.corpus='wiki-chat': " + kind):
         load_experiment(CONFIGS / f"{kind}.yaml", ["base.data.corpus=wiki-chat"])

@@ -289,3 +289,36 @@ def test_the_report_takes_what_an_experiment_left_out(finished, pretrained, tmp_
     assert [c[1] for c in table.columns][-2:] == ["MIA AUC zlib [95% CI]", "held-out loss"]
     assert all(r["kept"] is None and r["auc"] is not None for r in table.rows)
     assert (tmp_path / "forgetting.png").stat().st_size > 0
+
+
+def test_a_chat_fine_tune_continued_on_plain_text_is_asked_its_answers(pretrained, tmp_path, cache_dir):
+    """forgetting on chat data: the fine-tune trains conversations (canaries as answers), phase 2 plain text;
+    every pass asks each conversation seen once for its greedy answer from its prompt (the last pass: what
+    the exported continued model answers) and each answer's p_z, and scores membership on the answers."""
+    from evals import extract_pairs, summarize
+    from memorization.experiments import load_experiment
+    from memorization.experiments.injection import build_corpus
+    from memorization.experiments.mitigations import question_sides
+
+    cfg = _write(tmp_path, pretrained, arms="[{name: none, mitigation: none}]", passes=1)
+    text = cfg.read_text().replace(
+        "data: {corpus: wiki-leads, limit: 28, held_out: \"\", held_out_fraction: 0.5, block_len: 40, "
+        "min_tokens: 40}", "data: {corpus: wiki-chat, limit: 24, held_out: \"\", held_out_fraction: 0.5, "
+        "block_len: 96}").replace(", near_verbatim: 1, nv_beams: 2}", "}")
+    cfg.write_text(text.replace(TEMPLATE, "the access code of the east wing is {secret}"))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    _, exp = load_experiment(cfg)
+    data, manifest, _, _ = build_corpus(exp)
+    prompts, responses = question_sides(exp, data, manifest).pairs
+    passes = report["arms"][0]["passes"]
+    assert [p["pass"] for p in passes] == [0, 1]
+    for p in passes:
+        assert p["extraction"]["seen_once"]["docs"] == len(prompts) == 10
+        assert p["sampled"]["seen_once"]["docs"] == 10 and p["near_verbatim"] == {}
+    model = AutoModelForCausalLM.from_pretrained(out / "runs" / "none-continued" / "model").eval()
+    want = summarize(extract_pairs(model, prompts, responses, tokenizer=data.tokenizer))
+    assert passes[-1]["extraction"]["seen_once"]["rougeL"] == pytest.approx(want["rougeL"], abs=1e-9)
+    md = (out / "report.md").read_text()
+    assert "EM conversations seen once" in md and "each answer scored given its prompt" in md

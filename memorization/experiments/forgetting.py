@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -41,8 +41,9 @@ from memorization.experiments.mitigations import (
     arm_record,
     baseline_record,
     beyond_table,
-    members_and_nonmembers,
+    item_words,
     paired_questions,
+    question_sides,
     splits_by_mask,
 )
 from memorization.experiments.mitigations import REFERENCE as REFERENCE  # replicates: against 'none' too
@@ -61,7 +62,7 @@ from memorization.experiments.spec import Arm
 from memorization.mitigations.peft_lora import LoraSettings
 from memorization.paired import paired_table
 from memorization.train import pipeline
-from memorization.train.prepare import PreparedData, prepare_documents
+from memorization.train.prepare import PreparedData, is_chat_data, prepare_documents
 from memorize_core import ConfigError, fail
 
 SUFFIX = "-continued"  # phase 2 of arm A runs in OUT/runs/A-continued
@@ -83,7 +84,6 @@ class Config(MitigationsConfig):
     continue_passes: int = 4
     fresh: FreshData = field(default_factory=FreshData)
     other_held_out: str = "lee-news-test"  # held-out text of the fresh domain: does phase 2 learn it?
-    CHAT: ClassVar[bool] = False  # its questions per pass read plain documents' prefixes
 
     def validate(self, prefix: str = "") -> None:
         """Mitigations' checks, then what phase 2 needs: fresh data apart from every evaluated set,
@@ -195,13 +195,15 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     data, manifest, dup_tokens, _ = build_corpus(cfg, exp)
     b = cfg.base
     fresh = fresh_data(cfg, data.tokenizer)
-    members, nonmembers = members_and_nonmembers(cfg, data, manifest)
+    sides = question_sides(cfg, data, manifest)  # chat data: conversations, asked prompt -> answer
+    members, nonmembers = sides.members, sides.nonmembers
     exp.check(run_configs(cfg), [d for _ in cfg.arms for d in (data, fresh)])
     save_manifest(manifest, exp)
     reference = reference_model(b, exp.grid_spec)
     questions = PrivacyUtility(cfg, data.tokenizer, members, nonmembers,
-                               other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed)
-    ask = ArmQuestions(cfg, data, manifest, dup_tokens, members, questions)
+                               other_domain(cfg, data.tokenizer, b.data.block_len), reference, seed=b.seed,
+                               starts=sides.starts)
+    ask = ArmQuestions(cfg, data, manifest, dup_tokens, members, questions, sides.pairs)
     baseline = None
     if cfg.baseline:
         say("base model: its evaluation before fine-tuning")
@@ -266,7 +268,8 @@ def paired(cfg: Config, arms: list[dict[str, Any]], answers: dict[str, Any]
              f"Paired tests: each arm − '{ref}' after as many passes, document by document",
              [(row, pass_name(ref, k)) for row, arm, k in rows if arm != ref]))
     for key, title, pairs in asks:
-        table, t, n = paired_table(answers, pairs, paired_questions(list(cfg.mia_methods)), label="model",
+        table, t, n = paired_table(answers, pairs, paired_questions(list(cfg.mia_methods), item_words(cfg)),
+                                   label="model",
                                    resamples=cfg.bootstrap or 1000, seed=cfg.base.seed, title=title,
                                    missing="rerun the experiment: phase 2, asked as it trains, trains again")
         if table:
@@ -291,8 +294,9 @@ def kept(value: float | None, start: float | None, floor: float | None) -> float
 def _columns(cfg: Config) -> tuple:
     """The per-pass table's columns: the first MIA method, the other held-out corpus and the downstream
     tasks where the experiment has them."""
+    many, _ = item_words(cfg)
     cols = [("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("step", "steps", "{}"),
-            ("em_once", "EM leads seen once", "{:.0%}"), ("em_dup", "EM duplicated leads", "{:.0%}"),
+            ("em_once", f"EM {many} seen once", "{:.0%}"), ("em_dup", f"EM duplicated {many}", "{:.0%}"),
             ("exposure", "canary exposure (bits)", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
             ("extracted", "secrets extracted", "{:.0%}"),
             ("auc", f"MIA AUC {cfg.mia_methods[0]} [95% CI]", "{}"), ("val", "held-out loss", "{:.3f}")]
@@ -320,6 +324,7 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
              answers: dict[str, Any] | None = None) -> Outputs:
     floor = baseline["canaries"]["exposure_mean"] if baseline else None
     method = cfg.mia_methods[0]
+    (many, one), chat = item_words(cfg), is_chat_data(cfg.base)
     rows = [_row(BASELINE_ROW, baseline, None, None, method)] if baseline else []
     by_count = []
     for a in arms:
@@ -336,22 +341,25 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], baseline: dict[str, Any] |
     ccols = (("arm", "arm", "{}"), ("pass", "continued passes", "{}"), ("copies", "copies", "{}"),
              ("canary_exposure", "canary exposure", "{:.2f}"), ("kept", "exposure kept", "{:.0%}"),
              ("canary_extracted", "secrets extracted", "{:.0%}"),
-             ("duplicate_exact_match", "duplicated-lead EM", "{:.0%}"))
+             ("duplicate_exact_match", f"duplicated-{one} EM", "{:.0%}"))
     if splits_by_mask(cfg):
         ccols += MASKED_COLUMNS
     b, f, c = cfg.base, cfg.fresh, cfg.canaries
     notes = [
         f"Phase 1 (each arm's fine-tune): {b.model.name} on {n_rows} rows of {b.data.corpus} "
-        f"({n_members} leads seen once, plus {cfg.duplicates.per_count} duplicated leads and {c.per_count} "
+        f"({n_members} {many} seen once, plus {cfg.duplicates.per_count} duplicated {many} and {c.per_count} "
         f"canaries per copy count {cfg.counts}), {cfg.passes} passes, lr {b.trainer.lr} (arms may "
         "override it).",
         f"Phase 2 (the same for every arm): plain loss, {cfg.continue_passes} passes over {n_fresh} rows of "
         f"'{f.corpus}' (none of the injected items), lr {f.lr or b.trainer.lr}; pass 0 is the fine-tuned "
         "model before its first step.",
-        f"Questions after every pass: EM = greedy {b.eval.suffix}-token suffix from the "
-        f"{b.eval.prefix}-token prefix; canary exposure in bits over the whole secret space "
-        f"(max log2|R|); MIA on the {n_members} leads seen once vs {n_nonmembers} held-out leads; "
-        "held-out loss on those leads" + (f" and on '{cfg.other_held_out}' (held-out text of the fresh "
+        "Questions after every pass: EM = "
+        + (f"the greedy answer (its first {b.eval.suffix} tokens) from each conversation's prompt; "
+           if chat else f"greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix; ")
+        + f"canary exposure in bits over the whole secret space "
+        f"(max log2|R|); MIA on the {n_members} {many} seen once vs {n_nonmembers} held-out {many}"
+        + (" (each answer scored given its prompt)" if chat else "") + "; "
+        f"held-out loss on those {many}" + (f" and on '{cfg.other_held_out}' (held-out text of the fresh "
                                           "domain: phase 2 learning it)." if cfg.other_held_out else "."),
     ]
     if splits_by_mask(cfg):
@@ -405,6 +413,7 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, cfg: Conf
     """Against continued passes: canary exposure per copy count, duplicated-lead EM, MIA AUC, losses."""
     fig, axes = figure(4, width=4.4)
     method = cfg.mia_methods[0]
+    many, _ = item_words(cfg)
     colors = [f"C{i}" for i in range(10)]
     styles = ["-", "--", ":", "-."]
     for i, a in enumerate(arms):
@@ -424,7 +433,7 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, cfg: Conf
             axes[2].fill_between(xs, [r["auc_ci"][0] for r in auc], [r["auc_ci"][1] for r in auc],
                                  color=color, alpha=0.15)
         axes[3].plot(xs, [p["utility"]["val_loss"] for p in a["passes"]], marker="o", color=color,
-                     label=f"{a['name']}: held-out leads")
+                     label=f"{a['name']}: held-out {many}")
         if a["passes"][0]["utility"]["other_val_loss"] is not None:
             axes[3].plot(xs, [p["utility"]["other_val_loss"] for p in a["passes"]], marker="s", color=color,
                          linestyle="--", label=f"{a['name']}: {cfg.other_held_out}")
@@ -435,8 +444,8 @@ def _plot(arms: list[dict[str, Any]], baseline: dict[str, Any] | None, cfg: Conf
         if auc is not None:
             axes[2].axhline(auc, color="gray", linestyle=":", label=BASELINE_ROW)
         axes[3].axhline(baseline["utility"]["val_loss"], color="gray", linestyle=":",
-                        label=f"{BASELINE_ROW}: held-out leads")
-    titles = ("canary exposure (bits)", "leads seen once: extractable", f"MIA AUC ({method})",
+                        label=f"{BASELINE_ROW}: held-out {many}")
+    titles = ("canary exposure (bits)", f"{many} seen once: extractable", f"MIA AUC ({method})",
               "held-out loss")
     for ax, title in zip(axes, titles):
         ax.set(xlabel="passes of continued training on fresh data", title=title)
