@@ -90,8 +90,9 @@ class InjectionConfig(ExperimentConfig):
             d = self.base.data
             if not self.CHAT:
                 raise fail("base.data.corpus", d.corpus, f"{self.kind} asks about plain documents' prefixes "
-                           "and suffixes; canary-exposure, mitigations and forgetting take chat data (canaries as "
-                           "answers, conversations asked prompt -> answer), or name a plain corpus")
+                           "and suffixes; canary-exposure, mitigations and forgetting take chat data "
+                           "(canaries as answers, conversations asked prompt -> answer), or name a plain "
+                           "corpus")
             if not isinstance(self.canaries.prompt, str) or not self.canaries.prompt.strip():
                 raise fail("canaries.prompt", self.canaries.prompt, "the user turn each canary answers "
                            "must be a non-empty text")
