@@ -234,10 +234,15 @@ def membership_inference(model: torch.nn.Module, members: Sequence[Sequence[int]
 
 
 def score_both(model: torch.nn.Module, members: Sequence[Sequence[int]], nonmembers: Sequence[Sequence[int]],
-               *, progress: bool = False, **kw: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """score_sequences of the members and of the non-members (`kw` its keywords; bars named for each)."""
-    return (score_sequences(model, members, **kw, progress="MIA members" if progress else None),
-            score_sequences(model, nonmembers, **kw, progress="MIA non-members" if progress else None))
+               *, progress: bool = False, starts: tuple[Sequence[int], Sequence[int]] | None = None,
+               **kw: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """score_sequences of the members and of the non-members (`kw` its keywords; bars named for each;
+    `starts` the members' and the non-members' first scored tokens, or None)."""
+    first = starts or (None, None)
+    return (score_sequences(model, members, **kw, starts=first[0],
+                            progress="MIA members" if progress else None),
+            score_sequences(model, nonmembers, **kw, starts=first[1],
+                            progress="MIA non-members" if progress else None))
 
 
 def score_rows(member_ids: Sequence[Any], nonmember_ids: Sequence[Any], member_scores: dict[str, np.ndarray],

@@ -305,10 +305,12 @@ class RunConfig:
         if self.eval.mia and not (self.data.held_out or self.data.held_out_fraction > 0):
             raise fail("eval.mia", True, "needs non-members: set data.held_out (a corpus the model never "
                        "sees) or data.held_out_fraction (a held-out split of data.corpus, the fair choice)")
-        if self.eval.mia and (self.data.format == "chat"
-                              or (self.data.format == "auto" and is_chat_spec(self.data.corpus))):
-            raise fail("eval.mia", True, "scores plain documents; for chat data run memorize eval --mia "
-                       "on the exported model with document corpora, or set eval.mia=false")
+        chat = self.data.format == "chat" or (self.data.format == "auto" and is_chat_spec(self.data.corpus))
+        if self.eval.mia and chat and self.data.held_out and not is_chat_spec(self.data.held_out):
+            raise fail("eval.mia", True, f"on chat data scores answers given their prompts, and "
+                       f"data.held_out={self.data.held_out!r} holds plain documents; name a chat set as "
+                       "data.held_out, or set data.held_out='' and data.held_out_fraction=0.5 (a held-out "
+                       "split of the conversations, the fair choice)")
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

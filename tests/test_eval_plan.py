@@ -51,7 +51,7 @@ def test_the_dry_run_refuses_an_evaluation_batch_that_does_not_fit():
 
 @pytest.mark.parametrize("overrides,message", [
     (["eval.mia=true", "data.held_out=''", "data.held_out_fraction=0"], "needs non-members"),
-    (["eval.mia=true", "data.corpus=wiki-chat"], "scores plain documents"),
+    (["eval.mia=true", "data.corpus=wiki-chat", "data.held_out=lee-news"], "holds plain documents"),
     (["eval.mia_docs=-1"], "eval.mia_docs=-1"),
     (["eval.mia_k=0"], "eval.mia_k=0"),
 ])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from data_pipelines import IGNORE_INDEX
@@ -72,3 +73,32 @@ def test_chat_offsets_beyond_the_prompt_are_refused(tmp_path, cache_dir, capsys)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: eval.offsets=[0, 8]: chat data"), err
     assert not out.exists()
+
+
+def test_membership_on_chat_data_scores_answers_given_their_prompts(tmp_path, cache_dir):
+    """eval.mia on a chat fine-tune: trained conversations vs a held-out split, each scored on its answer
+    given its prompt (minus the mean NLL of the answer's tokens; the whole row would differ), the blind
+    baseline on the same answers."""
+    from transformers import AutoModelForCausalLM
+
+    from evals import sequence_logprobs
+
+    out = tmp_path / "out"
+    over = ["eval.mia=true", "data.held_out_fraction=0.5", "eval.bootstrap=20"]
+    assert main(["train", str(_cfg(tmp_path)), "--out", str(out), *over]) == 0
+    data = prepare_data(load_run_config(_cfg(tmp_path), over))
+    rows = [json.loads(x) for x in (out / "mia.jsonl").read_text().splitlines()]
+    members = [r for r in rows if r["member"]]
+    held = [r for r in rows if not r["member"]]
+    assert [r["id"] for r in members] == data.member_doc_ids and len(held) == len(data.held_out_docs) > 1
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    for side, seqs, starts in ((members, data.member_docs, data.member_starts),
+                               (held, data.held_out_docs, data.held_out_starts)):
+        for r, ids, s in zip(side, seqs, starts):
+            assert 1 <= s < len(ids)
+            lp = sequence_logprobs(model, torch.tensor([ids]))[0].double()
+            assert r["loss"] == pytest.approx(lp[s - 1:].mean().item(), abs=1e-5)
+            assert r["loss"] != pytest.approx(lp.mean().item(), abs=1e-5)
+    summary = json.loads((out / "run.json").read_text())["summary"]
+    assert summary["mia"]["scored"].startswith("each conversation's answer given its prompt")
+    assert "Scored: each conversation's answer given its prompt" in (out / "report.md").read_text()

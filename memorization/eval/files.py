@@ -145,6 +145,8 @@ def markdown_report(report: dict[str, Any], figure: str | None = None,
         title = (f"## Membership inference: `{mia['members']}` ({c['members']}) vs "
                  f"`{mia['non_members']}` ({c['non_members']})")
         cut = f" Documents cut to {mia['max_tokens']} tokens." if mia.get("max_tokens") else ""
+        if mia.get("scored"):
+            cut += f" Scored: {mia['scored']}; the blind baseline reads the same tokens."
         parts += [title,
                   f"Higher score = member; Min-K% k = {mia['k']}"
                   + (f"; reference model `{mia['reference']}`." if mia["reference"] else ".")

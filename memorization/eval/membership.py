@@ -73,7 +73,8 @@ def eval_corpus(flag: str, spec: str, tok: Any, vocab: int, max_tokens: int, lim
     if is_chat_spec(spec):
         raise fail(flag, spec, "holds conversations (prompt/response or messages), but memorize eval scores "
                    "plain documents: pass a text corpus (a .txt file, or .jsonl with a 'text' key per line); "
-                   "a chat fine-tune's responses are scored by its training run (extraction.jsonl)")
+                   "a chat fine-tune's responses are scored by its training run (extraction.jsonl, and "
+                   "membership on its answers with eval.mia=true)")
     try:
         docs = load_corpus(spec, text_field=text_field, limit=None if ids is not None else limit or None)
     except ConfigError as e:  # its message names `corpus`; say which flag the spec came from
@@ -106,7 +107,8 @@ def _run_record(model: str, flag: str, value: str, what: str, fix: str) -> dict[
                    f"its documents are recorded) is missing or lists no documents; {fix}")
     if record.get("format") == "chat":
         raise fail(flag, value, "the run trained on conversations; memorize eval scores plain documents "
-                   "(the run's own evaluation scores its responses)")
+                   "(the run's own evaluation scores its responses, and membership on its answers with "
+                   "eval.mia=true)")
     return record
 
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from data_pipelines import DedupConfig, render_chat, tokenize_documents
+from data_pipelines import DedupConfig, tokenize_documents
 from evals import extract, extract_pairs, summarize
 from evals.near_verbatim import near_verbatim
 from evals.probabilistic import sampled_extraction, sampled_pairs, split_rows
@@ -67,7 +67,6 @@ from memorization.train.prepare import (
     PreparedData,
     check_chat_dedup,
     is_chat_data,
-    load_chat_split,
     prepare_deduplicated,
     prepare_deduplicated_chat,
 )
@@ -180,16 +179,14 @@ class Sides(NamedTuple):
 
 def question_sides(cfg: InjectionConfig, data: PreparedData, manifest: Any) -> Sides:
     """The members and non-members of `members_and_nonmembers`; on chat data the conversations trained on
-    once and the held-out ones, rendered as the rows are (cut to block_len), scored on their answers."""
+    once and the held-out ones (PreparedData.held_out_docs: rendered as the rows are), scored on their
+    answers."""
     if not data.is_chat:
         return Sides(*members_and_nonmembers(cfg, data, manifest))
-    b = cfg.base
     once = set(lead_ids(data, manifest))
     rows = [j for j, i in enumerate(data.train_doc_ids) if i in once]
-    held = render_chat(load_chat_split(b)[1] or [], data.tokenizer, max_tokens=b.data.block_len,
-                       field="base.data.block_len")
-    return Sides([data.train_docs[j] for j in rows], [c.ids for c in held],
-                 ([len(data.prompts[j]) for j in rows], [c.prompt_len for c in held]),
+    return Sides([data.train_docs[j] for j in rows], data.held_out_docs or [],
+                 ([len(data.prompts[j]) for j in rows], data.held_out_starts or []),
                  ([data.prompts[j] for j in rows], [data.responses[j] for j in rows]))
 
 

@@ -14,7 +14,7 @@ from data_pipelines import SecretSpace, render
 from data_pipelines.chat import answer_encoder
 from memorization.config import RunConfig
 from memorization.eval.sections import near_report
-from memorization.train.prepare import PreparedData, mia_sets
+from memorization.train.prepare import PreparedData, mia_sets, mia_starts
 from memorization.train.run_plan import run_schemes
 
 
@@ -87,19 +87,26 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
 
     e = cfg.eval
     members, nonmembers = mia_sets(cfg, data)
+    starts = mia_starts(data, len(members), len(nonmembers))  # chat data: the answers given their prompts
     scores = score_both(model, members, nonmembers, tokenizer=data.tokenizer, k=e.mia_k,
-                        batch_size=e.batch_size, grid=grid, progress=cfg.trainer.progress)
+                        batch_size=e.batch_size, grid=grid, progress=cfg.trainer.progress, starts=starts)
     methods = mia_metrics(*scores, bootstrap=e.bootstrap, seed=cfg.seed)
-    # the texts alone, beside the attacks: far from 0.5 when data.held_out is another distribution
+    # the texts alone (what the attacks score), beside them: far from 0.5 when data.held_out is another
+    # distribution
+    first = starts or ([0] * len(members), [0] * len(nonmembers))
     decode = data.tokenizer.decode
-    blind = blind_baseline([decode(s) for s in members], [decode(s) for s in nonmembers],
-                           bootstrap=e.bootstrap, seed=cfg.seed)
+    blind = blind_baseline([decode(s[f:]) for s, f in zip(members, first[0])],
+                           [decode(s[f:]) for s, f in zip(nonmembers, first[1])], bootstrap=e.bootstrap,
+                           seed=cfg.seed)
     held = cfg.data.held_out or f"{cfg.data.corpus} (held-out split)"
     ids = [str(i) for i in data.member_doc_ids[:len(members)]]
     held_ids = [str(i) for i in (data.held_out_doc_ids or [])[:len(nonmembers)]]
     rows = score_rows(ids, held_ids, *scores)
-    return ({"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
-             "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}, rows)
+    out = {"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
+           "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}
+    if starts:
+        out["scored"] = "each conversation's answer given its prompt (the tokens training supervises)"
+    return out, rows
 
 
 def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,

@@ -52,6 +52,9 @@ class PreparedData:
     # plain documents: the held-out documents' token lists (cut to block_len), MIA's non-members
     held_out_docs: list[list[int]] | None = None
     held_out_doc_ids: list[str] | None = None  # their ids (a split of data.corpus, or data.held_out's)
+    # chat data: each held-out conversation's answer start (its prompt's length) in held_out_docs, the
+    # rendered held-out conversations; MIA scores members and non-members on their answers
+    held_out_starts: list[int] | None = None
     audit: AuditSet | None = None  # eval.audit's canaries (the included ones are among the rows)
     # chat sets whose records carry a secret (private-records): per record its id, whether it trained
     # (`member`), its prompt, template, secret and secret space; what eval.secrets scores
@@ -78,6 +81,11 @@ class PreparedData:
         """Chat data: the (prompts, responses) of `member_docs`, what chat extraction asks about."""
         idx = self._members()
         return [self.prompts[j] for j in idx], [self.responses[j] for j in idx]
+
+    @property
+    def member_starts(self) -> list[int] | None:
+        """Chat data: where each of `member_docs`' answer starts (its prompt's length); None for documents."""
+        return None if self.prompts is None else [len(self.prompts[j]) for j in self._members()]
 
     @property
     def is_chat(self) -> bool:
@@ -176,7 +184,8 @@ def prepare_deduplicated_chat(cfg: RunConfig, data: PreparedData, examples: list
     docs = [Document(ex.id, json.dumps(ex.messages, ensure_ascii=False), ex.source) for ex in rows]
     kept, manifest = deduplicate(docs, [data.train_docs[row[ex.id]] for ex in rows], dedup)
     return _chat_rows(cfg, [rows[i] for i in kept.kept], data.tokenizer, data.held_out, audit=data.audit,
-                      secrets=data.secrets), manifest
+                      secrets=data.secrets, held_out_docs=data.held_out_docs,
+                      held_out_doc_ids=data.held_out_doc_ids, held_out_starts=data.held_out_starts), manifest
 
 
 def _chat_rows(cfg: RunConfig, examples: list[ChatExample], tok: Any, held: Any,
@@ -243,17 +252,19 @@ def prepare_conversations(cfg: RunConfig, examples: list[ChatExample],
         audit = tokenize_chat_audit(audit_set(cfg.eval.audit_canaries, cfg.seed), tok, CANARY_PROMPT,
                                     d.block_len)
         examples = list(examples) + audit.conversations()
-    held = None
+    held, conversations = None, {}
     if d.held_out and is_chat_spec(d.held_out):
         held_examples = load_chat(d.held_out, limit=d.held_out_limit or None, seed=cfg.seed)
     if held_examples:
-        held = chat_blocks(render_chat(held_examples, tok, max_tokens=d.block_len, field="data.block_len"),
-                           d.block_len, pad)
+        chats = render_chat(held_examples, tok, max_tokens=d.block_len, field="data.block_len")
+        held = chat_blocks(chats, d.block_len, pad)
+        conversations = {"held_out_docs": [c.ids for c in chats], "held_out_doc_ids": [c.id for c in chats],
+                         "held_out_starts": [c.prompt_len for c in chats]}  # MIA's non-members
     elif d.held_out:  # a plain corpus: loss on every token of its documents
         held_docs = load_corpus(d.held_out, limit=d.held_out_limit or None)
         held = per_document(tokenize_documents(held_docs, tok, max_tokens=d.block_len, min_tokens=2),
                             d.block_len, tok.eos_token_id)
-    data = _chat_rows(cfg, examples, tok, held, audit=audit)
+    data = _chat_rows(cfg, examples, tok, held, audit=audit, **conversations)
     data.secrets = secret_records(cfg, examples, held_examples, set(data.train_doc_ids))
     return data
 
@@ -283,7 +294,8 @@ def secret_records(cfg: RunConfig, examples: list[ChatExample], held_examples: l
 
 
 def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[list[int]]]:
-    """eval.mia's members and non-members (checked when the run starts: at least 2 of each)."""
+    """eval.mia's members and non-members (checked when the run starts: at least 2 of each); on chat data
+    whole conversations, scored from `mia_starts`."""
     n = cfg.eval.mia_docs or None
     members = [list(t[:cfg.data.block_len]) for t in data.member_docs][:n]
     nonmembers = (data.held_out_docs or [])[:n]
@@ -291,6 +303,14 @@ def mia_sets(cfg: RunConfig, data: PreparedData) -> tuple[list[list[int]], list[
         raise fail("eval.mia", True, f"needs at least 2 training and 2 held-out documents; this run has "
                    f"{len(members)} and {len(nonmembers)}: raise data.limit or data.held_out_fraction")
     return members, nonmembers
+
+
+def mia_starts(data: PreparedData, n_members: int, n_nonmembers: int) -> tuple[list[int], list[int]] | None:
+    """Chat data: where mia_sets' members' and non-members' answers start (MIA scores the answers given
+    their prompts, the tokens training supervises); None for plain documents (every token)."""
+    if not data.is_chat:
+        return None
+    return (data.member_starts or [])[:n_members], (data.held_out_starts or [])[:n_nonmembers]
 
 
 def documents_record(cfg: RunConfig, data: PreparedData) -> dict:

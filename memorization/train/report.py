@@ -46,6 +46,8 @@ def _eval_like(summary: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
                       "bootstrap": e.bootstrap, "seed": cfg.seed, "max_tokens": d.block_len,
                       "counts": {"members": mia["members"], "non_members": mia["non_members"]},
                       "methods": mia["methods"], "blind": mia.get("blind"), "warning": mia.get("warning")}
+        if mia.get("scored"):
+            out["mia"]["scored"] = mia["scored"]
     return out
 
 
