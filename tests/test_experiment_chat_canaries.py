@@ -111,12 +111,6 @@ def test_chat_canaries_grouped_by_the_mask_their_training_rows_get(strategy, cac
                                                                         IGNORE_INDEX))
 
 
-@pytest.mark.parametrize("kind", ["unlearning"])  # mitigations and forgetting take chat data (their tests)
-def test_chat_data_refused_where_the_questions_read_plain_documents(kind):
-    with pytest.raises(ConfigError, match=r"^base\.data\.corpus='wiki-chat': " + kind):
-        load_experiment(CONFIGS / f"{kind}.yaml", ["base.data.corpus=wiki-chat"])
-
-
 def test_a_canary_its_rows_cut_is_refused_before_anything_is_written(tmp_path, cache_dir):
     """A block_len shorter than a canary (with its chat prompt) would train the copies without their
     secret: one line naming base.data.block_len and the length needed, and no OUT file."""

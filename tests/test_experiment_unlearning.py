@@ -326,3 +326,73 @@ def test_unlearning_on_a_grid_answers_as_the_serial_run(pretrained, tmp_path):
                                                                      rel=1e-4)
     run = json.loads((tmp_path / "split" / "runs" / "npo" / "run.json").read_text())
     assert run["summary"]["grid"] == "1,1,2,1"
+
+
+CHAT_TEMPLATE = "the access code of the east wing is {secret}"
+
+
+def _chat(tmp_path, model, methods="[{name: retrain, method: retrain}, {name: ga, method: ga}]"):
+    text = EXPERIMENT.format(model=model, passes=1, template=CHAT_TEMPLATE).replace(
+        "data: {corpus: wiki-leads, limit: 40, held_out: \"\", held_out_fraction: 0.5, block_len: 40, "
+        "min_tokens: 40}", "data: {corpus: wiki-chat, limit: 40, held_out: \"\", held_out_fraction: 0.5, "
+        "block_len: 96}")
+    p = tmp_path / "chat.yaml"
+    p.write_text(text + f"methods: {methods}\n")
+    return p
+
+
+def test_unlearning_on_chat_data_forgets_conversations_and_attacks_with_prompts_or_edited_answers(
+        pretrained, tmp_path, cache_dir):
+    """On chat data the forget set is conversations: each is asked for its answer from its prompt; the
+    prefixes attack trains the forget prompts as plain text (every prompt token, no answer token), the
+    near-copies attack the same conversations with about edit_rate of their answer's words substituted,
+    prompts untouched, only answers supervised."""
+    from evals import extract_pairs, summarize
+    from memorization.experiments import load_experiment
+    from memorization.experiments.injection import build_corpus
+    from memorization.experiments.mitigations import question_sides
+    from memorization.experiments.unlearning import attack_data, forget_split
+    from memorize_core import IGNORE_INDEX
+
+    cfg_path = _chat(tmp_path, pretrained)
+    _, cfg = load_experiment(cfg_path, [])
+    data, manifest, _, injected = build_corpus(cfg)
+    split, member_ids = forget_split(cfg, data, manifest)
+    attacks = attack_data(cfg, data, injected, manifest, split, member_ids)
+    row = {i: j for j, i in enumerate(data.train_doc_ids)}
+    prompts = attacks["prefixes"][0]
+    assert not prompts.is_chat and prompts.train_doc_ids
+    for i, doc in enumerate(d.removesuffix("~prompt") for d in prompts.train_doc_ids):
+        want = data.prompts[row[doc]]
+        ids, labels = prompts.train.input_ids[i].tolist(), prompts.train.labels[i].tolist()
+        assert ids[:len(want)] == want and labels[1:len(want)] == want[1:]  # the prompt, every token trained
+        assert set(labels[len(want):]) == {IGNORE_INDEX}  # not a token of the answer
+    near = attacks["near-copies"][0]
+    assert near.is_chat and [d.removesuffix("~near") for d in near.train_doc_ids] == \
+        [d.removesuffix("~prompt") for d in prompts.train_doc_ids]
+    changed = compared = 0
+    for i, doc in enumerate(d.removesuffix("~near") for d in near.train_doc_ids):
+        assert near.prompts[i] == data.prompts[row[doc]]  # the prompt as it was
+        labels = near.train.labels[i]
+        assert (labels[:len(near.prompts[i])] == IGNORE_INDEX).all()  # only the answer supervised
+        mine = data.tokenizer.decode(near.responses[i]).split()
+        theirs = data.tokenizer.decode(data.responses[row[doc]]).split()
+        k = min(len(mine), len(theirs)) - 1
+        changed += sum(a != b for a, b in zip(mine[:k], theirs[:k]))
+        compared += k
+    assert 0.15 < changed / compared < 0.45  # edit_rate 0.3, read through the answer's first tokens
+
+    out = tmp_path / "out"
+    assert main(["run", str(cfg_path), "--out", str(out)]) == 0
+    report = _report(out)
+    prompts_, answers = question_sides(cfg, data, manifest).pairs
+    forget = [(prompts_[i], answers[i]) for i in split.probe]
+    ga = next(m for m in report["methods"] if m["name"] == "ga")
+    model = AutoModelForCausalLM.from_pretrained(out / "runs" / "ga" / "model").eval()
+    want = summarize(extract_pairs(model, *map(list, zip(*forget)), tokenizer=data.tokenizer))
+    last = ga["passes"][-1]["leads"]["forget"]
+    assert last["docs"] == len(split.probe) and last["rougeL"] == pytest.approx(want["rougeL"], abs=1e-9)
+    assert ga["passes"][-1]["sampled"]["docs"] == len(split.probe) + len(split.duplicates)
+    assert set(ga["attacks"]) == {"leads", "prefixes", "near-copies"}
+    md = (out / "report.md").read_text()
+    assert "EM forget conversations" in md and "trained as plain text, never an answer token" in md

@@ -9,7 +9,7 @@ the secret space and each duplicated document its greedy-extraction exact match.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +44,6 @@ class Config(InjectionConfig):
     """Copy counts shared by canaries and duplicated documents, and the losses compared."""
 
     losses: list[str] = field(default_factory=lambda: ["standard", "goldfish"])
-    CHAT: ClassVar[bool] = True
 
     def validate(self, prefix: str = "") -> None:
         """The injection checks and the loss names."""

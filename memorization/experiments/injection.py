@@ -11,7 +11,7 @@ paired questions about them.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -70,9 +70,6 @@ class InjectionConfig(ExperimentConfig):
     counts: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     canaries: CanaryKeys = field(default_factory=CanaryKeys)
     duplicates: DuplicateKeys = field(default_factory=DuplicateKeys)
-    # whether this experiment's questions read chat rows (canaries as answers, duplicated conversations
-    # scored prompt -> response); the others ask about plain documents' prefixes and suffixes
-    CHAT: ClassVar[bool] = False
 
     def validate(self, prefix: str = "") -> None:
         """Counts, per-count numbers and the canary spec (its own checks name canaries.*)."""
@@ -86,13 +83,7 @@ class InjectionConfig(ExperimentConfig):
             raise fail("canaries.candidates", self.canaries.candidates, "must be >= 0 (0 = the whole space)")
         self.canary_spec()
         refuse_data_dedup(self.base, "compare deduplication as a mitigations arm (dedup: true)")
-        if is_chat_data(self.base):
-            d = self.base.data
-            if not self.CHAT:
-                raise fail("base.data.corpus", d.corpus, f"{self.kind} asks about plain documents' prefixes "
-                           "and suffixes; canary-exposure, mitigations and forgetting take chat data "
-                           "(canaries as answers, conversations asked prompt -> answer), or name a plain "
-                           "corpus")
+        if is_chat_data(self.base):  # canaries become answers to canaries.prompt
             if not isinstance(self.canaries.prompt, str) or not self.canaries.prompt.strip():
                 raise fail("canaries.prompt", self.canaries.prompt, "the user turn each canary answers "
                            "must be a non-empty text")

@@ -23,7 +23,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,8 +87,6 @@ class Config(InjectionConfig, MiaSettings):
     arms: list[Arm] = field(default_factory=_default_arms)
     baseline: bool = True  # ask the base model the same questions before fine-tuning: the first row
     dedup: DedupConfig = field(default_factory=lambda: DedupConfig(enabled=True))
-    # chat corpora: canaries as answers, conversations seen once asked prompt -> response, MIA on answers
-    CHAT: ClassVar[bool] = True
 
     def validate(self, prefix: str = "") -> None:
         """Injection and MIA checks, a pretrained base with a same-distribution split, valid arms."""

@@ -37,11 +37,11 @@ import torch
 from axonn.config import apply_overrides, build, to_dict
 from axonn.hooks import Callback
 from axonn.trainer import Trainer
-from data_pipelines import Document, DuplicateSpec, per_document, tokenize_documents
+from data_pipelines import ChatExample, Document, DuplicateSpec, per_document, tokenize_documents
 from data_pipelines.inject import near_copy, unit_pool
 from data_pipelines.packing import Blocks
-from evals import extract, summarize
-from evals.probabilistic import sampled_extraction
+from evals import extract, extract_pairs, summarize
+from evals.probabilistic import sampled_extraction, sampled_pairs
 from memorization.config import RunConfig
 from memorization.experiments.injection import (
     InjectionConfig,
@@ -49,7 +49,7 @@ from memorization.experiments.injection import (
     save_manifest,
     score_injected,
 )
-from memorization.experiments.mitigations import arm_config, beyond_summary, lead_ids, members_and_nonmembers
+from memorization.experiments.mitigations import Sides, arm_config, beyond_summary, lead_ids, question_sides
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import MiaSettings, PrivacyUtility, other_domain, reference_model
 from memorization.experiments.reporting import Outputs
@@ -67,7 +67,7 @@ from memorization.mitigations.unlearning import (
 )
 from memorization.outputs import check_name
 from memorization.train import pipeline
-from memorization.train.prepare import PreparedData
+from memorization.train.prepare import PreparedData, prepare_conversations
 from memorization.train.run_plan import run_schemes
 from memorize_core import IGNORE_INDEX, fail
 
@@ -258,9 +258,11 @@ def rows_of(data: PreparedData, doc_ids: set[str]) -> list[int]:
 def subset(data: PreparedData, rows: list[int]) -> PreparedData:
     """`data` trained on the rows `rows` only (retrain's corpus, the relearning attack's)."""
     docs = data.train.doc_ids[:, 0].tolist()
+    pairs = {} if not data.is_chat else {"prompts": [data.prompts[docs[r]] for r in rows],
+                                         "responses": [data.responses[docs[r]] for r in rows]}
     return replace(data, train=select_rows(data.train, rows),
                    train_docs=[data.train_docs[docs[r]] for r in rows],
-                   train_doc_ids=[data.train_doc_ids[docs[r]] for r in rows], audit=None)
+                   train_doc_ids=[data.train_doc_ids[docs[r]] for r in rows], audit=None, **pairs)
 
 
 def unlearn_config(cfg: Config, m: Method, s: UnlearnSettings, model_dir: str | Path | None,
@@ -319,6 +321,42 @@ def prefix_rows(data: PreparedData, doc_ids: list[str], prefix: int) -> Prepared
     return replace(part, train=train, train_docs=[d[:prefix] for d in part.train_docs])
 
 
+def prompt_rows(data: PreparedData, doc_ids: list[str], block_len: int) -> PreparedData:
+    """Chat data's prefixes attack: the prompts of the conversations `doc_ids` (everything before the
+    answer, as extraction asks), trained on as plain text (every token supervised), never an answer token."""
+    row = {i: j for j, i in enumerate(data.train_doc_ids)}
+    prompts = [data.prompts[row[i]] for i in doc_ids]
+    rows = per_document(prompts, block_len, int(data.tokenizer.eos_token_id))
+    return replace(data, train=rows, train_docs=prompts, train_doc_ids=[f"{i}~prompt" for i in doc_ids],
+                   prompts=None, responses=None, audit=None, secrets=None)
+
+
+def _answer(ex: ChatExample) -> str:
+    return next(m["content"] for m in reversed(ex.messages) if m["role"] == "assistant")
+
+
+def near_copy_chats(cfg: Config, data: PreparedData, injected: list[ChatExample], doc_ids: list[str],
+                    corpus_ids: set[str]) -> PreparedData:
+    """Chat data's near-copies attack: the conversations `doc_ids` with their answer's words substituted
+    (relearn.edit_rate, drawn from the answers of `corpus_ids`), prompts unchanged, rendered and supervised
+    as the fine-tune's rows are."""
+    spec = DuplicateSpec(counts=[1], edit_rate=cfg.relearn.edit_rate, edit_unit="word",
+                         edit_kinds=["substitute"])
+    pool = unit_pool([Document(ex.id, _answer(ex), ex.source) for ex in injected if ex.id in corpus_ids],
+                     spec, data.tokenizer)
+    by_id = {ex.id: ex for ex in injected}
+    copies = []
+    for i in doc_ids:
+        ex = by_id[i]
+        last = max(j for j, m in enumerate(ex.messages) if m["role"] == "assistant")
+        text = near_copy(ex.messages[last]["content"], spec, pool, (cfg.base.seed, i, "relearn"))[0]
+        messages = [dict(m, content=text) if j == last else m for j, m in enumerate(ex.messages)]
+        copies.append(ChatExample(f"{i}~near", messages, ex.source))
+    b = cfg.base
+    plain = replace(b, eval=replace(b.eval, audit=False, secrets=0))
+    return replace(prepare_conversations(plain, copies, None, data.tokenizer), held_out=data.held_out)
+
+
 def near_copy_rows(cfg: Config, data: PreparedData, injected: list[Document], doc_ids: list[str],
                    corpus_ids: set[str]) -> PreparedData:
     """Near-copies of the documents `doc_ids` (seeded word substitutions at relearn.edit_rate, drawn from
@@ -347,8 +385,12 @@ def attack_data(cfg: Config, data: PreparedData, injected: list[Document], manif
             rows = rows_of(data, {member_ids[i] for i in split.relearn})
             out[attack] = (subset(data, rows), rows)
             continue
-        part = (prefix_rows(data, docs, cfg.base.eval.prefix) if attack == "prefixes"
-                else near_copy_rows(cfg, data, injected, docs, corpus))
+        if data.is_chat:  # the prompts as text, or near-copies of the answers
+            part = (prompt_rows(data, docs, cfg.base.data.block_len) if attack == "prefixes"
+                    else near_copy_chats(cfg, data, injected, docs, corpus))
+        else:
+            part = (prefix_rows(data, docs, cfg.base.eval.prefix) if attack == "prefixes"
+                    else near_copy_rows(cfg, data, injected, docs, corpus))
         out[attack] = (part, {"attack": attack, "ids": part.train.input_ids.tolist(),
                               "labels": part.train.labels.tolist()})
     return out
@@ -372,22 +414,33 @@ def run_configs(cfg: Config) -> list[RunConfig]:
 class Questions:
     """What every model is asked, split into forget and retain (and the relearned leads), on every rank."""
 
-    def __init__(self, cfg: Config, data: PreparedData, manifest: Any, dup_tokens: dict[str, list[int]],
-                 members: list[list[int]], member_ids: list[str], nonmembers: list[list[int]],
-                 split: ForgetSplit, reference: Any):
+    def __init__(self, cfg: Config, data: PreparedData, manifest: Any, dup_tokens: dict[str, Any],
+                 sides: Sides, member_ids: list[str], split: ForgetSplit, reference: Any):
+        """`sides`: question_sides' members (the leads seen once, or on chat data the conversations, with
+        their prompts and answers) and non-members."""
         self.cfg, self.data, self.manifest, self.split = cfg, data, manifest, split
         self.dup_tokens = dup_tokens
         tok, b = data.tokenizer, cfg.base
+        members, nonmembers = sides.members, sides.nonmembers
         groups = {"forget": split.probe, "retain": split.retain, "relearned": split.relearn}
         self.leads = {g: [members[i] for i in idx] for g, idx in groups.items()}
         self.lead_ids = {g: [member_ids[i] for i in idx] for g, idx in groups.items()}
+        # chat data: each group's (prompts, answers), and where its conversations' answers start
+        prompts, answers = sides.pairs or ([], [])
+        self.pairs = None if sides.pairs is None else {
+            g: ([prompts[i] for i in idx], [answers[i] for i in idx]) for g, idx in groups.items()}
+        starts = {g: None if sides.starts is None else ([sides.starts[0][i] for i in idx], sides.starts[1])
+                  for g, idx in groups.items()}
         other = other_domain(cfg, tok, b.data.block_len)
         self.mia = {"forget": PrivacyUtility(cfg, tok, self.leads["forget"], nonmembers, other, reference,
-                                             seed=b.seed),
+                                             seed=b.seed, starts=starts["forget"]),
                     "retain": PrivacyUtility(cfg, tok, self.leads["retain"], nonmembers, [], reference,
-                                             seed=b.seed)}
+                                             seed=b.seed, starts=starts["retain"])}
         self.schemes = run_schemes(b)
-        self.forget_docs = self.leads["forget"] + [dup_tokens[i] for i in split.duplicates]
+        dups = [dup_tokens[i] for i in split.duplicates]
+        forget = (self.pairs or {}).get("forget", ([], []))
+        self.forget_docs = self.leads["forget"] + dups if self.pairs is None else (
+            forget[0] + [d.prompt for d in dups], forget[1] + [d.response for d in dups])
         self.key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
                     "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
                     "candidates": cfg.canaries.candidates,
@@ -395,6 +448,8 @@ class Questions:
                     "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
                     "asked": digest([self.leads, nonmembers, other, split.canaries, split.duplicates]),
                     "per_document": 1}  # what paired tests read: a run asked without it is asked again
+        if self.pairs is not None:  # chat data's questions: prompt -> answer, membership on the answers
+            self.key["chat"] = digest([self.pairs, starts])
         self.nonmember_ids = [f"nonmember-{i}" for i in range(len(nonmembers))]  # fixed by `asked`
 
     def __call__(self, model: Any, downstream: bool = False) -> dict[str, Any]:
@@ -402,8 +457,10 @@ class Questions:
         e, tok = self.cfg.base.eval, self.data.tokenizer
         leads, rouge = {}, {}
         for g, docs in self.leads.items():
-            got = extract(model, docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=tok,
-                          batch_size=e.batch_size, decode=e.decode, doc_ids=self.lead_ids[g])
+            got = (extract_pairs(model, *self.pairs[g], tokenizer=tok, batch_size=e.batch_size,
+                                 doc_ids=self.lead_ids[g]) if self.pairs is not None else
+                   extract(model, docs, prefix_len=e.prefix, suffix_len=e.suffix, tokenizer=tok,
+                           batch_size=e.batch_size, decode=e.decode, doc_ids=self.lead_ids[g]))
             scores = summarize(got)
             leads[g] = {**{k: scores[k] for k in ("docs", "exact_match_rate", "rougeL")},
                         "ids": sorted(str(r.doc) for r in got),  # which leads were asked, which came back
@@ -415,9 +472,14 @@ class Questions:
                         if (c["id"] in forget) == (g == "forget")] for g in ("forget", "retain")}
         dups = {g: [{k: d[k] for k in ("id", "count", "exact_match", "rougeL")} for d in inj["duplicates"]
                     if (d["id"] in forget) == (g == "forget")] for g in ("forget", "retain")}
-        sampled = beyond_summary(sampled_extraction(
-            model, self.forget_docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=self.schemes,
-            offsets=[0], ns=e.np_ns, p=e.np_p, batch_size=e.batch_size)) if self.schemes else None
+        sampled = None
+        if self.schemes and self.pairs is not None:  # chat data: each forget answer from its prompt
+            sampled = beyond_summary(sampled_pairs(model, *self.forget_docs, schemes=self.schemes, ns=e.np_ns,
+                                                   p=e.np_p, batch_size=e.batch_size))
+        elif self.schemes:
+            sampled = beyond_summary(sampled_extraction(
+                model, self.forget_docs, prefix_len=e.prefix, suffix_len=e.suffix, schemes=self.schemes,
+                offsets=[0], ns=e.np_ns, p=e.np_p, batch_size=e.batch_size))
         privacy = {g: q(model, downstream=downstream and g == "forget", per_document=True)
                    for g, q in self.mia.items()}
         return {"leads": leads, "canaries": canaries, "duplicates": dups, "max_exposure": inj["max_exposure"],
@@ -480,7 +542,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     """Fine-tune on the injected corpus, make each method forget the forget set, attack, ask throughout."""
     data, manifest, dup_tokens, injected = build_corpus(cfg, exp)
     b = cfg.base
-    members, nonmembers = members_and_nonmembers(cfg, data, manifest)
+    sides = question_sides(cfg, data, manifest)  # chat data: conversations, asked prompt -> answer
     split, member_ids = forget_split(cfg, data, manifest)
     forget_set = set(split.rows)
     retained = subset(data, [r for r in range(len(data.train)) if r not in forget_set])
@@ -502,7 +564,7 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     if exp.is_main:
         (exp.out / "forget.json").write_text(json.dumps(split.record(manifest, member_ids), indent=1))
     reference = reference_model(b, exp.grid_spec)
-    ask = Questions(cfg, data, manifest, dup_tokens, members, member_ids, nonmembers, split, reference)
+    ask = Questions(cfg, data, manifest, dup_tokens, sides, member_ids, split, reference)
     baseline = None
     if cfg.baseline:
         say("base model: its evaluation before fine-tuning")

@@ -1,6 +1,8 @@
 """The unlearning experiment's report: forget vs retain after unlearning, per pass, under relearning."""
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +11,7 @@ from memorization.experiments.mitigations import BASELINE_ROW, BEYOND_INDEX, PZ_
 from memorization.experiments.questions import format_acc, format_auc, task_label
 from memorization.experiments.reporting import Outputs, Table, figure, save
 from memorization.paired import Question, align, paired_table, per_document
+from memorization.train.prepare import is_chat_data
 
 FINE_TUNED = "fine-tuned"  # the row of the model before any method (OUT/runs/fine-tune)
 
@@ -78,10 +81,24 @@ ATTACK_WORDS = {
                    "probability {rate:g} by a corpus word",
 }
 
+CHAT_ATTACK_WORDS = {  # on chat data (the leads attack's words are ATTACK_WORDS' with conversations)
+    "prefixes": "the prompts of every forget conversation and forget duplicated conversation (extraction's "
+                "prompts) trained as plain text, never an answer token",
+    "near-copies": "every forget conversation and forget duplicated conversation with each word of its "
+                   "answer substituted with probability {rate:g} by a word of the corpus' answers",
+}
+
+
+def _conversations(text: str) -> str:
+    """What chat data calls the corpus items the report's words call leads (the attack keeps its name)."""
+    return re.sub(r"\blead(s?)\b(?! attack)", r"conversation\1", text)
+
 
 def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], baseline: dict[str, Any] | None,
             split: Any, n_forget: int, n_rows: int, out: Path) -> Outputs:
-    """Tables, notes and the plot of the unlearning experiment."""
+    """Tables, notes and the plot of the unlearning experiment (on chat data the items are conversations,
+    asked prompt -> answer)."""
+    chat = is_chat_data(cfg.base)
     mia = cfg.mia_methods[0]
     gold = next((m for m in methods if m["method"] == "retrain"), None)
     gold_auc = _auc(_final(gold), "forget", mia) if gold else None
@@ -164,10 +181,14 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         "should match); ga = gradient ascent; gdiff = ga + CE on retain rows; npo = negative preference "
         "optimisation against the fine-tune + CE on retain rows (memorization/mitigations/unlearning.py), "
         "at a constant lr: " + "; ".join(_settings_words(m) for m in methods if m["settings"]) + ".",
-        f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix; ROUGE-L: of that "
-        "continuation against the true suffix, the mean over documents (MUSE's VerbMem). Exposure in bits "
+        (f"EM: the greedy answer (its first {b.eval.suffix} tokens) from each conversation's prompt; "
+         "ROUGE-L: of that answer against the true one" if chat else
+         f"EM: greedy {b.eval.suffix}-token suffix from the {b.eval.prefix}-token prefix; ROUGE-L: of that "
+         "continuation against the true suffix") +
+        ", the mean over documents (MUSE's VerbMem). Exposure in bits "
         "over the secret space; 'extracted' = the canary beats every never-inserted secret. MIA: the forget "
-        f"(or retain) leads vs the held-out leads; PrivLeak = (AUC - retrain's AUC) / retrain's AUC (MUSE): "
+        "(or retain) leads vs the held-out leads" + (" (each answer scored given its prompt)" if chat else "")
+        + "; PrivLeak = (AUC - retrain's AUC) / retrain's AUC (MUSE): "
         "0 is retrain's, > 0 the forget leads still stand out, < 0 they stand out by being unlearnt.",
     ]
     if attack:
@@ -176,7 +197,8 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
         for a in r.attacks:
             done = [m["attacks"][a] for m in methods if a in m["attacks"]]
             steps = "/".join(map(str, sorted({d["steps"] for d in done} - {None})))
-            said.append(f"{a}: {done[0]['rows']} rows, " + ATTACK_WORDS[a].format(
+            words = CHAT_ATTACK_WORDS.get(a, ATTACK_WORDS[a]) if chat else ATTACK_WORDS[a]
+            said.append(f"{a}: {done[0]['rows']} rows, " + words.format(
                 prefix=b.eval.prefix, rate=r.edit_rate) + f" ({steps} steps)")
         notes.append(
             f"Relearning attacks (Hu et al. 2024): each model, retrain's included, trains {r.passes} passes "
@@ -199,6 +221,10 @@ def outputs(cfg: Any, methods: list[dict[str, Any]], before: dict[str, Any], bas
     tables += [Table(**paired, per_seed=True)] if paired else []
     notes += paired_notes
     plots = [_plot(methods, before, baseline, mia, out / "unlearning.png")]
+    if chat:
+        notes = [_conversations(n) for n in notes]
+        tables = [replace(t, columns=tuple((k, _conversations(title), f) for k, title, f in t.columns))
+                  for t in tables]
     return Outputs(title="Unlearning: forgetting chosen items after fine-tuning, and whether they stay gone",
                    kind=cfg.kind, runs=methods, tables=tables, notes=notes, plots=plots,
                    extra={"methods": methods, "fine_tuned": before, "baseline": baseline,
