@@ -75,3 +75,45 @@ def test_a_trained_run_reports_its_records_secrets(tmp_path, cache_dir):
     s = json.loads((out / "run.json").read_text())["summary"]["secrets"]
     assert s["candidates"] == 40 and len(s["rows"]) == 12
     assert "## Secrets of the records (eval.secrets)" in (out / "report.md").read_text()
+
+
+def test_records_are_grouped_by_the_secret_tokens_goldfish_drops_in_their_rows(cache_dir):
+    """Each trained record's secret_tokens_dropped is the number of its secret's tokens the trainer's
+    goldfish drops in that record's row (hash, k=16: both groups hold records); the sides' masked and
+    unmasked groups average their rows; the grouping is the same with goldfish off."""
+    import torch
+
+    from memorization.mitigations.goldfish import goldfish_labels
+    from memorize_core import IGNORE_INDEX
+
+    over = RECORDS + ["goldfish.enabled=true", "goldfish.strategy=hash", "goldfish.k=16", "goldfish.h=3"]
+    cfg = load_run_config(TINY, over)
+    data = prepare_data(cfg)
+    tok, rows = data.tokenizer, data.train
+    model = build_model(cfg.model.name, vocab_size=len(tok), overrides=cfg.model.overrides).eval()
+    out = secret_results(model, cfg, data)
+    row = {i: j for j, i in enumerate(data.train_doc_ids)}
+    for r, got in zip(data.secrets, out["rows"]):
+        if not r["member"]:
+            continue
+        encode = answer_encoder(tok, r["prompt"])
+        ids = encode([render(r["template"], r["secret"])])[0]
+        other = encode([render(r["template"], "0" * len(r["secret"]))])[0]
+        start = next(i for i, (a, b) in enumerate(zip(ids, other)) if a != b)  # the secret's first token
+        j = row[r["id"]]
+        labels = goldfish_labels(rows.input_ids[j:j + 1], rows.labels[j:j + 1], strategy="hash", k=16, h=3,
+                                 doc_ids=rows.doc_ids[j:j + 1], positions=rows.positions[j:j + 1])[0]
+        assert (rows.labels[j, start:len(ids)] != IGNORE_INDEX).all()
+        assert got["secret_tokens_dropped"] == int((labels[start:len(ids)] == IGNORE_INDEX).sum())
+    trained = [x for x in out["rows"] if x["member"]]
+    for name, masked in (("masked", True), ("unmasked", False)):
+        group = [x for x in trained if bool(x["secret_tokens_dropped"]) == masked]
+        assert group and out["members"][name]["records"] == len(group)
+        assert out["members"][name]["exposure_mean"] == pytest.approx(
+            sum(x["exposure"] for x in group) / len(group))
+    assert out["mask"] == {"strategy": "hash", "k": 16, "h": 3, "applied": True}
+    plain = load_run_config(TINY, over[:-4] + ["goldfish.strategy=hash", "goldfish.k=16", "goldfish.h=3"])
+    again = secret_results(model, plain, data)
+    assert [x["secret_tokens_dropped"] for x in again["rows"]] == \
+        [x["secret_tokens_dropped"] for x in out["rows"]] and again["mask"]["applied"] is False
+    assert torch.is_tensor(rows.input_ids)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from data_pipelines import (
     CANARY_PROMPT,
@@ -30,7 +29,7 @@ from memorization.eval.dp_audit import audit_set, tokenize_audit
 from memorization.eval.exposure import canary_ids, canary_scores, manifest_encoder
 from memorization.experiments.runner import Experiment, load_documents
 from memorization.experiments.spec import ExperimentConfig, int_list, refuse_data_dedup
-from memorization.mitigations.goldfish import goldfish_mask, mask_is_the_documents
+from memorization.mitigations.goldfish import copy_drops
 from memorization.models import run_tokenizer
 from memorization.paired import Question
 from memorization.train.prepare import (
@@ -204,21 +203,10 @@ def save_manifest(manifest: Any, exp: Experiment) -> None:
 
 
 def secret_mask(b: Any, head: int = 0) -> Callable[[list[int]], list[bool]] | None:
-    """The tokens of a canary's text that run config `b`'s goldfish drops, where every copy drops the same
-    ones (goldfish.mask_is_the_documents), else None: the one grouping of canaries into masked and unmasked,
-    applied to standard-loss runs too, so every run groups them alike. `head` > 0: the ids start with the
-    `head` ids of the chat prompt a canary answers, as chat rows put them (positions count from the
-    answer, so `hash` decides from the answer's own tokens; `hash-table` and `apertus` windows reach into
-    the prompt, as they do in training)."""
-    gold = b.goldfish
-    if not mask_is_the_documents(gold.strategy, b.data.packing == "packed"):
-        return None
-
-    def drop(ids: list[int]) -> list[bool]:
-        t = torch.tensor([ids])
-        pos = torch.tensor([[-1] * head + list(range(len(ids) - head))]) if head else None
-        return goldfish_mask(t, strategy=gold.strategy, k=gold.k, h=gold.h, positions=pos)[0].tolist()
-    return drop
+    """The tokens of a canary's text that run config `b`'s goldfish drops in every copy
+    (goldfish.copy_drops over b.goldfish and b.data.packing), else None: the one grouping of canaries into
+    masked and unmasked in every run. `head`: the ids of the chat prompt a canary answers, first."""
+    return copy_drops(b.goldfish, b.data.packing == "packed", head)
 
 
 def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: Any,

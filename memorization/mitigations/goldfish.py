@@ -45,7 +45,7 @@ exempts, the other strategies do not.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,6 +282,23 @@ def goldfish_mask(
         # the label at t is ids[t]: a special token there stays supervised (Megatron's exemption LUT)
         drop = drop & ~torch.isin(ids, torch.as_tensor(list(special_ids), dtype=ids.dtype, device=ids.device))
     return drop if input_ids.dim() == 2 else drop.squeeze(0)
+
+
+def copy_drops(gold: GoldfishConfig, packed: bool, head: int = 0) -> Callable[[list[int]], list[bool]] | None:
+    """Which tokens of a text `gold`'s mask drops in every copy of it (a canary's, a record's answer), where
+    every copy drops the same ones (mask_is_the_documents), else None; applied to standard-loss runs too,
+    the one grouping of secrets into masked and unmasked. `head` > 0: the ids start with the `head` ids of
+    the chat prompt the text answers, as chat rows put them (positions count from the answer, so `hash`
+    decides from the answer's own tokens; `hash-table` and `apertus` windows reach into the prompt, as they
+    do in training)."""
+    if not mask_is_the_documents(gold.strategy, packed):
+        return None
+
+    def drop(ids: list[int]) -> list[bool]:
+        t = torch.tensor([ids])
+        pos = torch.tensor([[-1] * head + list(range(len(ids) - head))]) if head else None
+        return goldfish_mask(t, strategy=gold.strategy, k=gold.k, h=gold.h, positions=pos)[0].tolist()
+    return drop
 
 
 def goldfish_labels(

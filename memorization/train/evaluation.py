@@ -14,6 +14,7 @@ from data_pipelines import SecretSpace, render
 from data_pipelines.chat import answer_encoder
 from memorization.config import RunConfig
 from memorization.eval.sections import near_report
+from memorization.mitigations.goldfish import copy_drops
 from memorization.train.prepare import PreparedData, mia_sets, mia_starts
 from memorization.train.run_plan import run_schemes
 
@@ -123,17 +124,29 @@ def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     for r in tqdm(data.secrets, desc="secrets", unit="record", disable=not progress):
         # the record's ids as it trained (checked against its whole rendering), its secret from `start`
         encode = answer_encoder(tok, r["prompt"], check=[render(r["template"], r["secret"])])
+        # which secret tokens goldfish's mask drops in the record's row (the run's goldfish settings, in a
+        # standard-loss run too, so two runs group the records alike)
+        dropped = copy_drops(cfg.goldfish, False, len(encode([""])[0]))
         scores = canary_scores(model, tok, r["template"], SecretSpace(**r["space"]), [r["secret"]],
-                               candidates=cfg.eval.secrets, seed=cfg.seed, encode=encode)
+                               candidates=cfg.eval.secrets, seed=cfg.seed, encode=encode, dropped=dropped)
         c = scores["canaries"][0]
         rows.append({"id": r["id"], "member": r["member"], "exposure": c["exposure"],
-                     "extracted": c["extracted"], "logppl_bits": c["logppl_bits"]})
+                     "extracted": c["extracted"], "logppl_bits": c["logppl_bits"],
+                     "secret_tokens_dropped": c.get("secret_tokens_dropped")})
 
-    def group(member: bool) -> dict[str, Any]:
-        mine = [x for x in rows if x["member"] == member]
+    def group(mine: list[dict[str, Any]]) -> dict[str, Any]:
         return {"records": len(mine),
                 "exposure_mean": sum(x["exposure"] for x in mine) / len(mine) if mine else None,
                 "extracted": sum(x["extracted"] for x in mine)}
+
+    def side(member: bool) -> dict[str, Any]:
+        mine = [x for x in rows if x["member"] == member]
+        by_mask = {name: group([x for x in mine if x["secret_tokens_dropped"] is not None
+                                and bool(x["secret_tokens_dropped"]) == masked])
+                   for name, masked in (("masked", True), ("unmasked", False))}
+        return {**group(mine), **(by_mask if dropped is not None else {})}
     return {"candidates": cfg.eval.secrets, "space_size": scores["space_size"],
-            "max_exposure": scores["max_exposure"], "members": group(True),
-            "non_members": group(False), "rows": rows}
+            "max_exposure": scores["max_exposure"], "members": side(True), "non_members": side(False),
+            "mask": None if dropped is None else {"strategy": cfg.goldfish.strategy, "k": cfg.goldfish.k,
+                                                  "h": cfg.goldfish.h, "applied": cfg.goldfish.enabled},
+            "rows": rows}

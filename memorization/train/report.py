@@ -98,6 +98,13 @@ def markdown(summary: dict[str, Any], cfg: RunConfig, figure: str | None,
                   f"{sec['candidates']:,} sampled secrets of its space (|R| = {sec['space_size']:,}, at most "
                   f"{sec['max_exposure']:.2f} bits; extracted = it beats all of them). {said(m, 'trained')}; "
                   f"{said(n, 'held-out')} (never trained: what the model gives without having seen them)."]
+        mask = sec.get("mask")
+        if mask and mask["applied"]:  # goldfish trained the run: which secrets it never showed a token of
+            parts.append(
+                f"Grouped by the goldfish mask ({mask['strategy']}, k={mask['k']}, h={mask['h']}; it depends "
+                "on the tokens only, so a standard-loss run with these settings groups the records alike): "
+                f"trained, {said(m['masked'], 'masked')} (a secret token never trained) and "
+                f"{said(m['unmasked'], 'unmasked')} (every secret token trained).")
     cov = s.get("goldfish_coverage")
     if cov:
         parts += ["## Goldfish coverage of the near-duplicate clusters",
