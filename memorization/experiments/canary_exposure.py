@@ -20,6 +20,7 @@ from memorization.experiments.injection import (
     InjectionConfig,
     build_corpus,
     injected_questions,
+    item_words,
     masked_split,
     save_manifest,
     score_injected,
@@ -132,7 +133,8 @@ def run(cfg: Config, exp: Experiment) -> Outputs | None:
     answers = {r["name"]: {"injected": r["canary_eval"]} for r in runs}
     ref = "standard" if "standard" in answers else runs[0]["name"]
     paired, tests, paired_notes = paired_table(answers, [(n, ref) for n in answers if n != ref],
-                                               injected_questions(), label="loss", seed=b.seed,
+                                               injected_questions(item_words(cfg)[0]), label="loss",
+                                               seed=b.seed,
                                                title=f"Paired tests: each loss − '{ref}', canary by canary")
     notes += paired_notes
     tables = [Table("By copy count", rows, columns, ("loss", "count"))]

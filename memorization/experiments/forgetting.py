@@ -30,7 +30,7 @@ from axonn.trainer import Trainer
 from data_pipelines import load_corpus
 from memorization.config import RunConfig, change_words
 from memorization.experiments.beyond_greedy import near_table
-from memorization.experiments.injection import MASKED_COLUMNS, build_corpus, save_manifest
+from memorization.experiments.injection import MASKED_COLUMNS, build_corpus, item_words, save_manifest
 from memorization.experiments.mitigations import (
     BASELINE_ROW,
     BEYOND_INDEX,
@@ -41,7 +41,6 @@ from memorization.experiments.mitigations import (
     arm_record,
     baseline_record,
     beyond_table,
-    item_words,
     paired_questions,
     question_sides,
     splits_by_mask,

@@ -288,13 +288,20 @@ def _injected(part: str, field: str, masked: bool | None = None) -> Callable[[di
     return get
 
 
-def injected_questions() -> list[Question]:
+def item_words(cfg: InjectionConfig) -> tuple[str, str]:
+    """What the corpus items are called in tables and notes (plural, singular): leads, or conversations on
+    chat data."""
+    return ("conversations", "conversation") if is_chat_data(cfg.base) else ("leads", "lead")
+
+
+def injected_questions(items: str = "leads") -> list[Question]:
     """The paired questions about injected items: duplicated documents (exact match, RougeL), canaries
     (exposure, of the masked and of the unmasked ones where the mask groups them, extraction) and the
-    masked canaries' kept tokens; each asked only where both models' answers hold it."""
-    return [Question("em_dup", "EM duplicated leads", "binary", _injected("duplicates", "exact_match"),
+    masked canaries' kept tokens; each asked only where both models' answers hold it. `items`: what the
+    duplicated items are called (item_words)."""
+    return [Question("em_dup", f"EM duplicated {items}", "binary", _injected("duplicates", "exact_match"),
                      "{:+.0%}"),
-            Question("rouge_dup", "ROUGE-L duplicated leads", "number", _injected("duplicates", "rougeL")),
+            Question("rouge_dup", f"ROUGE-L duplicated {items}", "number", _injected("duplicates", "rougeL")),
             Question("exposure", "canary exposure (bits)", "number", _injected("canaries", "exposure"),
                      "{:+.2f}"),
             Question("exposure_masked", "exposure masked (bits)", "number",

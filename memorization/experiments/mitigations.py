@@ -40,6 +40,7 @@ from memorization.experiments.injection import (
     InjectionConfig,
     build_corpus,
     injected_questions,
+    item_words,
     masked_split,
     save_manifest,
     score_injected,
@@ -350,14 +351,9 @@ def paired_questions(methods: list[str], items: tuple[str, str] = ("leads", "lea
     return [Question("em_once", f"EM {many} seen once", "binary", per_document("seen_once_exact_match"),
                      "{:+.0%}"),
             Question("rouge_once", f"ROUGE-L {many} seen once", "number", per_document("seen_once_rougeL")),
-            *injected_questions(),
+            *injected_questions(many),
             Question("nll", f"held-out NLL per {one}", "number", per_document("nonmember_nll")),
             *mia_questions(methods)]
-
-
-def item_words(cfg: InjectionConfig) -> tuple[str, str]:
-    """What the corpus items are called in tables and notes: leads, or conversations on chat data."""
-    return ("conversations", "conversation") if is_chat_data(cfg.base) else ("leads", "lead")
 
 
 def beyond_summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -582,7 +578,11 @@ def _outputs(cfg: Config, arms: list[dict[str, Any]], n_members: int, n_nonmembe
     beyond_rows, beyond_cols = beyond_table(arms)
     extra_tables = [Table("Beyond greedy", beyond_rows, beyond_cols, BEYOND_INDEX)] if beyond_rows else []
     if beyond_rows:
-        notes.append(NP_NOTE.format(passes=cfg.passes) + f" 'p_z >= {PZ_FLOOR:g}': the share of documents "
+        np_note = NP_NOTE.format(passes=cfg.passes)
+        if chat:  # no offsets: each answer from its whole prompt
+            np_note = (np_note[:np_note.index(" Offsets:")] + " On chat data the suffix is each answer's "
+                       f"first {b.eval.suffix} tokens, from its whole prompt.")
+        notes.append(np_note + f" 'p_z >= {PZ_FLOOR:g}': the share of documents "
                      "whose suffix the scheme emits at least once in a thousand draws.")
         as_runs = [{"name": f"{a['name']} ({part})", "sampled": {"offsets": {"0": v}}}
                    for a in arms for part, v in a["sampled"].items()]
