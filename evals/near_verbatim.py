@@ -223,23 +223,75 @@ def near_verbatim(model: torch.nn.Module, documents: Sequence[Sequence[int]], *,
                 for s in schemes:
                     res = search(sc, windows[mine, :prefix_len], windows[mine, prefix_len:], s, max_edits,
                                  beams, tick=bar.update, distance=distance)
-                    local = [{"bound": [_finite(x) for x in b.tolist()],
-                              "likeliest": {"edits": int(e), "tokens": tk.tolist(),
-                                            "logp": _finite(float(lp))}}
-                             for b, e, tk, lp in zip(res["bound"], res["edits"], res["tokens"], res["logp"])]
-                    got[s.name] += sc.collect(mine, local, len(chunk))
-            rows = [{"doc": ids[i], "bound": {n: got[n][j]["bound"] for n in got},
-                     "likeliest": {n: got[n][j]["likeliest"] for n in got}} for j, i in enumerate(keep)]
-            summary, median = {}, {}
-            for n in got:
-                cols = {f"d={d}": np.array([-np.inf if r["bound"][d] is None else r["bound"][d]
-                                            for r in got[n]], dtype=np.float64) for d in range(max_edits + 1)}
-                summary[n] = np_summary(cols, ns, p) if keep else None
-                median[n] = {k: _finite(float(np.median(v)) / math.log(10)) if keep else None
-                             for k, v in cols.items()}
-            out["offsets"][str(o)] = {"docs": len(keep), "np": summary, "median_log10": median, "rows": rows}
+                    got[s.name] += sc.collect(mine, _results(res), len(chunk))
+            out["offsets"][str(o)] = _offset([ids[i] for i in keep], got, max_edits, ns, p)
     bar.close()
     return out
 
 
-__all__ = ["DEFAULT_BEAMS", "near_verbatim", "search"]
+def _offset(ids: list[Any], got: dict[str, list[dict[str, Any]]], max_edits: int, ns: Sequence[int],
+            p: float) -> dict[str, Any]:
+    """One offset's result: per scheme the (n, p) summary and median log10 bound at every d, and one row per
+    document (`got`: scheme -> each document's search result, in the order of `ids`)."""
+    rows = [{"doc": doc, "bound": {n: got[n][j]["bound"] for n in got},
+             "likeliest": {n: got[n][j]["likeliest"] for n in got}} for j, doc in enumerate(ids)]
+    summary, median = {}, {}
+    for n in got:
+        cols = {f"d={d}": np.array([-np.inf if r["bound"][d] is None else r["bound"][d]
+                                    for r in got[n]], dtype=np.float64) for d in range(max_edits + 1)}
+        summary[n] = np_summary(cols, ns, p) if ids else None
+        median[n] = {k: _finite(float(np.median(v)) / math.log(10)) if ids else None for k, v in cols.items()}
+    return {"docs": len(ids), "np": summary, "median_log10": median, "rows": rows}
+
+
+def _results(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """search's result as one dict per searched row (its bounds, and its likeliest path's edits, tokens
+    and log-probability; JSON floats)."""
+    return [{"bound": [_finite(x) for x in b.tolist()],
+             "likeliest": {"edits": int(e), "tokens": tk.tolist(), "logp": _finite(float(lp))}}
+            for b, e, tk, lp in zip(res["bound"], res["edits"], res["tokens"], res["logp"])]
+
+
+def near_verbatim_pairs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                        targets: Sequence[Sequence[int]], *, schemes: Sequence[Scheme], max_edits: int,
+                        beams: int = DEFAULT_BEAMS, ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5,
+                        batch_size: int = 8, doc_ids: Sequence | None = None, grid: ProcessGrid | None = None,
+                        distance: str = "hamming") -> dict[str, Any]:
+    """near_verbatim for (prompt, target) pairs of any lengths (chat data: each answer from its whole
+    prompt), pairs of equal lengths searched together; near_verbatim's result with one offset, "0",
+    "prefix": "prompt" and "suffix" the longest target's length. A target of max_edits tokens or fewer
+    is left out (every sample lies within that many changes of it; `docs` counts the searched pairs).
+    Call on every rank of `grid`."""
+    if len(prompts) != len(targets):
+        raise fail("targets", f"<{len(targets)} targets>",
+                   f"pass one target per prompt ({len(prompts)} prompts)")
+    pairs = [([int(t) for t in a], [int(t) for t in b]) for a, b in zip(prompts, targets)]
+    ids = list(range(len(pairs))) if doc_ids is None else list(doc_ids)
+    if len(ids) != len(pairs) or any(not a or not b for a, b in pairs):
+        raise fail("prompts", f"<{len(pairs)} pairs>", "every prompt and target needs a token, and doc_ids "
+                   "one id per pair")
+    _check_search(schemes, max_edits, beams, distance)
+    sc = Scorer(model, grid)
+    keep = [i for i, (_, b) in enumerate(pairs) if len(b) > max_edits]  # a target of d tokens is d edits away
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in keep:
+        groups.setdefault((len(pairs[i][0]), len(pairs[i][1])), []).append(i)
+    found: dict[str, dict[int, dict[str, Any]]] = {s.name: {} for s in schemes}
+    with evaluating(model):
+        for (plen, _), idx in sorted(groups.items()):  # the same order on every rank
+            for start in range(0, len(idx), batch_size):
+                chunk = idx[start:start + batch_size]
+                windows = torch.tensor([pairs[i][0] + pairs[i][1] for i in chunk], dtype=torch.long,
+                                       device=sc.device)
+                mine = sc.rows(len(chunk))
+                for s in schemes:
+                    res = search(sc, windows[mine, :plen], windows[mine, plen:], s, max_edits, beams,
+                                 distance=distance)
+                    found[s.name].update(zip(chunk, sc.collect(mine, _results(res), len(chunk))))
+    got = {n: [by[i] for i in keep] for n, by in found.items()}
+    return {"prefix": "prompt", "suffix": max((len(b) for _, b in pairs), default=0),
+            "schemes": [s.name for s in schemes], "max_edits": max_edits, "beams": beams,
+            "distance": distance, "offsets": {"0": _offset([ids[i] for i in keep], got, max_edits, ns, p)}}
+
+
+__all__ = ["DEFAULT_BEAMS", "near_verbatim", "near_verbatim_pairs", "search"]

@@ -221,3 +221,29 @@ def test_split_vocab_and_batch_equal_serial():
                     assert a["bound"][name] == pytest.approx(b["bound"][name], abs=1e-5), name
                     assert a["likeliest"][name]["tokens"] == b["likeliest"][name]["tokens"], name
             assert got["offsets"]["0"]["np"] == want["offsets"]["0"]["np"]
+
+
+def test_pairs_search_each_target_from_its_whole_prompt():
+    """Chat answers from prompts of any length: each pair's row equals near_verbatim on that pair alone
+    (the prompt as the prefix); pairs sharing lengths give near_verbatim's rows and summary on them."""
+    from evals.near_verbatim import near_verbatim_pairs
+
+    model = peaked(8, 8.0)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 8, (n,), generator=g).tolist() for n in (3, 2, 3, 4)]
+    targets = [torch.randint(0, 8, (n,), generator=g).tolist() for n in (3, 3, 3, 4)]
+    args = {"schemes": SCHEMES[:2], "max_edits": 2, "beams": 3, "ns": [1, 10]}
+    got = near_verbatim_pairs(model, prompts, targets, batch_size=1, doc_ids=list("abcd"), **args)
+    rows = got["offsets"]["0"]["rows"]
+    assert [r["doc"] for r in rows] == list("abcd") and (got["prefix"], got["suffix"]) == ("prompt", 4)
+    for pr, t, r in zip(prompts, targets, rows):
+        alone = near_verbatim(model, [pr + t], prefix_len=len(pr), suffix_len=len(t), doc_ids=[r["doc"]],
+                              **args)
+        assert alone["offsets"]["0"]["rows"] == [r]
+    same = near_verbatim(model, [prompts[i] + targets[i] for i in (0, 2)], prefix_len=3, suffix_len=3,
+                         doc_ids=["a", "c"], **args)["offsets"]["0"]
+    sub = near_verbatim_pairs(model, [prompts[0], prompts[2]], [targets[0], targets[2]], doc_ids=["a", "c"],
+                              **args)["offsets"]["0"]
+    assert sub == same
+    longer = near_verbatim_pairs(model, prompts, targets, **{**args, "max_edits": 3})["offsets"]["0"]
+    assert longer["docs"] == 1 and [r["doc"] for r in longer["rows"]] == [3]  # 3-token targets left out

@@ -281,7 +281,7 @@ base:
   data: {{corpus: wiki-chat, limit: 24, held_out: "", held_out_fraction: 0.5, block_len: 96}}
   model: {{name: {model}}}
   trainer: {{lr: 3.0e-3, warmup_steps: 1, batch_size: 4, progress: false}}
-  eval: {{prefix: 16, suffix: 16, batch_size: 8}}
+  eval: {{prefix: 16, suffix: 16, batch_size: 8, near_verbatim: 1, nv_beams: 2}}
   wandb: {{mode: disabled}}
 """
 
@@ -321,7 +321,10 @@ def test_mitigations_on_chat_data_ask_each_conversation_its_answer(pretrained, t
         assert a["extraction"]["seen_once"]["docs"] == len(members)
         assert a["extraction"]["duplicated"]["docs"] == 2 and a["canaries"]["count"] == 4
         assert a["sampled"]["seen_once"]["docs"] == len(members) and a["sampled"]["duplicated"]["docs"] == 2
-        assert a["near_verbatim"] == {}  # its search continues a fixed-length prefix: plain documents only
+        for part, v in a["near_verbatim"].items():  # its d = 0 column is each answer's p_z
+            for scheme, summary in v["offsets"]["0"]["np"].items():
+                assert summary["schemes"]["d=0"] == a["sampled"][part]["np"]["schemes"][scheme]
+        assert set(a["near_verbatim"]) == {"seen_once", "duplicated"}
     # membership: minus the mean NLL of each answer given its prompt (the whole row would differ)
     model = build_model(str(pretrained)).eval()
     per = json.loads((out / "baseline" / "evals.json").read_text())["values"]["per_document"]

@@ -102,3 +102,20 @@ def test_membership_on_chat_data_scores_answers_given_their_prompts(tmp_path, ca
     summary = json.loads((out / "run.json").read_text())["summary"]
     assert summary["mia"]["scored"].startswith("each conversation's answer given its prompt")
     assert "Scored: each conversation's answer given its prompt" in (out / "report.md").read_text()
+
+
+def test_near_verbatim_on_chat_data_searches_each_response_from_its_prompt(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    over = ["eval.near_verbatim=1", "eval.nv_beams=2"]
+    assert main(["train", str(_cfg(tmp_path)), "--out", str(out), *over]) == 0
+    data = prepare_data(load_run_config(_cfg(tmp_path), over))
+    rows = [json.loads(x) for x in (out / "near_verbatim.jsonl").read_text().splitlines()]
+    lines = (out / "sampled.jsonl").read_text().splitlines()
+    sampled = {r["doc"]: r["logpz"] for r in map(json.loads, lines)}
+    assert [r["doc"] for r in rows] == data.member_doc_ids
+    for r, response in zip(rows, data.responses):
+        assert r["suffix"] == data.tokenizer.decode(response)
+        for scheme, bound in r["bound"].items():  # d = 0 is the verbatim p_z (KV-cache search vs one forward)
+            want = sampled[r["doc"]][scheme]
+            assert bound[0] == (None if want is None else pytest.approx(want, rel=1e-6))
+    assert json.loads((out / "run.json").read_text())["summary"]["near_verbatim"]["prefix"] == "prompt"

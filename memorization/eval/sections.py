@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from axonn.grid import ProcessGrid
 from evals import ExtractionResult, extract, summarize
 from evals.blind import blind_baseline, shift_warning
 from evals.mia import mia_metrics, score_both, score_rows
-from evals.near_verbatim import DEFAULT_BEAMS, near_verbatim
+from evals.near_verbatim import DEFAULT_BEAMS, near_verbatim, near_verbatim_pairs
 from evals.perplexity import corpus_loss
 from evals.probabilistic import sampled_extraction, split_rows
 from evals.sampling import DEFAULT_SCHEMES, Scheme, parse_schemes
@@ -195,18 +195,26 @@ def near_report(model: Any, seqs: Sequence[Sequence[int]], ids: Sequence[Any], t
     likeliest path spelled out); what memorize eval and a training run report. Call on every rank."""
     got, rows = split_rows(near_verbatim(model, seqs, prefix_len=prefix_len, suffix_len=suffix_len,
                                          doc_ids=ids, **kw))
-    _spell(rows, ids, seqs, tok, prefix_len, suffix_len)
+    by_id = dict(zip(ids, seqs))
+    _spell(rows, tok, lambda r: by_id[r["doc"]][int(r["offset"]) + prefix_len:][:suffix_len])
     return {**got, "examples": _examples(rows)}, rows
 
 
-def _spell(rows: list[dict[str, Any]], ids: Sequence[Any], seqs: Sequence[Sequence[int]], tok: Any,
-           prefix: int, suffix: int) -> None:
-    """Add each row's true suffix as text (`suffix`), its likeliest paths' (`text`) and what they change
-    (`diff`)."""
-    by_id = dict(zip(ids, seqs))
+def near_pairs_report(model: Any, prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                      ids: Sequence[Any], tok: Any, **kw: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """near_report for chat data: evals.near_verbatim.near_verbatim_pairs, each answer from its prompt (`kw`:
+    its other keywords), as (the summary with `examples`, the rows spelled out). Call on every rank."""
+    got, rows = split_rows(near_verbatim_pairs(model, prompts, targets, doc_ids=ids, **kw))
+    by_id = dict(zip(ids, targets))
+    _spell(rows, tok, lambda r: by_id[r["doc"]])
+    return {**got, "examples": _examples(rows)}, rows
+
+
+def _spell(rows: list[dict[str, Any]], tok: Any, truth_of: Callable[[dict[str, Any]], Sequence[int]]) -> None:
+    """Add each row's true suffix as text (`suffix`, its ids from `truth_of(row)`), its likeliest paths'
+    (`text`) and what they change (`diff`)."""
     for r in rows:
-        start = int(r["offset"]) + prefix
-        truth = [int(t) for t in by_id[r["doc"]][start:start + suffix]]
+        truth = [int(t) for t in truth_of(r)]
         r["suffix"] = tok.decode(truth)
         for path in r["likeliest"].values():
             path["text"] = tok.decode(path["tokens"])

@@ -29,7 +29,7 @@ import numpy as np
 
 from data_pipelines import DedupConfig, tokenize_documents
 from evals import extract, extract_pairs, summarize
-from evals.near_verbatim import near_verbatim
+from evals.near_verbatim import near_verbatim, near_verbatim_pairs
 from evals.probabilistic import sampled_extraction, sampled_pairs, split_rows
 from memorization.config import RunConfig, change_words
 from memorization.eval.exposure import CANARY_SCORES
@@ -198,8 +198,8 @@ class ArmQuestions:
                  members: list[list[int]], questions: PrivacyUtility,
                  pairs: tuple[list[list[int]], list[list[int]]] | None = None):
         """`pairs`: chat data's members as (prompts, responses) (Sides.pairs): extraction is the greedy
-        response from each prompt, beyond greedy each response's p_z from its prompt (evals.probabilistic.
-        sampled_pairs); near-verbatim (a fixed-length prefix of a document) is not asked."""
+        response from each prompt, beyond greedy and near-verbatim each response from its whole prompt
+        (evals.probabilistic.sampled_pairs, evals.near_verbatim.near_verbatim_pairs)."""
         self.cfg, self.data, self.manifest, self.dup_tokens = cfg, data, manifest, dup_tokens
         self.members, self.questions, self.pairs = members, questions, pairs
         self.dup_docs = list(dup_tokens.values())
@@ -212,8 +212,8 @@ class ArmQuestions:
                     "downstream": [cfg.downstream, cfg.downstream_limit, cfg.downstream_fewshot],
                     "per_document": 1,  # what paired tests read (answers cached without it: asked again)
                     "canary_scores": CANARY_SCORES}
-        if pairs:  # chat data's questions: 2 = beyond greedy from each prompt
-            self.key["chat"] = 2
+        if pairs:  # chat data's questions: 2 = beyond greedy from each prompt, 3 = near-verbatim too
+            self.key["chat"] = 3 if b.eval.near_verbatim else 2
 
     def __call__(self, model: Any, downstream: bool = True) -> dict[str, Any]:
         """Every answer of `model` (the downstream tasks too when asked and the experiment names some)."""
@@ -227,7 +227,9 @@ class ArmQuestions:
             beyond = {name: beyond_summary(sampled_pairs(model, *pairs, schemes=schemes, ns=e.np_ns, p=e.np_p,
                                                          batch_size=e.batch_size))
                       for name, pairs in asked.items() if schemes and pairs[0]}
-            near: dict[str, Any] = {}  # its search continues a fixed-length prefix: plain documents only
+            args = {k: v for k, v in e.near_args().items() if k not in ("prefix_len", "suffix_len")}
+            near = {name: split_rows(near_verbatim_pairs(model, *pairs, schemes=schemes, **args))[0]
+                    for name, pairs in asked.items() if e.near_verbatim and schemes and pairs[0]}
         else:
             results = extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,
                               tokenizer=data.tokenizer, batch_size=e.batch_size, decode=e.decode)

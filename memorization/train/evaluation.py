@@ -13,7 +13,7 @@ from axonn.grid import ProcessGrid
 from data_pipelines import SecretSpace, render
 from data_pipelines.chat import answer_encoder
 from memorization.config import RunConfig
-from memorization.eval.sections import near_report
+from memorization.eval.sections import near_pairs_report, near_report
 from memorization.mitigations.goldfish import copy_drops
 from memorization.train.prepare import PreparedData, mia_sets, mia_starts
 from memorization.train.run_plan import run_schemes
@@ -68,11 +68,15 @@ def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
                  ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """Near-verbatim extraction of every training document (evals.near_verbatim), per eval.offsets and
     eval.sampling scheme: the (n, p) summary of the bound at each d <= eval.near_verbatim and the rows of
-    near_verbatim.jsonl (the likeliest path's text decoded). None for chat data or eval.near_verbatim 0.
-    Call it on every rank of `grid`."""
+    near_verbatim.jsonl (the likeliest path's text decoded); on chat data each response from its prompt.
+    None with eval.near_verbatim 0. Call it on every rank of `grid`."""
     e = cfg.eval
-    if data.is_chat or not e.near_verbatim:
+    if not e.near_verbatim:
         return None
+    if data.is_chat:
+        args = {k: v for k, v in e.near_args().items() if k not in ("prefix_len", "suffix_len")}
+        return near_pairs_report(model, *data.member_pairs, data.member_doc_ids, data.tokenizer,
+                                 schemes=run_schemes(cfg), **args, grid=grid)
     return near_report(model, data.member_docs, data.member_doc_ids, data.tokenizer, schemes=run_schemes(cfg),
                        **e.near_args(), offsets=e.offsets, grid=grid, progress=progress)
 
