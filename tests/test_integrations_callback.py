@@ -401,3 +401,35 @@ def test_inject_dataset_refuses_prompt_completion_rows_it_cannot_put_a_canary_in
     for rows, match in cases:
         with pytest.raises(ConfigError, match=match):
             inject_dataset(datasets.Dataset.from_list(rows), canaries=CanarySpec(num_canaries=1))
+
+
+def test_conversations_are_scored_for_membership_on_their_answers(folder, texts):
+    """Members and non-members given as conversations: every attack reads each answer given its prompt
+    (the tokens a chat fine-tune supervises), as `memorize train` scores chat data; the section says so."""
+    from evals import sequence_logprobs
+    from memorization.eval.sections import mia_section
+    from memorization.integrations.probe import Probe
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    leads, news = texts
+
+    def convs(docs):
+        return [[{"role": "user", "content": f"Tell me about item {i}."},
+                 {"role": "assistant", "content": d[:100]}] for i, d in enumerate(docs)]
+    probe = Probe(tok, members=convs(leads), non_members=convs(news), **SETTINGS)
+    rec, _ = probe.score(model)
+    assert rec["mia"]["scored"].startswith("each conversation's answer given its prompt")
+    _, rows = mia_section(probe.options, model, tok, None, (probe.members.corpus, probe.non_members.corpus,
+                                                            "callback", probe.max_tokens), progress=False,
+                          starts=([len(p) for p in probe.members.prompts],
+                                  [len(p) for p in probe.non_members.prompts]))
+    for side, row in ((probe.members, rows[0]), (probe.non_members, rows[len(leads)])):
+        ids, start = side.corpus.seqs[0], len(side.prompts[0])
+        lp = sequence_logprobs(model, torch.tensor([ids]))[0].double()
+        assert row["loss"] == pytest.approx(lp[start - 1:].mean().item(), abs=1e-5)
+        assert row["loss"] != pytest.approx(lp.mean().item(), abs=1e-5)
+    # the callback's own AUC is the one of these answer scores
+    from sklearn.metrics import roc_auc_score
+    want = roc_auc_score([r["member"] for r in rows], [r["loss"] for r in rows])
+    assert rec["mia"]["methods"]["loss"]["auc"] == pytest.approx(want)

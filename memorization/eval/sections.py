@@ -263,16 +263,21 @@ def perplexity_section(o: EvalOptions, model: Any, c: EvalCorpus, *, grid: Proce
 
 def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
                 sets: tuple[EvalCorpus, EvalCorpus, str, int], progress: bool = True,
-                grid: ProcessGrid | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                grid: ProcessGrid | None = None, starts: tuple[list[int], list[int]] | None = None
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The report's `mia` (every attack's AUC/TPR (+ CIs) and the blind baseline beside them) and one row
-    per scored document: its id, whether it is a member, and each attack's score (higher = member)."""
+    per scored document: its id, whether it is a member, and each attack's score (higher = member).
+    `starts`: the members' and non-members' first scored tokens (conversations: each answer given its
+    prompt, evals.mia.score_sequences), or None for every token."""
     t = time.perf_counter()
     m, n, source, cut = sets
     scores = score_both(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
-                        batch_size=o.batch_size, grid=grid, progress=progress)
+                        batch_size=o.batch_size, grid=grid, progress=progress, starts=starts)
     methods = mia_metrics(*scores, bootstrap=o.bootstrap, seed=o.seed)
     # the texts the attacks scored (as cut), without the model
-    blind = blind_baseline([tok.decode(s) for s in m.seqs], [tok.decode(s) for s in n.seqs],
+    first = starts or ([0] * len(m.seqs), [0] * len(n.seqs))
+    blind = blind_baseline([tok.decode(s[f:]) for s, f in zip(m.seqs, first[0])],
+                           [tok.decode(s[f:]) for s, f in zip(n.seqs, first[1])],
                            bootstrap=o.bootstrap, seed=o.seed)
     counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
               "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
@@ -283,4 +288,6 @@ def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
                "k": o.mia_k, "bootstrap": o.bootstrap, "seed": o.seed, "counts": counts, "methods": methods,
                "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
                "seconds": time.perf_counter() - t}
+    if starts:
+        section["scored"] = "each conversation's answer given its prompt (the tokens training supervises)"
     return section, rows

@@ -7,7 +7,8 @@ from an injection manifest, extraction of every duplicated document and exposure
 by copy count (memorization/eval/exposure.py; a canary injected as a chat answer is scored as
 that answer, data_pipelines.chat.answer_encoder). Members may be plain texts or conversations
 (lists of {"role", "content"}): a conversation is extracted as prompt -> last response, as
-`memorize train` extracts chat data, and scored whole by membership inference and held-out loss.
+`memorize train` extracts chat data, scored by membership inference on that response given its prompt
+(members and non-members both conversations; whole otherwise), and whole by held-out loss.
 """
 from __future__ import annotations
 
@@ -206,8 +207,11 @@ class Probe:
             rec["extraction"], results = self._extract(self.members, model, grid)
         if self.members and self.non_members:
             m, n = self.members.corpus, self.non_members.corpus
+            chat = self.members.is_chat and self.non_members.is_chat  # answers given their prompts
+            starts = ([len(p) for p in self.members.prompts], [len(p) for p in self.non_members.prompts]) \
+                if chat else None
             rec["mia"] = mia_section(o, model, self.tok, self.reference, (m, n, "callback", self.max_tokens),
-                                     progress=False, grid=grid)[0]
+                                     progress=False, grid=grid, starts=starts)[0]
         if self.held_out:
             rec["perplexity"] = [perplexity_section(o, model, self.held_out.corpus, grid=grid)]
         if self.duplicates:
