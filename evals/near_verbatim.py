@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from axonn.grid import ProcessGrid
 from evals._model import evaluating
 from evals.kv_cache import preallocated_cache
-from evals.probabilistic import _finite, check_windows
+from evals.probabilistic import _finite, check_pairs, check_windows, length_groups
 from evals.sampling import Scheme, candidate_logprobs, np_summary
 from evals.scoring import Scorer
 from memorize_core import NEAR_DISTANCES, fail
@@ -262,23 +262,13 @@ def near_verbatim_pairs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
     "prefix": "prompt" and "suffix" the longest target's length. A target of max_edits tokens or fewer
     is left out (every sample lies within that many changes of it; `docs` counts the searched pairs).
     Call on every rank of `grid`."""
-    if len(prompts) != len(targets):
-        raise fail("targets", f"<{len(targets)} targets>",
-                   f"pass one target per prompt ({len(prompts)} prompts)")
-    pairs = [([int(t) for t in a], [int(t) for t in b]) for a, b in zip(prompts, targets)]
-    ids = list(range(len(pairs))) if doc_ids is None else list(doc_ids)
-    if len(ids) != len(pairs) or any(not a or not b for a, b in pairs):
-        raise fail("prompts", f"<{len(pairs)} pairs>", "every prompt and target needs a token, and doc_ids "
-                   "one id per pair")
+    pairs, ids = check_pairs(prompts, targets, doc_ids)
     _check_search(schemes, max_edits, beams, distance)
     sc = Scorer(model, grid)
     keep = [i for i, (_, b) in enumerate(pairs) if len(b) > max_edits]  # a target of d tokens is d edits away
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in keep:
-        groups.setdefault((len(pairs[i][0]), len(pairs[i][1])), []).append(i)
     found: dict[str, dict[int, dict[str, Any]]] = {s.name: {} for s in schemes}
     with evaluating(model):
-        for (plen, _), idx in sorted(groups.items()):  # the same order on every rank
+        for plen, idx in length_groups(pairs, keep):
             for start in range(0, len(idx), batch_size):
                 chunk = idx[start:start + batch_size]
                 windows = torch.tensor([pairs[i][0] + pairs[i][1] for i in chunk], dtype=torch.long,

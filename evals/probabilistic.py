@@ -86,6 +86,34 @@ def sampled_extraction(model: torch.nn.Module, documents: Sequence[Sequence[int]
     return out
 
 
+def check_pairs(prompts: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                doc_ids: Sequence | None) -> tuple[list[tuple[list[int], list[int]]], list[Any]]:
+    """(the (prompt, target) pairs as int lists, one id per pair) of a per-pair evaluation; ConfigError
+    naming the bad argument (one target and one id per prompt, a token in each)."""
+    if len(prompts) != len(targets):
+        raise fail("targets", f"<{len(targets)} targets>",
+                   f"pass one target per prompt ({len(prompts)} prompts)")
+    ids = list(range(len(prompts))) if doc_ids is None else list(doc_ids)
+    if len(ids) != len(prompts):
+        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per pair ({len(prompts)})")
+    pairs = [([int(t) for t in a], [int(t) for t in b]) for a, b in zip(prompts, targets)]
+    for i, (a, b) in enumerate(pairs):
+        if not a or not b:
+            raise fail(f"{'prompts' if not a else 'targets'}[{i}]", [],
+                       "every prompt and target needs at least one token")
+    return pairs, ids
+
+
+def length_groups(pairs: Sequence[tuple[list[int], list[int]]], which: Sequence[int]
+                  ) -> list[tuple[int, list[int]]]:
+    """The pairs `which` grouped by (prompt, target) lengths, as (prompt length, indices): each group is
+    one unpadded batch of windows; sorted, so every rank walks them in the same order."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in which:
+        groups.setdefault((len(pairs[i][0]), len(pairs[i][1])), []).append(i)
+    return [(plen, idx) for (plen, _), idx in sorted(groups.items())]
+
+
 def sampled_pairs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                   targets: Sequence[Sequence[int]], *, schemes: Sequence[Scheme],
                   ns: Sequence[int] = (1, 10, 100, 1000), p: float = 0.5, batch_size: int = 32,
@@ -95,25 +123,12 @@ def sampled_pairs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     teacher-forced forward per pair (pairs of equal lengths batched together, no padding). Returns
     sampled_extraction's shape with one offset, "0" (from the prompt), "prefix": "prompt" and "suffix" the
     longest target's length; call on every rank of `grid`."""
-    if len(prompts) != len(targets):
-        raise fail("targets", f"<{len(targets)} targets>",
-                   f"pass one target per prompt ({len(prompts)} prompts)")
     _check([0], 1, 1, batch_size)
-    ids = list(range(len(prompts))) if doc_ids is None else list(doc_ids)
-    if len(ids) != len(prompts):
-        raise fail("doc_ids", f"<{len(ids)} ids>", f"pass one id per pair ({len(prompts)})")
-    pairs = [([int(t) for t in a], [int(t) for t in b]) for a, b in zip(prompts, targets)]
-    for i, (a, b) in enumerate(pairs):
-        if not a or not b:
-            raise fail(f"{'prompts' if not a else 'targets'}[{i}]", [],
-                       "every prompt and target needs at least one token")
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, (a, b) in enumerate(pairs):
-        groups.setdefault((len(a), len(b)), []).append(i)
+    pairs, ids = check_pairs(prompts, targets, doc_ids)
     sc = Scorer(model, grid)
     em = np.zeros(len(pairs), dtype=bool)
     logpz = {sch.name: np.zeros(len(pairs)) for sch in schemes}
-    for (plen, _), idx in sorted(groups.items()):  # the same order on every rank
+    for plen, idx in length_groups(pairs, range(len(pairs))):
         for b in range(0, len(idx), batch_size):
             chunk = idx[b:b + batch_size]
             windows = torch.tensor([pairs[i][0] + pairs[i][1] for i in chunk], dtype=torch.long)
@@ -155,5 +170,6 @@ def split_rows(got: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]
     return summary, rows
 
 
-__all__ = ["check_windows", "np_rates", "sampled_extraction", "sampled_pairs", "split_rows"]
+__all__ = ["check_pairs", "check_windows", "length_groups", "np_rates", "sampled_extraction", "sampled_pairs",
+           "split_rows"]
 

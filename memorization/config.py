@@ -246,11 +246,12 @@ class EvalConfig:
             raise fail(f"{prefix}.audit_canaries", self.audit_canaries, "must be within [4, 100000] (the "
                        "audit guesses on the highest and lowest scores of m canaries), e.g. 64")
 
-    def near_args(self) -> dict[str, Any]:
-        """evals.near_verbatim.near_verbatim's window, search and (n, p) settings from these fields."""
-        return {"prefix_len": self.prefix, "suffix_len": self.suffix, "max_edits": self.near_verbatim,
-                "beams": self.nv_beams, "distance": self.nv_distance, "ns": self.np_ns, "p": self.np_p,
-                "batch_size": self.batch_size}
+    def near_args(self, window: bool = True) -> dict[str, Any]:
+        """evals.near_verbatim.near_verbatim's window, search and (n, p) settings from these fields;
+        `window` False: without the window (near_verbatim_pairs: each answer from its whole prompt)."""
+        win = {"prefix_len": self.prefix, "suffix_len": self.suffix} if window else {}
+        return {**win, "max_edits": self.near_verbatim, "beams": self.nv_beams, "distance": self.nv_distance,
+                "ns": self.np_ns, "p": self.np_p, "batch_size": self.batch_size}
 
     def near_key(self) -> dict[str, Any]:
         """The near-verbatim settings a run's key or an experiment's eval_key holds: none while off, and

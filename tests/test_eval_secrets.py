@@ -81,8 +81,6 @@ def test_records_are_grouped_by_the_secret_tokens_goldfish_drops_in_their_rows(c
     """Each trained record's secret_tokens_dropped is the number of its secret's tokens the trainer's
     goldfish drops in that record's row (hash, k=16: both groups hold records); the sides' masked and
     unmasked groups average their rows; the grouping is the same with goldfish off."""
-    import torch
-
     from memorization.mitigations.goldfish import goldfish_labels
     from memorize_core import IGNORE_INDEX
 
@@ -116,4 +114,3 @@ def test_records_are_grouped_by_the_secret_tokens_goldfish_drops_in_their_rows(c
     again = secret_results(model, plain, data)
     assert [x["secret_tokens_dropped"] for x in again["rows"]] == \
         [x["secret_tokens_dropped"] for x in out["rows"]] and again["mask"]["applied"] is False
-    assert torch.is_tensor(rows.input_ids)

@@ -274,11 +274,7 @@ def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
     scores = score_both(model, m.seqs, n.seqs, tokenizer=tok, ref_model=ref, k=o.mia_k,
                         batch_size=o.batch_size, grid=grid, progress=progress, starts=starts)
     methods = mia_metrics(*scores, bootstrap=o.bootstrap, seed=o.seed)
-    # the texts the attacks scored (as cut), without the model
-    first = starts or ([0] * len(m.seqs), [0] * len(n.seqs))
-    blind = blind_baseline([tok.decode(s[f:]) for s, f in zip(m.seqs, first[0])],
-                           [tok.decode(s[f:]) for s, f in zip(n.seqs, first[1])],
-                           bootstrap=o.bootstrap, seed=o.seed)
+    blind = scored_blind(tok, m.seqs, n.seqs, starts, bootstrap=o.bootstrap, seed=o.seed)
     counts = {"members": len(m.seqs), "non_members": len(n.seqs), "members_loaded": m.loaded,
               "non_members_loaded": n.loaded, "member_tokens": sum(map(len, m.seqs)),
               "non_member_tokens": sum(map(len, n.seqs))}
@@ -289,5 +285,18 @@ def mia_section(o: EvalOptions, model: Any, tok: Any, ref: Any,
                "blind": blind, "warning": shift_warning(blind, f"`{m.spec}`", f"`{n.spec}`"),
                "seconds": time.perf_counter() - t}
     if starts:
-        section["scored"] = "each conversation's answer given its prompt (the tokens training supervises)"
+        section["scored"] = ANSWERS_SCORED
     return section, rows
+
+
+ANSWERS_SCORED = "each conversation's answer given its prompt (the tokens training supervises)"
+
+
+def scored_blind(tok: Any, members: Sequence[Sequence[int]], nonmembers: Sequence[Sequence[int]],
+                 starts: tuple[list[int], list[int]] | None, *, bootstrap: int, seed: int) -> dict[str, Any]:
+    """The blind baseline (evals.blind, no model) on the texts the attacks scored: each sequence as cut, or
+    from its start (`starts`: a conversation's answer)."""
+    first = starts or ([0] * len(members), [0] * len(nonmembers))
+    return blind_baseline([tok.decode(s[f:]) for s, f in zip(members, first[0])],
+                          [tok.decode(s[f:]) for s, f in zip(nonmembers, first[1])], bootstrap=bootstrap,
+                          seed=seed)

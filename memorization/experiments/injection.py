@@ -146,6 +146,11 @@ class ChatPair(NamedTuple):
     response: list[int]
 
 
+def split_pairs(items: list[ChatPair]) -> tuple[list[list[int]], list[list[int]]]:
+    """Duplicated conversations as the per-pair evaluations take them: (prompts, responses)."""
+    return [p.prompt for p in items], [p.response for p in items]
+
+
 def _build_chat(cfg: InjectionConfig):
     """build_corpus on chat data: canaries become answers to canaries.prompt, duplicated items are whole
     conversations (data_pipelines.inject_chat); one conversation per row, only answers supervised."""
@@ -227,7 +232,7 @@ def score_injected(model: Any, cfg: InjectionConfig, tokenizer: Any, manifest: A
     if not dups:
         results = []
     elif isinstance(held[0], ChatPair):  # chat data: every duplicated item is a conversation
-        results = extract_pairs(model, [p.prompt for p in held], [p.response for p in held],
+        results = extract_pairs(model, *split_pairs(held),
                                 tokenizer=tokenizer, batch_size=b.eval.batch_size, doc_ids=ids)
     else:
         results = extract(model, held, prefix_len=b.eval.prefix, suffix_len=b.eval.suffix,

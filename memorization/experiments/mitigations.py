@@ -45,6 +45,7 @@ from memorization.experiments.injection import (
     save_manifest,
     score_injected,
     secret_mask,
+    split_pairs,
 )
 from memorization.experiments.pretrained import require_pretrained_split
 from memorization.experiments.questions import (
@@ -222,13 +223,12 @@ class ArmQuestions:
         members, dup_docs, schemes = self.members, self.dup_docs, self.schemes
         if self.pairs:  # chat data: each conversation's answer from its prompt
             results = extract_pairs(model, *self.pairs, tokenizer=data.tokenizer, batch_size=e.batch_size)
-            asked = {"seen_once": self.pairs,
-                     "duplicated": ([d.prompt for d in dup_docs], [d.response for d in dup_docs])}
+            asked = {"seen_once": self.pairs, "duplicated": split_pairs(dup_docs)}
             beyond = {name: beyond_summary(sampled_pairs(model, *pairs, schemes=schemes, ns=e.np_ns, p=e.np_p,
                                                          batch_size=e.batch_size))
                       for name, pairs in asked.items() if schemes and pairs[0]}
-            args = {k: v for k, v in e.near_args().items() if k not in ("prefix_len", "suffix_len")}
-            near = {name: split_rows(near_verbatim_pairs(model, *pairs, schemes=schemes, **args))[0]
+            near = {name: split_rows(near_verbatim_pairs(model, *pairs, schemes=schemes,
+                                                         **e.near_args(window=False)))[0]
                     for name, pairs in asked.items() if e.near_verbatim and schemes and pairs[0]}
         else:
             results = extract(model, members, prefix_len=e.prefix, suffix_len=e.suffix,

@@ -48,6 +48,7 @@ from memorization.experiments.injection import (
     build_corpus,
     save_manifest,
     score_injected,
+    split_pairs,
 )
 from memorization.experiments.mitigations import Sides, arm_config, beyond_summary, lead_ids, question_sides
 from memorization.experiments.pretrained import require_pretrained_split
@@ -438,9 +439,12 @@ class Questions:
                                              seed=b.seed, starts=starts["retain"])}
         self.schemes = run_schemes(b)
         dups = [dup_tokens[i] for i in split.duplicates]
-        forget = (self.pairs or {}).get("forget", ([], []))
-        self.forget_docs = self.leads["forget"] + dups if self.pairs is None else (
-            forget[0] + [d.prompt for d in dups], forget[1] + [d.response for d in dups])
+        if self.pairs is None:
+            self.forget_docs = self.leads["forget"] + dups
+        else:  # (prompts, answers) of the probed forget conversations and the forget duplicated ones
+            forget_prompts, forget_answers = self.pairs["forget"]
+            dup_prompts, dup_answers = split_pairs(dups)
+            self.forget_docs = (forget_prompts + dup_prompts, forget_answers + dup_answers)
         self.key = {"mia": cfg.mia_methods, "k": cfg.mia_k, "bootstrap": cfg.bootstrap,
                     "schemes": b.eval.sampling, "np": [b.eval.np_ns, b.eval.np_p],
                     "candidates": cfg.canaries.candidates,

@@ -13,8 +13,8 @@ from axonn.grid import ProcessGrid
 from data_pipelines import SecretSpace, render
 from data_pipelines.chat import answer_encoder
 from memorization.config import RunConfig
-from memorization.eval.sections import near_pairs_report, near_report
-from memorization.mitigations.goldfish import copy_drops
+from memorization.eval.sections import ANSWERS_SCORED, near_pairs_report, near_report, scored_blind
+from memorization.mitigations.goldfish import copy_drops, mask_is_the_documents
 from memorization.train.prepare import PreparedData, mia_sets, mia_starts
 from memorization.train.run_plan import run_schemes
 
@@ -74,9 +74,8 @@ def near_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     if not e.near_verbatim:
         return None
     if data.is_chat:
-        args = {k: v for k, v in e.near_args().items() if k not in ("prefix_len", "suffix_len")}
         return near_pairs_report(model, *data.member_pairs, data.member_doc_ids, data.tokenizer,
-                                 schemes=run_schemes(cfg), **args, grid=grid)
+                                 schemes=run_schemes(cfg), **e.near_args(window=False), grid=grid)
     return near_report(model, data.member_docs, data.member_doc_ids, data.tokenizer, schemes=run_schemes(cfg),
                        **e.near_args(), offsets=e.offsets, grid=grid, progress=progress)
 
@@ -87,7 +86,7 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     training documents vs as many held-out ones, each cut to data.block_len; AUC, TPR@1%FPR and
     bootstrap CIs per method (loss, zlib, min-k, min-k++), and one row per document with its id, whether
     it is a member and each method's score (mia.jsonl)."""
-    from evals.blind import blind_baseline, shift_warning  # deferred: evals +3.2 s import
+    from evals.blind import shift_warning  # deferred: evals +3.2 s import
     from evals.mia import mia_metrics, score_both, score_rows  # deferred: as above (scikit-learn, rouge)
 
     e = cfg.eval
@@ -98,11 +97,7 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     methods = mia_metrics(*scores, bootstrap=e.bootstrap, seed=cfg.seed)
     # the texts alone (what the attacks score), beside them: far from 0.5 when data.held_out is another
     # distribution
-    first = starts or ([0] * len(members), [0] * len(nonmembers))
-    decode = data.tokenizer.decode
-    blind = blind_baseline([decode(s[f:]) for s, f in zip(members, first[0])],
-                           [decode(s[f:]) for s, f in zip(nonmembers, first[1])], bootstrap=e.bootstrap,
-                           seed=cfg.seed)
+    blind = scored_blind(data.tokenizer, members, nonmembers, starts, bootstrap=e.bootstrap, seed=cfg.seed)
     held = cfg.data.held_out or f"{cfg.data.corpus} (held-out split)"
     ids = [str(i) for i in data.member_doc_ids[:len(members)]]
     held_ids = [str(i) for i in (data.held_out_doc_ids or [])[:len(nonmembers)]]
@@ -110,7 +105,7 @@ def membership(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     out = {"members": len(members), "non_members": len(nonmembers), "k": e.mia_k, "methods": methods,
            "blind": blind, "warning": shift_warning(blind, cfg.data.corpus, held)}
     if starts:
-        out["scored"] = "each conversation's answer given its prompt (the tokens training supervises)"
+        out["scored"] = ANSWERS_SCORED
     return out, rows
 
 
@@ -125,12 +120,13 @@ def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
     if not cfg.eval.secrets or not data.secrets:
         return None
     tok, rows = data.tokenizer, []
+    # records grouped by the secret tokens the run's goldfish mask drops in their rows (its settings, in a
+    # standard-loss run too, so two runs group the records alike), where every copy drops the same ones
+    grouped = mask_is_the_documents(cfg.goldfish.strategy, False)
     for r in tqdm(data.secrets, desc="secrets", unit="record", disable=not progress):
         # the record's ids as it trained (checked against its whole rendering), its secret from `start`
         encode = answer_encoder(tok, r["prompt"], check=[render(r["template"], r["secret"])])
-        # which secret tokens goldfish's mask drops in the record's row (the run's goldfish settings, in a
-        # standard-loss run too, so two runs group the records alike)
-        dropped = copy_drops(cfg.goldfish, False, len(encode([""])[0]))
+        dropped = copy_drops(cfg.goldfish, False, len(encode([""])[0]))  # None where not `grouped`
         scores = canary_scores(model, tok, r["template"], SecretSpace(**r["space"]), [r["secret"]],
                                candidates=cfg.eval.secrets, seed=cfg.seed, encode=encode, dropped=dropped)
         c = scores["canaries"][0]
@@ -145,12 +141,11 @@ def secret_results(model: torch.nn.Module, cfg: RunConfig, data: PreparedData,
 
     def side(member: bool) -> dict[str, Any]:
         mine = [x for x in rows if x["member"] == member]
-        by_mask = {name: group([x for x in mine if x["secret_tokens_dropped"] is not None
-                                and bool(x["secret_tokens_dropped"]) == masked])
-                   for name, masked in (("masked", True), ("unmasked", False))}
-        return {**group(mine), **(by_mask if dropped is not None else {})}
+        by_mask = {name: group([x for x in mine if bool(x["secret_tokens_dropped"]) == masked])
+                   for name, masked in (("masked", True), ("unmasked", False))} if grouped else {}
+        return {**group(mine), **by_mask}
     return {"candidates": cfg.eval.secrets, "space_size": scores["space_size"],
             "max_exposure": scores["max_exposure"], "members": side(True), "non_members": side(False),
-            "mask": None if dropped is None else {"strategy": cfg.goldfish.strategy, "k": cfg.goldfish.k,
-                                                  "h": cfg.goldfish.h, "applied": cfg.goldfish.enabled},
+            "mask": {"strategy": cfg.goldfish.strategy, "k": cfg.goldfish.k, "h": cfg.goldfish.h,
+                     "applied": cfg.goldfish.enabled} if grouped else None,
             "rows": rows}
